@@ -1,0 +1,191 @@
+"""Weight versions: manifests, announcements, and where they live on the bus.
+
+Tensors never travel inside bus messages (DESIGN.md, "Weights"): a version's
+bytes sit as chunks in a blob store (the JetStream object store by default, S3,
+or a shared directory) and the bus carries only its :class:`WeightManifest`.
+
+Names, for a run ``<run>`` and a *scope* (``main`` is the trainer's own copy;
+a relay re-publishes under its own scope, e.g. ``node-a``, for the engines near it):
+
+* subject ``rlbus.<run>.weights.announce.<scope>`` — :class:`WeightAnnouncement`,
+  published by the trainer's weight publisher (scope ``main``) or a weightsync
+  relay (its scope) once the version is durably stored; consumed by rollout
+  engines and relays. Core NATS (no stream): the KV entry below is the durable
+  record, the subject only wakes listeners.
+* KV bucket ``rlbus_weights_<scope>``, key ``<run>.latest`` — the newest
+  announcement (same bytes as on the subject); key ``<run>.v.<version:010d>`` —
+  the manifest of every version still stored (a late joiner walks from the
+  newest anchor forward; retention deletes keys together with the blobs).
+  Written by the publisher/relay, read by engines and relays.
+* object-store bucket ``rlbus_weight_blobs_<scope>`` (when the store type is
+  ``objstore``) — chunk objects named ``<run>/v<version:010d>/<kind>.<index:04d>``;
+  S3 and filesystem stores use the same names under their prefix/root.
+* subject ``rlbus.<run>.weights.broadcast.<scope>`` — :class:`BroadcastReady`,
+  rendezvous of the direct ``broadcast`` transport (trainer → engines).
+
+Blob layout: a ``full`` version (anchor) is a safetensors file (any safetensors
+reader opens the concatenated chunks); a ``delta`` version is a zstd frame of
+per-tensor sparse updates against ``base_version`` (see
+``services/weightsync/codec.py``).
+
+Checksums: ``ChunkRef.sha256`` covers each chunk's stored bytes; ``blob_sha256``
+is the sha256 of the concatenated chunk digests (a one-level hash tree, so a
+reader verifies the whole without a second pass over the data);
+``state_sha256`` is the sha256 of the reconstructed tensor data (the safetensors
+data section of the full layout), checked after a delta is applied. ``hmac`` is
+an optional HMAC-SHA256 over the manifest (with ``hmac`` empty), verified by
+engines that have the key.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from proto.envelope import Envelope
+from proto.subjects import check_run_id, subject
+
+FAMILY = "weights"
+
+#: scope of the trainer's own (upstream) copy of the weights
+MAIN_SCOPE = "main"
+
+WEIGHTS_KV_PREFIX = "rlbus_weights"
+WEIGHTS_OBJECT_PREFIX = "rlbus_weight_blobs"
+
+
+def check_scope(scope: str) -> str:
+    """A scope is one subject token and part of bucket names: ``[A-Za-z0-9_-]``."""
+    check_run_id(scope)  # same alphabet and length as a run id
+    return scope
+
+
+def announce_subject(run_id: str, scope: str = MAIN_SCOPE) -> str:
+    """``rlbus.<run>.weights.announce.<scope>`` (publisher: trainer or relay; consumers: engines, relays)."""
+    return subject(run_id, FAMILY, "announce", check_scope(scope))
+
+
+def broadcast_subject(run_id: str, scope: str = MAIN_SCOPE) -> str:
+    """``rlbus.<run>.weights.broadcast.<scope>`` (publisher: trainer's broadcast sender; consumers: engines)."""
+    return subject(run_id, FAMILY, "broadcast", check_scope(scope))
+
+
+def kv_bucket(scope: str = MAIN_SCOPE) -> str:
+    """KV bucket holding announcements and manifests for one scope (all runs)."""
+    return f"{WEIGHTS_KV_PREFIX}_{check_scope(scope)}"
+
+
+def object_bucket(scope: str = MAIN_SCOPE) -> str:
+    """Object-store bucket holding weight chunks for one scope (all runs)."""
+    return f"{WEIGHTS_OBJECT_PREFIX}_{check_scope(scope)}"
+
+
+def latest_key(run_id: str) -> str:
+    """KV key of the newest announcement of a run."""
+    return f"{check_run_id(run_id)}.latest"
+
+
+def version_key(run_id: str, version: int) -> str:
+    """KV key of one stored version's manifest."""
+    return f"{check_run_id(run_id)}.v.{version:010d}"
+
+
+def version_key_prefix(run_id: str) -> str:
+    """Prefix of every version key of a run (``<run>.v.``)."""
+    return f"{check_run_id(run_id)}.v."
+
+
+def chunk_name(run_id: str, version: int, kind: str, index: int) -> str:
+    """Store object name of one chunk: ``<run>/v<version:010d>/<kind>.<index:04d>``."""
+    return f"{check_run_id(run_id)}/v{version:010d}/{kind}.{index:04d}"
+
+
+def version_prefix(run_id: str, version: int) -> str:
+    """Store name prefix of every chunk of one version."""
+    return f"{check_run_id(run_id)}/v{version:010d}/"
+
+
+class TensorEntry(msgspec.Struct, kw_only=True):
+    """One tensor of the full layout."""
+
+    name: str
+    #: safetensors dtype string: F32, BF16, F16, F64, I64, I32, I16, I8, U8, BOOL
+    dtype: str
+    shape: list[int]
+    #: byte offset of the tensor's data inside the full (safetensors) blob
+    offset: int
+    nbytes: int
+    #: delta versions only: number of elements that changed since base_version
+    nnz: int = 0
+
+
+class ChunkRef(msgspec.Struct, kw_only=True):
+    """One stored chunk of a version's blob."""
+
+    name: str
+    size: int
+    #: hex sha256 of the chunk's bytes
+    sha256: str
+
+
+class WeightManifest(msgspec.Struct, kw_only=True):
+    """Everything an engine needs to fetch, verify and rebuild one weight version."""
+
+    version: int
+    kind: Literal["full", "delta"]
+    #: delta: the version this delta applies to (the previous one); full: None
+    base_version: int | None = None
+    #: the newest full version at or before this one (itself for a full version)
+    anchor_version: int
+    #: tensors of the full layout, in blob order (a delta lists the same layout)
+    tensors: list[TensorEntry]
+    #: byte size of the full layout (safetensors file) this version rebuilds to
+    full_nbytes: int
+    #: offset of the tensor data section in the full layout (after the header)
+    data_offset: int
+    #: the stored blob: chunks in order; their concatenation is the blob
+    chunks: list[ChunkRef]
+    blob_nbytes: int
+    #: sha256 over the concatenated chunk digests (hex)
+    blob_sha256: str
+    #: sha256 of the reconstructed tensor data section (hex)
+    state_sha256: str
+    #: "safetensors" (full) or "sparse-zstd-v1" (delta)
+    encoding: str
+    #: store type holding the chunks: objstore | s3 | fs
+    store: str
+    #: hex HMAC-SHA256 of the manifest encoded with hmac="" (empty when unsigned)
+    hmac: str = ""
+
+
+class WeightAnnouncement(Envelope, kw_only=True, tag="weight_announcement"):
+    """A new weight version is stored and ready (KV ``<run>.latest`` and the announce subject)."""
+
+    policy_version: int
+    scope: str = MAIN_SCOPE
+    manifest: WeightManifest
+
+
+class BroadcastReady(Envelope, kw_only=True, tag="weight_broadcast"):
+    """The trainer is about to broadcast ``policy_version`` on the direct process group.
+
+    ``master_addr``/``master_port``/``world_size`` are the torch.distributed
+    rendezvous (TCPStore) the engines join; ``tensors`` and ``bucket_bytes``
+    describe how the flat bytes are cut into broadcast buckets.
+    """
+
+    policy_version: int
+    master_addr: str
+    master_port: int
+    world_size: int
+    group_id: str
+    bucket_bytes: int
+    tensors: list[TensorEntry]
+    full_nbytes: int
+    data_offset: int
+    state_sha256: str
+
+
+#: used by ``rlbus tap`` (proto/registry.py) to decode the ``weights`` family
+TAP_TYPE = WeightAnnouncement | BroadcastReady

@@ -1,0 +1,124 @@
+"""The version index of one scope on the bus: manifests and the latest announcement in KV, plus the subject."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from nats.aio.client import Client as NATS
+from nats.js import api
+from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, NoKeysError
+
+from proto.codec import decode, encode
+from proto.weights import (
+    MAIN_SCOPE,
+    WeightAnnouncement,
+    WeightManifest,
+    announce_subject,
+    kv_bucket,
+    latest_key,
+    version_key,
+    version_key_prefix,
+)
+
+log = logging.getLogger("rlbus.weightsync.index")
+
+_MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+
+
+class VersionIndex:
+    """KV bucket ``rlbus_weights_<scope>`` and subject ``rlbus.<run>.weights.announce.<scope>`` of one run."""
+
+    def __init__(self, nc: NATS, run_id: str, scope: str = MAIN_SCOPE) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.run_id = run_id
+        self.scope = scope
+        self.bucket = kv_bucket(scope)
+        self.subject = announce_subject(run_id, scope)
+        self._kv = None
+
+    async def ensure(self) -> None:
+        """Create the KV bucket if missing (idempotent, safe under concurrent creators)."""
+        if self._kv is not None:
+            return
+        try:
+            self._kv = await self.js.key_value(self.bucket)
+        except BucketNotFoundError:
+            try:
+                self._kv = await self.js.create_key_value(
+                    bucket=self.bucket,
+                    history=1,
+                    storage=api.StorageType.FILE,
+                    description="rlbus weight versions",
+                )
+            except BadRequestError:
+                self._kv = await self.js.key_value(self.bucket)
+
+    async def _get(self, key: str) -> bytes | None:
+        await self.ensure()
+        try:
+            entry = await self._kv.get(key)
+        except KeyNotFoundError:
+            return None
+        return entry.value or None
+
+    async def put_manifest(self, manifest: WeightManifest) -> None:
+        await self.ensure()
+        await self._kv.put(version_key(self.run_id, manifest.version), encode(manifest))
+
+    async def manifest(self, version: int) -> WeightManifest | None:
+        """The stored manifest of ``version``, or None if it is not (or no longer) stored."""
+        data = await self._get(version_key(self.run_id, version))
+        return None if data is None else decode(data, WeightManifest, max_bytes=_MAX_MANIFEST_BYTES)
+
+    async def versions(self) -> list[int]:
+        """Every version with a stored manifest, ascending."""
+        await self.ensure()
+        prefix = version_key_prefix(self.run_id)
+        try:
+            keys = await self._kv.keys(filters=[prefix])
+        except NoKeysError:
+            return []
+        return sorted(int(k[len(prefix) :]) for k in keys if k.startswith(prefix))
+
+    async def delete_manifest(self, version: int) -> None:
+        await self.ensure()
+        await self._kv.purge(version_key(self.run_id, version))
+
+    async def announce(self, ann: WeightAnnouncement) -> None:
+        """Record ``ann`` as the latest (durable) and publish it on the subject (wake-up)."""
+        await self.ensure()
+        data = encode(ann)
+        await self._kv.put(latest_key(self.run_id), data)
+        await self.nc.publish(self.subject, data, headers={"Nats-Msg-Id": ann.msg_id})
+        await self.nc.flush()
+
+    async def latest(self) -> WeightAnnouncement | None:
+        data = await self._get(latest_key(self.run_id))
+        return None if data is None else decode(data, WeightAnnouncement, max_bytes=_MAX_MANIFEST_BYTES)
+
+    async def watch(self, include_current: bool = True) -> AsyncIterator[WeightAnnouncement]:
+        """Announcements as they are recorded, newest-only, strictly increasing versions.
+
+        Backed by a KV watch on ``<run>.latest``, so nothing announced while the
+        watcher was starting is missed (a slow reader may skip straight to the
+        newest version, which is what an engine wants).
+        """
+        await self.ensure()
+        last = -1
+        if not include_current:
+            current = await self.latest()
+            last = current.policy_version if current is not None else -1
+        watcher = await self._kv.watch(latest_key(self.run_id), ignore_deletes=True)
+        try:
+            async for entry in watcher:
+                if entry is None or not entry.value:
+                    continue
+                ann = decode(entry.value, WeightAnnouncement, max_bytes=_MAX_MANIFEST_BYTES)
+                if ann.policy_version <= last:
+                    continue
+                last = ann.policy_version
+                yield ann
+        finally:
+            await watcher.stop()

@@ -1,0 +1,190 @@
+"""Weight chunks in the JetStream object store, written and read fast.
+
+Objects keep the standard NATS object-store layout (stream ``OBJ_<bucket>``,
+chunk messages on ``$O.<bucket>.C.<nuid>``, meta on ``$O.<bucket>.M.<b64 name>``)
+so ``nats object`` tools and nats-py's ``ObjectStore`` still see them. Only the
+transfer paths differ from nats-py's:
+
+* put pipelines the chunk publishes (``publish_async`` with a bounded window)
+  instead of waiting for each ack in turn;
+* read never calls ``ObjectStore.get`` (it appends to ``bytes``, quadratic, and
+  answers flow control slowly): an ephemeral pull consumer on the chunk subject
+  is fetched in batches straight into the caller's preallocated buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+from datetime import UTC, datetime
+
+from nats.aio.client import Client as NATS
+from nats.js import api
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+
+from proto.weights import object_bucket
+from services.weightsync.config import ObjStoreConfig
+from services.weightsync.store import BlobNotFound, StoreError, StoreStats
+
+log = logging.getLogger("rlbus.weightsync.objstore")
+
+_FETCH_TIMEOUT_S = 30.0
+
+
+def _meta_subject(bucket: str, name: str) -> str:
+    return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+
+
+def _chunk_subject(bucket: str, nuid: str) -> str:
+    return f"$O.{bucket}.C.{nuid}"
+
+
+class ObjectStoreBlobs:
+    """:class:`~services.weightsync.store.BlobStore` on a JetStream object-store bucket."""
+
+    kind = "objstore"
+
+    def __init__(self, nc: NATS, config: ObjStoreConfig | None = None, scope: str = "main") -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.config = config or ObjStoreConfig()
+        self.bucket = self.config.bucket or object_bucket(scope)
+        self.stream = f"OBJ_{self.bucket}"
+        self.stats = StoreStats()
+        self._msg_bytes = self.config.message_bytes
+
+    async def ensure(self) -> None:
+        """Create the bucket if missing; an existing bucket (any config) is used as it is."""
+        storage = api.StorageType.FILE if self.config.storage == "file" else api.StorageType.MEMORY
+        try:
+            await self.js.object_store(self.bucket)
+        except BucketNotFoundError:
+            try:
+                await self.js.create_object_store(self.bucket, storage=storage, replicas=self.config.replicas)
+            except BadRequestError:
+                await self.js.object_store(self.bucket)  # created concurrently by another process
+        server_max = self.nc.max_payload or self._msg_bytes
+        if self._msg_bytes > server_max - 1024:
+            self._msg_bytes = max(4096, server_max - 1024)
+            log.info("objstore message size capped to %d by the server's max_payload", self._msg_bytes)
+
+    async def _info(self, name: str) -> api.ObjectInfo | None:
+        try:
+            msg = await self.js.get_last_msg(self.stream, _meta_subject(self.bucket, name))
+        except NotFoundError:
+            return None
+        info = api.ObjectInfo.from_response(json.loads(msg.data))
+        return None if info.deleted else info
+
+    async def put(self, name: str, data: memoryview, sha256: str) -> None:
+        """Publish ``data`` as chunk messages (pipelined acks), then the meta message."""
+        old = await self._info(name)
+        nuid = self.nc._nuid.next().decode()
+        subj = _chunk_subject(self.bucket, nuid)
+        data = memoryview(data).cast("B")
+        window: list[asyncio.Future[api.PubAck]] = []
+        chunks = 0
+        try:
+            for off in range(0, len(data), self._msg_bytes):
+                window.append(await self.js.publish_async(subj, bytes(data[off : off + self._msg_bytes])))
+                chunks += 1
+                if len(window) >= self.config.publish_window:
+                    await asyncio.gather(*window)
+                    window.clear()
+            await asyncio.gather(*window)
+        except Exception as err:
+            await self.js.purge_stream(self.stream, subject=subj)
+            raise StoreError(f"objstore put of {name!r} into bucket {self.bucket} failed: {err}") from err
+        info = api.ObjectInfo(
+            name=name,
+            bucket=self.bucket,
+            nuid=nuid,
+            size=len(data),
+            chunks=chunks,
+            mtime=datetime.now(UTC).isoformat(),
+            digest="SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(sha256)).decode(),
+            options=api.ObjectMetaOptions(max_chunk_size=self._msg_bytes),
+        )
+        await self.js.publish(
+            _meta_subject(self.bucket, name),
+            json.dumps(info.as_dict()).encode(),
+            headers={api.Header.ROLLUP: "sub"},
+        )
+        if old is not None:
+            await self.js.purge_stream(self.stream, subject=_chunk_subject(self.bucket, old.nuid))
+        self.stats.bytes_written += len(data)
+        self.stats.blobs_written += 1
+
+    async def read_into(self, name: str, out: memoryview) -> None:
+        """Pull every chunk message of ``name`` in order, copying each once into ``out``."""
+        info = await self._info(name)
+        if info is None:
+            raise BlobNotFound(f"object {name!r} not found in bucket {self.bucket}")
+        size, nchunks = int(info.size or 0), int(info.chunks or 0)
+        if size != len(out):
+            raise StoreError(
+                f"object {name!r} in bucket {self.bucket} has {size} bytes, the manifest says {len(out)}"
+            )
+        if size == 0:
+            return
+        cfg = api.ConsumerConfig(
+            ack_policy=api.AckPolicy.NONE,
+            deliver_policy=api.DeliverPolicy.ALL,
+            inactive_threshold=60.0,
+            mem_storage=True,
+        )
+        psub = await self.js.pull_subscribe(
+            _chunk_subject(self.bucket, info.nuid), stream=self.stream, config=cfg
+        )
+        pos = received = 0
+        try:
+            while received < nchunks:
+                msgs = await psub.fetch(
+                    min(self.config.fetch_batch, nchunks - received), timeout=_FETCH_TIMEOUT_S
+                )
+                for m in msgs:
+                    n = len(m.data)
+                    if pos + n > size:
+                        raise StoreError(
+                            f"object {name!r} in bucket {self.bucket} has more data than its meta says"
+                        )
+                    out[pos : pos + n] = m.data
+                    pos += n
+                received += len(msgs)
+        finally:
+            name_ = psub._consumer  # ephemeral consumer name
+            await psub.unsubscribe()
+            try:
+                await self.js.delete_consumer(self.stream, name_)
+            except NotFoundError:
+                pass
+        if pos != size:
+            raise StoreError(f"object {name!r} in bucket {self.bucket}: read {pos} of {size} bytes")
+        self.stats.bytes_read += size
+        self.stats.blobs_read += 1
+
+    async def delete(self, name: str) -> None:
+        """Purge the object's chunk messages and its meta message (no tombstone is left)."""
+        info = await self._info(name)
+        if info is None:
+            return
+        await self.js.purge_stream(self.stream, subject=_chunk_subject(self.bucket, info.nuid))
+        await self.js.purge_stream(self.stream, subject=_meta_subject(self.bucket, name))
+        self.stats.blobs_deleted += 1
+
+    async def list(self, prefix: str) -> list[str]:
+        names: list[str] = []
+        store = await self.js.object_store(self.bucket)
+        try:
+            infos = await store.list(ignore_deletes=True)
+        except NotFoundError:
+            return names
+        for info in infos:
+            if info.name.startswith(prefix) and not info.deleted:
+                names.append(info.name)
+        return sorted(names)
+
+    async def close(self) -> None:
+        """Nothing to release: the NATS connection belongs to the caller."""
