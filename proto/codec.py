@@ -1,0 +1,57 @@
+"""msgpack encoding of bus messages, strict decoding with readable errors."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+#: Largest message a service accepts by default (tensors never travel inside messages).
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+class DecodeError(ValueError):
+    """A payload could not be decoded as the expected message type.
+
+    ``field`` is the JSON-path-like location msgspec reported (``$.policy_version``),
+    or ``None`` when the payload was not msgpack at all.
+    """
+
+    def __init__(self, type_name: str, reason: str, field: str | None = None) -> None:
+        self.type_name = type_name
+        self.reason = reason
+        self.field = field
+        where = f" at field {field}" if field else ""
+        super().__init__(f"cannot decode {type_name}{where}: {reason}")
+
+
+def encode(msg: Any) -> bytes:
+    """Encode a message Struct (or any msgspec-encodable value) as msgpack."""
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, type: type[T], *, max_bytes: int | None = MAX_MESSAGE_BYTES) -> T:
+    """Strictly decode ``data`` as ``type``; raise :class:`DecodeError` naming the field."""
+    name = getattr(type, "__name__", str(type))
+    if max_bytes is not None and len(data) > max_bytes:
+        raise DecodeError(name, f"message of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        return msgspec.msgpack.decode(data, type=type)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        field = None
+        if " - at `" in text:
+            text, _, rest = text.partition(" - at `")
+            field = rest.rstrip("`")
+        raise DecodeError(name, text, field) from None
+    except msgspec.DecodeError as e:
+        raise DecodeError(name, f"not valid msgpack ({e})") from None
+
+
+def to_builtins(msg: Any) -> Any:
+    """A JSON-friendly view of a message (bytes become base64 strings)."""
+    return msgspec.to_builtins(msg)

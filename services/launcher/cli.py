@@ -1,0 +1,230 @@
+"""The ``rlbus`` command line. Parses arguments first; heavy modules load only where needed."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from services.runtime.config import ConfigError, RunSection, convert, load_service_config, load_tree
+
+DESCRIPTION = """\
+rlbus: reinforcement-learning post-training of language models as independent
+services on NATS JetStream. Every command reads the same run file (TOML);
+values can be overridden by RLBUS__SECTION__KEY environment variables and by
+--set section.key=value flags, in that order."""
+
+
+def _common_bus_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", metavar="FILE", help="run file (TOML); its [run] and [nats] sections are used")
+    p.add_argument("--nats-url", metavar="URL", help="NATS server URL (overrides [nats] url)")
+    p.add_argument("--run-id", metavar="ID", help="run id (overrides [run] id)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set services.rollout.concurrency=64 (repeatable)")
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    o = list(args.overrides)
+    if getattr(args, "nats_url", None):
+        o.append(f'nats.url="{args.nats_url}"')
+    if getattr(args, "run_id", None):
+        o.append(f'run.id="{args.run_id}"')
+    return o
+
+
+DEFAULT_EXAMPLE = "echo"
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
+
+
+def resolve_target(target: str) -> str:
+    """An example name (examples/NAME.toml) or a path to a run file."""
+    p = Path(target)
+    if p.suffix == ".toml" or p.exists():
+        if not p.is_file():
+            raise ConfigError(f"run file {target} does not exist")
+        return str(p)
+    candidate = EXAMPLES_DIR / f"{target}.toml"
+    if candidate.is_file():
+        return str(candidate)
+    known = sorted(f.stem for f in EXAMPLES_DIR.glob("*.toml"))
+    raise ConfigError(f"{target!r} is neither a run file nor an example; examples: {', '.join(known)}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlbus", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    up = sub.add_parser("up", help="start an embedded nats-server and every configured service locally",
+                        description="Start an embedded nats-server with JetStream (data under the run directory; "
+                        "a free port if the preferred one is taken), then each service listed in [launcher] "
+                        "services as its own child process, restarting crashed ones with backoff. Ctrl-C stops "
+                        "everything cleanly (services drain, then NATS stops) and leaves no process behind. "
+                        "Logs: <run dir>/logs/<service>-<i>.log.")
+    up.add_argument("config", nargs="?", metavar="CONFIG", help="run file (TOML) or example name; default: echo")
+    up.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key (repeatable)")
+    up.add_argument("--for", dest="duration", type=float, metavar="SECONDS",
+                    help="stop by itself after this many seconds (demos, CI)")
+
+    run = sub.add_parser("run", help="run an example or run file end to end (the main job)",
+                         description="Run an RL job: an embedded nats-server and every service of the run as its "
+                         "own process, with a live progress display; the run directory gets the resolved config, "
+                         "metrics.jsonl, a reward curve, checkpoints and the final model. EXAMPLE_OR_CONFIG is a "
+                         "name from examples/ (without .toml) or a path to a run file. Ctrl-C stops cleanly.")
+    run.add_argument("target", nargs="?", default=DEFAULT_EXAMPLE, metavar="EXAMPLE_OR_CONFIG",
+                     help=f"example name or run file (default: {DEFAULT_EXAMPLE})")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key (repeatable)")
+    run.add_argument("--for", dest="duration", type=float, metavar="SECONDS", help="stop after this many seconds")
+
+    svc = sub.add_parser("service", help="run one service against any NATS server (what containers run)",
+                         description="Run one service in the foreground against the NATS server of the run file "
+                         "(or --nats-url). SIGTERM/SIGINT stop it gracefully: it stops fetching, finishes "
+                         "in-flight work within common.drain_timeout_s, then drains its connection.")
+    svc.add_argument("name", metavar="NAME", help="service name (see `rlbus services`)")
+    _common_bus_args(svc)
+    svc.add_argument("--instance", metavar="ID", help="instance id (default: host-pid-random)")
+
+    tap = sub.add_parser("tap", help="print bus messages as JSON lines",
+                         description="Print messages of a subject or stream as JSON lines, decoded from msgpack "
+                         "with the proto schema. TARGET is a subject (rlbus.RUN.heartbeat.>), a family name of "
+                         "this run (heartbeat, prompts, rollouts, trajectories, metrics, dlq, sandbox, weights) "
+                         "or a stream name in capitals (TRAJECTORIES). Without --from-start/--since it shows "
+                         "new messages live; with them it replays what the stream stored.")
+    tap.add_argument("target", metavar="SUBJECT_OR_STREAM")
+    _common_bus_args(tap)
+    tap.add_argument("--from-start", action="store_true", help="replay the stream from its first message")
+    tap.add_argument("--since", metavar="WHEN", help="replay from a time: 30s, 5m, 2h, 1d ago or ISO-8601")
+    tap.add_argument("--count", type=int, metavar="N", help="stop after N messages")
+    tap.add_argument("--raw", action="store_true", help="do not apply the schema: schema-less msgpack or base64")
+
+    st = sub.add_parser("status", help="members, stream depths, consumer lag, latest weight version",
+                        description="Show the run's live members (from heartbeats), stream depths, the lag of "
+                        "this run's consumers and the latest weight version.")
+    _common_bus_args(st)
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    sub.add_parser("services", help="list the services this installation can run",
+                   description="List the service names `rlbus service NAME` and [launcher] services accept: the "
+                   "built-in ones and any registered by other packages through the `rlbus.services` entry-point group.")
+    return p
+
+
+def _bus_sections(args: argparse.Namespace):
+    from services.runtime.config import NatsSection
+
+    tree = load_tree(args.config, None, _overrides(args))
+    return convert(tree.get("run"), RunSection, "run"), convert(tree.get("nats"), NatsSection, "nats")
+
+
+async def _with_connection(args: argparse.Namespace, fn):
+    from services.runtime import bus
+
+    run, nats_cfg = _bus_sections(args)
+    nats_cfg.max_reconnect_attempts = 3
+    nc = await bus.connect(nats_cfg, "rlbus-cli", first_attempts=1)
+    try:
+        return await fn(nc, run.id)
+    finally:
+        await nc.close()
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    from services.launcher import registry
+    from services.runtime import service
+
+    cfg_cls, factory = registry.load(args.name)
+    loaded = load_service_config(args.name, cfg_cls, args.config, None, _overrides(args))
+    service.setup_logging(args.name, loaded.common.log_level)
+    service.install_uvloop()
+    return asyncio.run(service.serve(args.name, factory, loaded, args.instance))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import threading
+
+    from services.launcher.supervisor import Supervisor
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    sup = Supervisor(resolve_target(args.config or DEFAULT_EXAMPLE), args.overrides, quiet=False)
+    sup.install_signal_handlers()
+    timer: threading.Timer | None = None
+    try:
+        sup.start()
+        if args.duration:
+            timer = threading.Timer(args.duration, sup.stopping.set)
+            timer.start()
+        sup.wait()
+    finally:
+        if timer:
+            timer.cancel()
+        sup.stop()
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    args.config = resolve_target(args.target)
+    return cmd_up(args)
+
+
+def cmd_tap(args: argparse.Namespace) -> int:
+    from services.launcher.tap import tap
+
+    async def go(nc, run_id):
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        import signal
+
+        for s in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(s, stop.set)
+        await tap(nc, args.target, run_id, from_start=args.from_start, since=args.since, count=args.count,
+                  raw=args.raw, stop=stop)
+
+    asyncio.run(_with_connection(args, go))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from services.launcher.status import collect, format_status
+
+    st = asyncio.run(_with_connection(args, collect))
+    print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
+    return 0
+
+
+def cmd_services(args: argparse.Namespace) -> int:
+    from services.launcher import registry
+
+    print("\n".join(registry.names()))
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "up": cmd_up, "service": cmd_service, "tap": cmd_tap, "status": cmd_status, "services": cmd_services}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as e:
+        print(f"rlbus: configuration error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        from services.launcher.registry import UnknownService
+        from services.runtime.bus import BusError
+
+        if isinstance(e, (UnknownService, BusError)):
+            print(f"rlbus: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The services the launcher knows, each loaded lazily (config first, heavy imports after).
+
+Each entry returns ``(config class, factory)``; the factory builds the service
+from its resolved config. Entry-point group ``rlbus.services`` adds more
+without touching this file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
+
+Spec = tuple[type[Any], Callable[[Any], Any]]
+
+
+def _echo() -> Spec:
+    from services.echo import main
+
+    return main.EchoConfig, main.build
+
+
+_BUILTIN: dict[str, Callable[[], Spec]] = {
+    "echo": _echo,
+}
+
+
+def register(name: str, loader: Callable[[], Spec]) -> None:
+    _BUILTIN[name] = loader
+
+
+class UnknownService(KeyError):
+    def __str__(self) -> str:
+        return f"unknown service {self.args[0]!r}; known: {', '.join(sorted(names()))}"
+
+
+def _entry_points() -> dict[str, Callable[[], Spec]]:
+    found: dict[str, Callable[[], Spec]] = {}
+    for ep in metadata.entry_points(group="rlbus.services"):
+        found[ep.name] = ep.load
+    return found
+
+
+def names() -> list[str]:
+    return sorted(set(_BUILTIN) | set(_entry_points()))
+
+
+def load(name: str) -> Spec:
+    loader = _BUILTIN.get(name) or _entry_points().get(name)
+    if loader is None:
+        raise UnknownService(name)
+    return loader()

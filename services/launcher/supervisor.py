@@ -1,0 +1,188 @@
+"""Local supervisor: an embedded nats-server plus each service as its own child process.
+
+Start order: NATS, then every service. Stop order (Ctrl-C / SIGTERM): SIGTERM to
+every service, wait up to the drain bound, SIGKILL what is left, then stop NATS.
+A service that exits unexpectedly is restarted with exponential backoff; one
+that keeps crashing (``max_restarts`` within the window) is reported and left down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from services.runtime.config import ConfigError, RunSection, convert, load_tree
+from services.runtime.natsd import EmbeddedNats
+
+log = logging.getLogger("rlbus.launcher")
+
+
+class LauncherSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    #: instances to start per service, e.g. { trainer = 1, rollout = 2 }
+    services: dict[str, int] = {}
+    #: start an embedded nats-server (false: use [nats] url as given)
+    embedded_nats: bool = True
+    #: preferred port of the embedded server (a free one is taken if it is busy)
+    nats_port: int = 4222
+    #: restart services that exit unexpectedly
+    restart: bool = True
+    #: give up on a service after this many restarts within restart_window_s
+    max_restarts: int = 5
+    restart_window_s: float = 300.0
+    #: seconds services get to drain on stop before SIGKILL
+    stop_timeout_s: float = 20.0
+
+
+@dataclass
+class Child:
+    service: str
+    index: int
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: list[float] = field(default_factory=list)
+    next_start: float = 0.0
+    given_up: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.service}-{self.index}"
+
+
+class Supervisor:
+    def __init__(self, config_path: str | None, overrides: Sequence[str] = (), env: dict[str, str] | None = None,
+                 quiet: bool = False) -> None:
+        self.config_path = str(Path(config_path).resolve()) if config_path else None
+        self.overrides = list(overrides)
+        self.tree = load_tree(config_path, env, overrides)
+        self.run = convert(self.tree.get("run"), RunSection, "run")
+        self.launcher = convert(self.tree.get("launcher"), LauncherSection, "launcher")
+        if not self.launcher.services:
+            raise ConfigError("config key launcher.services: no services to start (e.g. services = { echo = 2 })")
+        for name, count in self.launcher.services.items():
+            if count < 0:
+                raise ConfigError(f"config key launcher.services.{name}: expected a count >= 0, got {count}")
+        self.run_dir = Path(self.run.dir).resolve()
+        self.nats: EmbeddedNats | None = None
+        self.nats_url = str(self.tree.get("nats", {}).get("url", "nats://127.0.0.1:4222"))
+        self.children: list[Child] = []
+        self.stopping = threading.Event()
+        self.quiet = quiet
+        self.events: list[dict[str, Any]] = []
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        if self.launcher.embedded_nats:
+            self.nats = EmbeddedNats(self.run_dir / "nats", port=self.launcher.nats_port)
+            self.nats.start()
+            self.nats_url = self.nats.url
+        resolved = dict(self.tree)
+        resolved["nats"] = {**resolved.get("nats", {}), "url": self.nats_url}
+        (self.run_dir / "config.resolved.json").write_text(json.dumps(resolved, indent=2, default=str))
+        self._say(f"nats {self.nats_url} (data {self.run_dir / 'nats'})")
+        for name, count in self.launcher.services.items():
+            for i in range(count):
+                argv = [sys.executable, "-m", "services.launcher.cli", "service", name,
+                        "--nats-url", self.nats_url, "--instance", f"{name}-{i}"]
+                if self.config_path:
+                    argv += ["--config", self.config_path]
+                for o in self.overrides:
+                    argv += ["--set", o]
+                self.children.append(Child(name, i, argv, self.run_dir / "logs" / f"{name}-{i}.log"))
+        for c in self.children:
+            self._spawn(c)
+
+    def _spawn(self, c: Child) -> None:
+        with open(c.log_path, "ab") as logf:
+            # own session: a terminal Ctrl-C reaches only the supervisor, which stops children in order
+            c.proc = subprocess.Popen(c.argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._say(f"started {c.label} (pid {c.proc.pid}, log {c.log_path})")
+
+    def _say(self, text: str) -> None:
+        if self.quiet:
+            log.info(text)
+        else:
+            print(f"[rlbus] {text}", file=sys.stderr, flush=True)
+
+    def poll(self) -> None:
+        """Restart children that exited (with backoff); give up on crash loops."""
+        now = time.monotonic()
+        for c in self.children:
+            if c.given_up or c.proc is None:
+                if c.proc is None and not c.given_up and now >= c.next_start and not self.stopping.is_set():
+                    self._spawn(c)
+                continue
+            code = c.proc.poll()
+            if code is None:
+                continue
+            self.events.append({"event": "exit", "child": c.label, "code": code, "t": time.time()})
+            c.proc = None
+            if not self.launcher.restart or self.stopping.is_set():
+                continue
+            c.restarts = [t for t in c.restarts if now - t < self.launcher.restart_window_s] + [now]
+            if len(c.restarts) > self.launcher.max_restarts:
+                c.given_up = True
+                self._say(f"{c.label} exited with code {code} and crashed {len(c.restarts)} times within "
+                          f"{self.launcher.restart_window_s:.0f}s: not restarting it (see {c.log_path})")
+                continue
+            delay = min(2.0 ** (len(c.restarts) - 1), 30.0)
+            c.next_start = now + delay
+            self._say(f"{c.label} exited with code {code}; restarting in {delay:.0f}s")
+
+    def kill_child(self, label: str, sig: int = signal.SIGKILL) -> int | None:
+        for c in self.children:
+            if c.label == label and c.proc is not None:
+                c.proc.send_signal(sig)
+                return c.proc.pid
+        return None
+
+    def alive(self) -> list[str]:
+        return [c.label for c in self.children if c.proc is not None and c.proc.poll() is None]
+
+    def wait(self, until: threading.Event | None = None, tick: float = 0.5) -> None:
+        """Supervise until ``stop()`` (or a signal) or ``until`` is set."""
+        while not self.stopping.is_set() and not (until and until.is_set()):
+            self.poll()
+            self.stopping.wait(tick)  # supervision tick: child exits are checked this often
+
+    def stop(self) -> None:
+        self.stopping.set()
+        procs = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.launcher.stop_timeout_s
+        for p in procs:
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                self._say(f"pid {p.pid} did not stop within {self.launcher.stop_timeout_s:.0f}s; killing it")
+                p.kill()
+                p.wait()
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+        self._say("stopped")
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: Any) -> None:
+            if not self.stopping.is_set():
+                self._say(f"{signal.Signals(signum).name}: stopping all services")
+            self.stopping.set()
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)

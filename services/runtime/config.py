@@ -1,0 +1,180 @@
+"""Typed configuration: a TOML file, then environment variables, then CLI flags.
+
+A run file looks like::
+
+    [run]
+    id = "demo"              # run id: scopes every subject, consumer and key
+    dir = "runs/demo"        # where logs, metrics, checkpoints go
+
+    [nats]
+    url = "nats://127.0.0.1:4222"
+
+    [launcher]
+    services = { trainer = 1, rollout = 1, judge = 1 }
+
+    [services.rollout]       # one section per service, typed by that service
+    concurrency = 256
+
+Environment variables override the file with ``RLBUS__`` + the key path in
+upper case joined by double underscores (``RLBUS__SERVICES__ROLLOUT__CONCURRENCY=64``);
+CLI ``--set services.rollout.concurrency=64`` overrides both. Values from the
+environment and the CLI are parsed as TOML values (``64``, ``true``,
+``[1, 2]``, ``"text"``) with a bare word taken as a string. Any key that is
+unknown or of the wrong type stops start-up with a :class:`ConfigError` naming
+the key and the expected type.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+ENV_PREFIX = "RLBUS__"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type."""
+
+
+class RunSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    #: run id: a NATS subject token scoping every subject, consumer and key of this run
+    id: str = "default"
+    #: run directory: logs, metrics, checkpoints, the embedded NATS store
+    dir: str = "runs/default"
+    #: seed for everything random in the run
+    seed: int = 0
+
+
+class NatsSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    #: server URL(s), comma separated
+    url: str = "nats://127.0.0.1:4222"
+    #: user / password (per-service users come from deploy/nats)
+    user: str | None = None
+    password: str | None = None
+    #: a .creds file (JWT auth) instead of user/password
+    creds_file: str | None = None
+    #: TLS: CA bundle, client certificate and key (enables TLS when set)
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: seconds for the first connection attempt
+    connect_timeout_s: float = 5.0
+    #: seconds between reconnect attempts (nats-py adds jitter)
+    reconnect_wait_s: float = 1.0
+    #: -1: reconnect forever (a restarted server is waited for)
+    max_reconnect_attempts: int = -1
+
+
+class CommonSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Settings every service shares (section ``[common]``)."""
+
+    #: seconds between heartbeats
+    heartbeat_s: float = 2.0
+    #: on SIGTERM, seconds in-flight work may take to finish before it is abandoned (and redelivered)
+    drain_timeout_s: float = 10.0
+    #: logging level name
+    log_level: str = "INFO"
+    #: largest message accepted, in bytes (bigger ones are dead-lettered)
+    max_message_bytes: int = 4 * 1024 * 1024
+
+
+def parse_value(text: str) -> Any:
+    """Parse an env/CLI value as a TOML value; a bare word stays a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_path(tree: dict[str, Any], path: Sequence[str], value: Any) -> None:
+    node = tree
+    for key in path[:-1]:
+        nxt = node.setdefault(key, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"config key {'.'.join(path)}: {key} is a value, not a section")
+        node = nxt
+    node[path[-1]] = value
+
+
+def load_tree(
+    path: str | os.PathLike[str] | None,
+    env: Mapping[str, str] | None = None,
+    overrides: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The merged raw config tree: file, then ``RLBUS__...`` env vars, then ``key=value`` overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            tree = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    env = os.environ if env is None else env
+    for name, value in sorted(env.items()):
+        if name.startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX):
+            keys = [k.lower() for k in name[len(ENV_PREFIX):].split("__")]
+            _set_path(tree, keys, parse_value(value))
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        _set_path(tree, key.strip().split("."), parse_value(value.strip()))
+    return tree
+
+
+def convert(section: Any, cls: type[T], key: str) -> T:
+    """Convert a raw section into ``cls``; errors name the full key and the expected type."""
+    if section is None:
+        section = {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"config key {key}: expected a section (table), got {type(section).__name__}")
+    try:
+        return msgspec.convert(section, cls)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        reason, _, where = text.partition(" - at `")
+        field = where.rstrip("`").removeprefix("$").lstrip(".")
+        full = f"{key}.{field}" if field else key
+        if reason.startswith("Object contains unknown field"):
+            bad = reason.split("`")[1] if "`" in reason else "?"
+            full = f"{full}.{bad}" if field else f"{key}.{bad}"
+            raise ConfigError(f"config key {full}: unknown key (check the spelling; see --help)") from None
+        raise ConfigError(f"config key {full}: {reason.replace('Expected', 'expected')}") from None
+
+
+class Loaded(msgspec.Struct, kw_only=True):
+    """The sections a service sees once its config is resolved."""
+
+    run: RunSection
+    nats: NatsSection
+    common: CommonSection
+    service: Any
+    tree: dict[str, Any]
+
+
+def load_service_config(
+    service: str,
+    cls: type[Any],
+    path: str | os.PathLike[str] | None,
+    env: Mapping[str, str] | None = None,
+    overrides: Sequence[str] = (),
+) -> Loaded:
+    tree = load_tree(path, env, overrides)
+    services = tree.get("services", {})
+    if not isinstance(services, dict):
+        raise ConfigError("config key services: expected a section (table)")
+    return Loaded(
+        run=convert(tree.get("run"), RunSection, "run"),
+        nats=convert(tree.get("nats"), NatsSection, "nats"),
+        common=convert(tree.get("common"), CommonSection, "common"),
+        service=convert(services.get(service), cls, f"services.{service}"),
+        tree=tree,
+    )

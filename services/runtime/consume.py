@@ -1,0 +1,278 @@
+"""The one consume loop and its ack policy (DESIGN.md, "Delivery rules").
+
+A handler is ``async def handle(msg: T, d: Delivery) -> None``. What happens to
+the message is decided here, in one place:
+
+* handler returns → **ack**;
+* handler raises :class:`Retry` → **nak** with the given delay (redelivered);
+* handler raises :class:`Poison`, the payload cannot be decoded, it is too big,
+  or it belongs to another run → **term** + a dead letter with the reason;
+* handler raises anything else → nak with backoff, and once the delivery count
+  reaches the consumer's ``max_deliver`` → term + dead letter.
+
+Long handlers are kept alive with ``in_progress()`` every ``ack_wait / 3``.
+On stop, fetching stops at once and in-flight handlers get ``drain_timeout``
+seconds; the ones still running are cancelled and their messages naked so
+another instance picks them up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar
+
+import nats.errors
+from nats.aio.msg import Msg
+
+from proto import catalog, codec, subjects
+from proto.deadletter import DeadLetter
+from services.runtime import tracing
+
+T = TypeVar("T")
+log = logging.getLogger("rlbus.consume")
+
+
+class Retry(Exception):
+    """A transient failure: redeliver after ``delay_s``."""
+
+    def __init__(self, reason: str, delay_s: float = 1.0) -> None:
+        super().__init__(reason)
+        self.delay_s = delay_s
+
+
+class Poison(Exception):
+    """The message can never be processed: terminate it and dead-letter it with the reason."""
+
+
+class Delivery(Generic[T]):
+    """What a handler knows about the delivery besides the decoded message."""
+
+    def __init__(self, raw: Msg) -> None:
+        self.raw = raw
+        md = raw.metadata
+        self.subject = raw.subject
+        self.num_delivered = md.num_delivered
+        self.stream_seq = md.sequence.stream
+        self.headers = dict(raw.headers or {})
+
+    async def in_progress(self) -> None:
+        await self.raw.in_progress()
+
+
+Handler = Callable[[Any, Delivery[Any]], Awaitable[None]]
+
+
+class DeadLetterSink:
+    """Publishes dead letters for a service (never raises: a failure is logged)."""
+
+    def __init__(self, js: Any, run_id: str, service: str) -> None:
+        self.js = js
+        self.run_id = run_id
+        self.service = service
+        self.count = 0
+
+    async def send(self, raw: Msg, reason: str, error_type: str, deliveries: int = 0) -> None:
+        from services.runtime.bus import publish  # local: bus imports this module's siblings
+
+        run = subjects.run_of(raw.subject) or self.run_id
+        family = subjects.family_of(raw.subject) or "unknown"
+        try:
+            run = subjects.check_run_id(run)
+        except subjects.InvalidRunId:
+            run = self.run_id
+        md = raw.metadata if raw.reply else None
+        letter = DeadLetter(
+            run_id=run,
+            service=self.service,
+            original_subject=raw.subject,
+            reason=reason,
+            error_type=error_type,
+            stream=md.stream if md else "",
+            stream_seq=md.sequence.stream if md else 0,
+            deliveries=deliveries,
+            headers={k: str(v) for k, v in (raw.headers or {}).items()},
+            payload=bytes(raw.data[: codec.MAX_MESSAGE_BYTES]),
+        )
+        self.count += 1
+        log.warning("dead letter from %s: %s (%s)", raw.subject, reason, error_type)
+        try:
+            await publish(self.js, subjects.subject(run, "dlq", family), letter)
+        except Exception:  # the dead-letter path must not take the service down
+            log.exception("could not publish a dead letter for %s", raw.subject)
+
+
+class Consumer(Generic[T]):
+    """Runs ``handler`` over a durable pull consumer with bounded concurrency."""
+
+    def __init__(
+        self,
+        js: Any,
+        consumer: catalog.ConsumerDef,
+        msg_type: type[T],
+        handler: Handler,
+        *,
+        run_id: str,
+        dead_letters: DeadLetterSink,
+        concurrency: int = 16,
+        max_message_bytes: int = codec.MAX_MESSAGE_BYTES,
+        name: str = "",
+    ) -> None:
+        self.js = js
+        self.cdef = consumer
+        self.msg_type = msg_type
+        self.handler = handler
+        self.run_id = run_id
+        self.dlq = dead_letters
+        self.concurrency = concurrency
+        self.max_message_bytes = max_message_bytes
+        self.name = name or consumer.durable
+        self.in_flight: set[asyncio.Task[None]] = set()
+        self.handled = 0
+        self.failed = 0
+
+    async def run(self, stop: asyncio.Event, drain_timeout: float) -> None:
+        """Fetch and handle until ``stop`` is set, then drain in-flight work within ``drain_timeout``."""
+        psub = await self.js.pull_subscribe_bind(durable=self.cdef.durable, stream=self.cdef.stream)
+        self._free = self.concurrency
+        self._slot_freed = asyncio.Condition()
+        stop_wait = asyncio.create_task(self._wake_on_stop(stop), name=f"{self.name}-stopwait")
+        try:
+            while not stop.is_set():
+                async with self._slot_freed:  # flow control: fetch only what we can start now
+                    await self._slot_freed.wait_for(lambda: self._free > 0 or stop.is_set())
+                    if stop.is_set():
+                        break
+                    want = self._free
+                    self._free = 0
+                fetch = asyncio.create_task(psub.fetch(batch=want, timeout=5.0), name=f"{self.name}-fetch")
+                done, _ = await asyncio.wait({fetch, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                msgs: list[Msg] = []
+                failed = False
+                if fetch in done:
+                    try:
+                        msgs = fetch.result()
+                    except (TimeoutError, nats.errors.TimeoutError):
+                        msgs = []
+                    except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError,
+                            nats.errors.NoRespondersError) as e:
+                        log.warning("%s: fetch interrupted (%s)", self.name, e)
+                        failed = True
+                else:
+                    fetch.cancel()
+                async with self._slot_freed:
+                    self._free += want - len(msgs)
+                for m in msgs:
+                    t = asyncio.create_task(self._handle(m), name=f"{self.name}-handle")
+                    self.in_flight.add(t)
+                    t.add_done_callback(self.in_flight.discard)
+                if fetch not in done:
+                    break
+                if failed:
+                    await asyncio.wait({stop_wait}, timeout=1.0)  # reconnecting: back off instead of spinning
+        finally:
+            stop_wait.cancel()
+            await self._drain(drain_timeout)
+            try:
+                await psub.unsubscribe()
+            except Exception as e:  # connection may already be closed
+                log.debug("%s: unsubscribe failed: %s", self.name, e)
+
+    async def _wake_on_stop(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        async with self._slot_freed:
+            self._slot_freed.notify_all()
+
+    async def _drain(self, timeout: float) -> None:
+        if not self.in_flight:
+            return
+        log.info("%s: draining %d in-flight messages (up to %.1fs)", self.name, len(self.in_flight), timeout)
+        _, pending = await asyncio.wait(set(self.in_flight), timeout=timeout)
+        for t in pending:
+            t.cancel()
+        if pending:
+            log.warning("%s: %d handlers did not finish within %.1fs; their messages are redelivered",
+                        self.name, len(pending), timeout)
+            await asyncio.wait(pending)
+
+    async def _keepalive(self, raw: Msg) -> None:
+        period = max(self.cdef.ack_wait_s / 3.0, 0.5)
+        while True:
+            await asyncio.sleep(period)  # periodic in_progress, the protocol's own heartbeat
+            try:
+                await raw.in_progress()
+            except Exception as e:
+                log.debug("in_progress failed: %s", e)
+
+    async def _handle(self, raw: Msg) -> None:
+        try:
+            await self._handle_one(raw)
+        finally:
+            async with self._slot_freed:
+                self._free += 1
+                self._slot_freed.notify()
+
+    async def _handle_one(self, raw: Msg) -> None:
+        deliveries = raw.metadata.num_delivered
+        if len(raw.data) > self.max_message_bytes:
+            await self._poison(raw, f"message of {len(raw.data)} bytes exceeds {self.max_message_bytes}", "Oversized", deliveries)
+            return
+        try:
+            msg = codec.decode(raw.data, self.msg_type, max_bytes=None)
+        except codec.DecodeError as e:
+            await self._poison(raw, str(e), "DecodeError", deliveries)
+            return
+        msg_run = getattr(msg, "run_id", self.run_id)
+        if msg_run != self.run_id:
+            await self._poison(raw, f"message of run {msg_run!r} delivered to run {self.run_id!r}", "WrongRun", deliveries)
+            return
+        keepalive = asyncio.create_task(self._keepalive(raw), name=f"{self.name}-keepalive")
+        try:
+            with tracing.span(f"handle {raw.subject}", kind="consumer", headers=raw.headers):
+                await self.handler(msg, Delivery(raw))
+        except asyncio.CancelledError:
+            await self._nak(raw, 0)
+            raise
+        except Poison as e:
+            await self._poison(raw, str(e), "Poison", deliveries)
+            return
+        except Retry as e:
+            self.failed += 1
+            if deliveries >= self.cdef.max_deliver:
+                await self._poison(raw, f"still failing after {deliveries} deliveries: {e}", "Retry", deliveries)
+            else:
+                log.info("%s: retry in %.1fs: %s", self.name, e.delay_s, e)
+                await self._nak(raw, e.delay_s)
+            return
+        except Exception as e:
+            self.failed += 1
+            if deliveries >= self.cdef.max_deliver:
+                await self._poison(raw, f"failed {deliveries} times, last: {type(e).__name__}: {e}",
+                                   type(e).__name__, deliveries)
+            else:
+                log.exception("%s: handler failed (delivery %d of %d); will retry", self.name, deliveries,
+                              self.cdef.max_deliver)
+                backoff = self.cdef.backoff_s
+                await self._nak(raw, backoff[min(deliveries - 1, len(backoff) - 1)] if backoff else 1.0)
+            return
+        finally:
+            keepalive.cancel()
+        self.handled += 1
+        try:
+            await raw.ack()
+        except Exception as e:  # lost connection: it will be redelivered; handlers are idempotent
+            log.warning("%s: ack failed (%s); the message will be redelivered", self.name, e)
+
+    async def _nak(self, raw: Msg, delay: float) -> None:
+        try:
+            await raw.nak(delay=delay or None)
+        except Exception as e:
+            log.debug("nak failed: %s", e)
+
+    async def _poison(self, raw: Msg, reason: str, error_type: str, deliveries: int) -> None:
+        await self.dlq.send(raw, reason, error_type, deliveries)
+        try:
+            await raw.term()
+        except Exception as e:
+            log.debug("term failed: %s", e)

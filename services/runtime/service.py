@@ -1,0 +1,173 @@
+"""The service harness: connect, provision, heartbeat, run, shut down gracefully.
+
+A service is an object with ``async def run(self, ctx: ServiceContext) -> None``
+that returns once ``ctx.stop`` is set and its work is drained. Everything
+shared (connection, publishing, the consume loop, dead letters, heartbeats,
+metrics, tracing, signals) lives here so ``main.py`` files stay short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import msgspec
+from nats.aio.client import Client
+
+from proto import catalog, membership, subjects
+from proto.membership import Heartbeat
+from proto.metrics import MetricsReport
+from services.runtime import bus, tracing
+from services.runtime.config import Loaded
+from services.runtime.consume import Consumer, DeadLetterSink, Handler
+
+T = TypeVar("T")
+log = logging.getLogger("rlbus.service")
+
+
+class Service(Protocol):
+    async def run(self, ctx: ServiceContext) -> None: ...
+
+
+class ServiceContext:
+    """What a running service gets from the harness."""
+
+    def __init__(self, name: str, instance: str, loaded: Loaded, nc: Client) -> None:
+        self.name = name
+        self.instance = instance
+        self.cfg = loaded
+        self.run_id = loaded.run.id
+        self.nc = nc
+        self.js = nc.jetstream(timeout=10.0)
+        self.stop = asyncio.Event()
+        self.state: membership.State = "starting"
+        self.gauges: dict[str, float] = {}
+        self.started_at = time.time()
+        self.dead_letters = DeadLetterSink(self.js, self.run_id, name)
+        self.log = logging.getLogger(f"rlbus.{name}")
+
+    def subject(self, family: str, *rest: str) -> str:
+        return subjects.subject(self.run_id, family, *rest)
+
+    async def publish(self, subject: str, msg: msgspec.Struct) -> Any:
+        return await bus.publish(self.js, subject, msg)
+
+    async def consume(
+        self,
+        consumer: catalog.ConsumerDef,
+        msg_type: type[T],
+        handler: Handler,
+        *,
+        concurrency: int = 16,
+    ) -> Consumer[T]:
+        """Provision this run's durable consumer and run the consume loop until ``stop``."""
+        cdef = consumer.for_run(self.run_id)
+        await bus.ensure_consumer(self.js, cdef)
+        c: Consumer[T] = Consumer(
+            self.js, cdef, msg_type, handler, run_id=self.run_id, dead_letters=self.dead_letters,
+            concurrency=concurrency, max_message_bytes=self.cfg.common.max_message_bytes,
+            name=f"{self.name}:{cdef.durable}",
+        )
+        await c.run(self.stop, self.cfg.common.drain_timeout_s)
+        return c
+
+    async def report(self, values: dict[str, float], step: int = -1) -> None:
+        """Publish a metrics report (stream METRICS) and keep the values as heartbeat gauges."""
+        self.gauges.update(values)
+        msg = MetricsReport(run_id=self.run_id, service=self.name, instance=self.instance, step=step, values=values)
+        try:
+            await self.publish(self.subject("metrics", self.name), msg)
+        except Exception as e:  # metrics must not break the work
+            self.log.warning("metrics publish failed: %s", e)
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            run_id=self.run_id, service=self.name, instance=self.instance, host=socket.gethostname(),
+            pid=os.getpid(), state=self.state, started_at=self.started_at, metrics=dict(self.gauges),
+        )
+
+
+async def _heartbeats(ctx: ServiceContext, period: float) -> None:
+    kv = await bus.ensure_kv(ctx.js, catalog.MEMBERS)
+    key = membership.member_key(ctx.run_id, ctx.name, ctx.instance)
+    subj = ctx.subject(membership.FAMILY, ctx.name)
+    while True:
+        hb = ctx.heartbeat()
+        data = bus.codec.encode(hb)
+        try:
+            await ctx.nc.publish(subj, data)
+            await kv.put(key, data)
+        except Exception as e:  # disconnected: keep trying, the server comes back
+            ctx.log.debug("heartbeat failed: %s", e)
+        await asyncio.sleep(period)  # the heartbeat period itself
+
+
+def setup_logging(name: str, level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s",
+        force=True,
+    )
+
+
+def install_uvloop() -> bool:
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+async def serve(name: str, service_factory: Callable[[Loaded], Service], loaded: Loaded,
+                instance: str | None = None) -> int:
+    """Run one service until SIGTERM/SIGINT (or until it returns). Returns the process exit code."""
+    subjects.check_run_id(loaded.run.id)
+    instance = instance or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    tracing.setup(name)
+    nc = await bus.connect(loaded.nats, f"rlbus-{name}-{instance}")
+    ctx = ServiceContext(name, instance, loaded, nc)
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not ctx.stop.is_set():
+            log.info("%s: %s received; stopping (drain bound %.1fs)", name, sig.name, loaded.common.drain_timeout_s)
+            ctx.state = "draining"
+            ctx.stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    hb = asyncio.create_task(_heartbeats(ctx, loaded.common.heartbeat_s), name=f"{name}-heartbeat")
+    code = 0
+    try:
+        await bus.provision_all(ctx.js)
+        service = service_factory(loaded)
+        ctx.state = "running"
+        log.info("%s: running (run %s, instance %s, nats %s)", name, ctx.run_id, instance, loaded.nats.url)
+        await service.run(ctx)
+    except Exception:
+        log.exception("%s: crashed", name)
+        code = 1
+    finally:
+        ctx.state = "stopped"
+        hb.cancel()
+        try:
+            kv = await ctx.js.key_value(catalog.MEMBERS.bucket)
+            await kv.delete(membership.member_key(ctx.run_id, name, instance))
+        except Exception as e:
+            log.debug("could not remove membership key: %s", e)
+        try:
+            await asyncio.wait_for(nc.drain(), timeout=5.0)
+        except Exception as e:
+            log.debug("drain failed: %s", e)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log.info("%s: stopped", name)
+    return code

@@ -1,0 +1,90 @@
+"""`rlbus up` starts NATS + services; `rlbus tap` shows heartbeats; Ctrl-C leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from services.runtime.natsd import free_port
+
+
+def processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            pids.append(int(d.name))
+    return pids
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.2)  # test-side wait on external processes
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_up_tap_status_and_ctrl_c(tmp_path):
+    port = free_port()
+    run_dir = tmp_path / "run"
+    cfg = tmp_path / "echo.toml"
+    cfg.write_text(f'[run]\nid = "clitest"\ndir = "{run_dir}"\n[launcher]\nservices = {{ echo = 2 }}\n'
+                   f"nats_port = {port}\n[common]\nheartbeat_s = 0.5\n")
+    up = subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "up", str(cfg)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"nats://127.0.0.1:{port}"
+        # both services heartbeat: tap decodes them to JSON lines
+        tap = subprocess.run([sys.executable, "-m", "services.launcher.cli", "tap", "heartbeat", "--nats-url", url,
+                              "--run-id", "clitest", "--count", "6"], capture_output=True, text=True, timeout=60)
+        assert tap.returncode == 0, tap.stderr
+        lines = [json.loads(line) for line in tap.stdout.splitlines()]
+        assert len(lines) == 6
+        assert all(rec["subject"].startswith("rlbus.clitest.heartbeat.echo") for rec in lines)
+        assert {rec["data"]["instance"] for rec in lines} == {"echo-0", "echo-1"}
+        assert all(rec["data"]["type"] == "heartbeat" and rec["data"]["state"] in ("starting", "running") for rec in lines)
+        assert lines[-1]["data"]["state"] == "running"
+
+        status = wait_for(lambda: _status(url), 30, "two members in rlbus status")
+        assert {m["instance"] for m in status["members"]} == {"echo-0", "echo-1"}
+        assert "ECHO" in status["streams"]
+
+        assert len(processes_mentioning(str(tmp_path))) >= 3  # nats-server + 2 services
+        up.send_signal(signal.SIGINT)
+        out, _ = up.communicate(timeout=60)
+        assert up.returncode == 0, out
+        assert "stopped" in out
+        assert processes_mentioning(str(tmp_path)) == []
+        assert (run_dir / "logs" / "echo-0.log").read_text().count("SIGTERM received") == 1
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def _status(url: str):
+    r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "status", "--nats-url", url, "--run-id",
+                        "clitest", "--json"], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        return None
+    st = json.loads(r.stdout)
+    return st if len(st["members"]) == 2 else None
+
+
+def test_help_explains_every_command():
+    for cmd in ["up", "service", "tap", "status", "services"]:
+        r = subprocess.run([sys.executable, "-m", "services.launcher.cli", cmd, "--help"], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0 and len(r.stdout) > 200, (cmd, r.stdout)
