@@ -1,0 +1,97 @@
+"""Batched token sampling and incremental detokenization for the torch engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from services.rollout.engine import SamplingParams
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tail of each row beyond its nucleus ``top_p`` (rows with top_p == 1 untouched)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    remove = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    sorted_probs = sorted_probs.masked_fill(remove, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> tuple[torch.Tensor, list[int], list[float]]:
+    """Sample one token per row of ``logits`` ``[B, V]``.
+
+    Sampling uses the exponential-race form of categorical sampling
+    (``argmax(p / E)`` with ``E ~ Exp(1)``), which equals drawing from ``p``; rows
+    with their own generator (a seed) draw their noise from it, so a seeded
+    request's tokens do not depend on its batch neighbours. ``temperature == 0``
+    rows take the argmax.
+
+    Returns the tokens (tensor on the logits' device), and as Python lists the
+    tokens and their logprobs ``log_softmax(logits / T)`` (``T = 1`` for greedy
+    rows) — the temperature-scaled distribution, before top-p truncation.
+    """
+    logits = logits.float()
+    temps = [p.temperature for p in params]
+    greedy_rows = [t == 0.0 for t in temps]
+    if all(t in (0.0, 1.0) for t in temps):
+        scaled = logits
+    else:
+        temp = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=logits.dtype, device=logits.device)
+        scaled = logits / temp[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    if all(greedy_rows):
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = logprobs.exp()
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=probs.device)
+            probs = _top_p_filter(probs, top_p)
+        noise = torch.empty_like(probs).exponential_(generator=default_generator)
+        for i, generator in enumerate(generators):
+            if generator is not None:
+                noise[i].exponential_(generator=generator)
+        tokens = (probs / noise).argmax(dim=-1)
+        if any(greedy_rows):
+            greedy = torch.tensor(greedy_rows, device=logits.device)
+            tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, tokens.tolist(), chosen.tolist()
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token list, decoded a few tokens at a time.
+
+    Decodes ``tokens[prefix:]`` against ``tokens[prefix:read]`` (the scheme of
+    TGI/vLLM), so multi-token characters and leading-space rules come out as in a
+    full decode; text is released only once it does not end in U+FFFD.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.text = ""
+        self._prefix = 0
+        self._read = 0
+        self._searched = 0
+
+    def push(self, tokens: list[int]) -> None:
+        """Account for tokens appended to ``tokens`` since the last call."""
+        decode = self.tokenizer.decode
+        prefix_text = decode(tokens[self._prefix : self._read], skip_special_tokens=True)
+        new_text = decode(tokens[self._prefix :], skip_special_tokens=True)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.text += new_text[len(prefix_text) :]
+            self._prefix, self._read = self._read, len(tokens)
+
+    def find_stop(self, stops: Sequence[str]) -> int | None:
+        """Index in :attr:`text` where the earliest stop string starts, if one has appeared."""
+        start = max(0, self._searched - max(len(s) for s in stops) + 1)
+        found = [i for i in (self.text.find(s, start) for s in stops) if i >= 0]
+        self._searched = len(self.text)
+        return min(found) if found else None

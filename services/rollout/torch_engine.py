@@ -1,0 +1,522 @@
+"""The ``torch`` inference engine: a transformers causal LM with continuous batching.
+
+One dedicated thread owns the model and runs the decode loop; coroutines hand it
+requests through a condition-guarded queue and get results back on their event
+loop (``call_soon_threadsafe``). The thread sleeps on the condition when idle.
+
+Each loop iteration, at a decode-step boundary:
+
+1. applies pending weight updates (``in_flight``: always; ``between_requests``:
+   once no row is running, holding back newcomers meanwhile);
+2. admits queued requests up to ``max_batch_size``: prefills them together
+   (left-padded), samples their first token, and merges their KV cache into the
+   running batch (:class:`~services.rollout.kv_cache.PaddedBatchCache`);
+3. runs one decode step for every running row and samples the next tokens for
+   the whole batch at once;
+4. removes finished rows from the cache at once and trims leading columns that
+   have become padding in every row.
+
+In-flight updates keep the KV cache computed under the old weights: tokens
+sampled after the update use the new weights attending to old-version keys and
+values. Every token's version says which weights sampled it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from services.rollout.engine import (
+    EngineError,
+    EngineNotRunningError,
+    EngineOverloadedError,
+    EngineStats,
+    FinishReason,
+    GenerationResult,
+    InvalidRequestError,
+    SamplingParams,
+    WeightUpdateError,
+    WeightUpdateMode,
+)
+from services.rollout.kv_cache import PaddedBatchCache
+from services.rollout.sampling import IncrementalDetokenizer, sample_tokens
+
+log = logging.getLogger("rlbus.rollout.torch_engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TorchEngineConfig:
+    """Settings of the torch engine."""
+
+    model_dir: str = ""
+    """Hugging Face model directory (config, safetensors, tokenizer); unused with ``TorchEngine.from_model``."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Model weights and activations dtype; sampling always runs in float32."""
+    device: str | None = None
+    """torch device; ``None`` picks ``cuda`` when available, else ``cpu``."""
+    max_batch_size: int = 64
+    """Most rows in the running batch; more requests wait in the queue."""
+    max_queued: int = 4096
+    """Most queued (not yet running) requests; beyond it ``generate`` raises EngineOverloadedError."""
+    max_prefill_tokens: int = 16384
+    """Most padded prompt tokens prefilled in one step (at least one request is always admitted)."""
+    num_threads: int | None = None
+    """``torch.set_num_threads`` at start (process-wide); ``None`` leaves torch's default."""
+    weight_update_mode: WeightUpdateMode = "in_flight"
+    """``in_flight``: apply between decode steps; ``between_requests``: once no request runs."""
+    initial_version: int = 0
+    """Weight version of the weights loaded at start."""
+    attn_implementation: str = "sdpa"
+    """transformers attention backend (``sdpa`` or ``eager``)."""
+    stats_window_s: float = 10.0
+    """Window of the tokens/s figure in :meth:`TorchEngine.stats`."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("max_batch_size", "max_queued", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise InvalidRequestError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.weight_update_mode not in ("in_flight", "between_requests"):
+            raise InvalidRequestError(
+                f"weight_update_mode must be 'in_flight' or 'between_requests', got {self.weight_update_mode!r}"
+            )
+
+
+class _Request:
+    """One generation request and its progress; touched only by the engine thread once queued."""
+
+    __slots__ = (
+        "prompt_ids", "params", "loop", "future", "tokens", "logprobs", "versions",
+        "generator", "stop_ids", "eos_ids", "detok", "cancelled", "finish_reason", "stop_text_end",
+    )
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
+                 future: asyncio.Future, eos_ids: frozenset[int], detok: IncrementalDetokenizer | None,
+                 device: torch.device) -> None:
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.loop = loop
+        self.future = future
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed)
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.eos_ids = frozenset() if params.ignore_eos else eos_ids
+        self.detok = detok
+        self.cancelled = False
+        self.finish_reason: FinishReason | None = None
+        self.stop_text_end: int | None = None
+
+
+class _WeightUpdate:
+    __slots__ = ("tensors", "version", "loop", "future")
+
+    def __init__(self, tensors: dict[str, torch.Tensor], version: int,
+                 loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+        self.tensors, self.version, self.loop, self.future = tensors, version, loop, future
+
+
+def _resolve(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete ``future`` on its own loop (called there via call_soon_threadsafe)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _post(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any = None,
+          error: BaseException | None = None) -> None:
+    try:
+        loop.call_soon_threadsafe(_resolve, future, result, error)
+    except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
+        log.debug("dropping a result for a closed event loop")
+
+
+class TorchEngine:
+    """Continuous-batching engine over a transformers causal LM (implements ``Engine``)."""
+
+    def __init__(self, config: TorchEngineConfig, *, model: torch.nn.Module | None = None,
+                 tokenizer: Any | None = None) -> None:
+        self.config = config
+        self._model = model
+        self._tokenizer = tokenizer
+        self._device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._version = config.initial_version
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._updates: list[_WeightUpdate] = []
+        self._stopping = False
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._n_pending = 0
+        self._total_tokens = 0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        # running batch (engine thread only)
+        self._rows: list[_Request] = []
+        self._cache: PaddedBatchCache | None = None
+        self._next_tokens = torch.empty(0, dtype=torch.long)
+        self._positions = torch.empty(0, dtype=torch.long)
+        self._eos_ids: frozenset[int] = frozenset()
+        self._targets: dict[str, torch.Tensor] = {}
+        self._max_positions: int | None = None
+        self._vocab_size = 0
+        self._generator = torch.Generator(device=self._device)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer: Any | None,
+                   config: TorchEngineConfig | None = None) -> TorchEngine:
+        """An engine over an already loaded model (colocated runs, tests); ``start`` moves it to the device."""
+        return cls(config or TorchEngineConfig(), model=model, tokenizer=tokenizer)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Load the model (if not given) and start the engine thread."""
+        if self._running:
+            return
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
+        await asyncio.to_thread(self._load)
+        self._stopping = False
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="torch-engine", daemon=True)
+        self._thread.start()
+        log.info("torch engine started on %s (%s), version %d", self._device, self.config.dtype, self._version)
+
+    async def stop(self) -> None:
+        """Stop the engine thread; pending requests fail with EngineNotRunningError."""
+        if not self._running:
+            return
+        self._running = False
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dtype = _DTYPES[self.config.dtype]
+        if self._model is None:
+            if not self.config.model_dir or not Path(self.config.model_dir).is_dir():
+                raise EngineError(f"model_dir {self.config.model_dir!r} is not a directory; "
+                                  "point it at a Hugging Face model directory")
+            self._model = AutoModelForCausalLM.from_pretrained(
+                self.config.model_dir, dtype=dtype, attn_implementation=self.config.attn_implementation)
+            if self._tokenizer is None:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.config.model_dir)
+        model = self._model.to(device=self._device, dtype=dtype).eval()
+        model.requires_grad_(False)
+        text_config = model.config.get_text_config(decoder=True)
+        layer_types = getattr(text_config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise EngineError(f"the torch engine supports full-attention models only; layer types {set(layer_types)}")
+        self._num_layers = text_config.num_hidden_layers
+        self._max_positions = getattr(text_config, "max_position_embeddings", None)
+        self._vocab_size = text_config.vocab_size
+        self._targets = model.state_dict(keep_vars=True)
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self._tokenizer is not None and self._tokenizer.eos_token_id is not None:
+            eos_ids.add(self._tokenizer.eos_token_id)
+        self._eos_ids = frozenset(eos_ids)
+        self._next_tokens = self._next_tokens.to(self._device)
+        self._positions = self._positions.to(self._device)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def version(self) -> int:
+        """The weight version tokens are sampled with now."""
+        return self._version
+
+    @property
+    def tokenizer(self) -> Any | None:
+        """The tokenizer loaded with the model (``None`` if there is none)."""
+        return self._tokenizer
+
+    def stats(self) -> EngineStats:
+        """Pending/running requests, recent tokens/s, total tokens, version."""
+        with self._cond:
+            now = time.monotonic()
+            window = self.config.stats_window_s
+            while self._recent and self._recent[0][0] < now - window:
+                self._recent.popleft()
+            recent = sum(n for _, n in self._recent)
+            span = min(window, now - self._recent[0][0]) if self._recent else window
+            return EngineStats(pending=self._n_pending, running=len(self._rows),
+                               tokens_per_s=recent / span if span > 0 else 0.0,
+                               total_generated_tokens=self._total_tokens, version=self._version)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        """Generate one completion; see :class:`~services.rollout.engine.Engine`."""
+        if not self._running:
+            raise EngineNotRunningError("the torch engine is not running; call start() first")
+        self._validate(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        detok = IncrementalDetokenizer(self._tokenizer) if self._tokenizer is not None else None
+        request = _Request(list(prompt_ids), params, loop, future, self._eos_ids, detok, self._device)
+        with self._cond:
+            if len(self._queue) >= self.config.max_queued:
+                raise EngineOverloadedError(
+                    f"{len(self._queue)} requests already queued (max_queued={self.config.max_queued}); "
+                    "slow down or raise max_queued")
+            self._queue.append(request)
+            self._n_pending += 1
+            self._cond.notify()
+
+        def on_done(f: asyncio.Future) -> None:
+            if f.cancelled():
+                request.cancelled = True
+        future.add_done_callback(on_done)
+        return await future
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("prompt_ids is empty; give at least one token (e.g. BOS)")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self._vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self._vocab_size})")
+        if self._max_positions is not None and len(prompt_ids) + params.max_new_tokens > self._max_positions:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds the model's "
+                f"max_position_embeddings ({self._max_positions}); shorten the prompt or lower max_new_tokens")
+        if params.stop and self._tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy ``state_dict`` (all or some of the model's tensors) into the model and set ``version``.
+
+        Names and shapes are checked first; on a mismatch nothing is applied and
+        WeightUpdateError is raised. Do not modify the tensors until this returns.
+        """
+        if not self._running:
+            raise EngineNotRunningError("the torch engine is not running; call start() first")
+        unknown = [k for k in state_dict if k not in self._targets]
+        if unknown:
+            raise WeightUpdateError(f"unknown tensor names {unknown[:5]} (of {len(unknown)}); "
+                                    "send a state dict of the same architecture")
+        bad = [k for k, v in state_dict.items() if tuple(v.shape) != tuple(self._targets[k].shape)]
+        if bad:
+            k = bad[0]
+            raise WeightUpdateError(f"shape mismatch for {k}: got {tuple(state_dict[k].shape)}, "
+                                    f"model has {tuple(self._targets[k].shape)}")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        with self._cond:
+            self._updates.append(_WeightUpdate(dict(state_dict), version, loop, future))
+            self._cond.notify()
+        await future
+
+    # ------------------------------------------------------------------ engine thread
+    def _after_step(self) -> None:
+        """Called in the engine thread after every loop iteration (a hook for tests and instrumentation)."""
+
+    def _has_work(self) -> bool:
+        if self._stopping or self._rows:
+            return True
+        return bool(self._updates) or bool(self._queue)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(self._has_work)
+                    if self._stopping:
+                        break
+                    updates: list[_WeightUpdate] = []
+                    if self._updates and (self.config.weight_update_mode == "in_flight" or not self._rows):
+                        updates, self._updates = self._updates, []
+                    hold = self.config.weight_update_mode == "between_requests" and bool(self._updates)
+                    newcomers = [] if hold else self._take_newcomers()
+                try:
+                    for update in updates:
+                        self._apply_update(update)
+                    self._drop_cancelled()
+                    if newcomers:
+                        self._admit(newcomers)
+                    if self._rows:
+                        self._decode_step()
+                except Exception as exc:  # fail the affected requests, keep serving the others
+                    log.exception("torch engine step failed")
+                    self._fail(newcomers + self._rows, EngineError(f"generation failed: {exc!r}"))
+                    self._reset_batch()
+                self._after_step()
+        finally:
+            with self._cond:
+                queued, self._queue = list(self._queue), collections.deque()
+                updates, self._updates = self._updates, []
+            error = EngineNotRunningError("the torch engine stopped before this request finished")
+            self._fail(queued + self._rows, error)
+            for update in updates:
+                _post(update.loop, update.future, error=EngineNotRunningError("engine stopped before the update"))
+            self._reset_batch()
+
+    def _take_newcomers(self) -> list[_Request]:
+        """Pop queued requests that fit (batch size, prefill budget); called under the lock."""
+        room = self.config.max_batch_size - len(self._rows)
+        taken: list[_Request] = []
+        longest = 0
+        while self._queue and len(taken) < room:
+            request = self._queue[0]
+            if request.cancelled:
+                self._queue.popleft()
+                self._n_pending -= 1
+                continue
+            longest_if = max(longest, len(request.prompt_ids))
+            if taken and longest_if * (len(taken) + 1) > self.config.max_prefill_tokens:
+                break
+            taken.append(self._queue.popleft())
+            longest = longest_if
+        return taken
+
+    def _fail(self, requests: list[_Request], error: EngineError) -> None:
+        for request in requests:
+            _post(request.loop, request.future, error=error)
+        with self._cond:
+            self._n_pending -= len(requests)
+
+    def _reset_batch(self) -> None:
+        self._rows = []
+        self._cache = None
+        self._next_tokens = self._next_tokens[:0]
+        self._positions = self._positions[:0]
+
+    def _apply_update(self, update: _WeightUpdate) -> None:
+        with torch.no_grad():
+            for name, tensor in update.tensors.items():
+                self._targets[name].copy_(tensor)
+        self._version = update.version
+        log.info("applied weights version %d (%d tensors, %d rows running)",
+                 update.version, len(update.tensors), len(self._rows))
+        _post(update.loop, update.future)
+
+    def _drop_cancelled(self) -> None:
+        cancelled = sum(r.cancelled for r in self._rows)
+        if cancelled:
+            with self._cond:
+                self._n_pending -= cancelled
+            self._keep_rows([i for i, r in enumerate(self._rows) if not r.cancelled])
+
+    @torch.inference_mode()
+    def _admit(self, newcomers: list[_Request]) -> None:
+        """Prefill ``newcomers`` together, sample their first token, merge them into the batch."""
+        device = self._device
+        longest = max(len(r.prompt_ids) for r in newcomers)
+        ids = torch.zeros((len(newcomers), longest), dtype=torch.long)
+        valid = torch.zeros((len(newcomers), longest), dtype=torch.bool)
+        positions = torch.zeros((len(newcomers), longest), dtype=torch.long)
+        for i, request in enumerate(newcomers):
+            n = len(request.prompt_ids)
+            ids[i, longest - n:] = torch.tensor(request.prompt_ids, dtype=torch.long)
+            valid[i, longest - n:] = True
+            positions[i, longest - n:] = torch.arange(n)
+        cache = PaddedBatchCache(self._num_layers)
+        mask = cache.extend(valid.to(device))
+        logits = self._model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device),
+                             cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        tokens, token_list, logprob_list = sample_tokens(logits, [r.params for r in newcomers],
+                                                         [r.generator for r in newcomers], self._generator)
+        next_positions = torch.tensor([len(r.prompt_ids) for r in newcomers], dtype=torch.long, device=device)
+        if self._cache is None:
+            self._cache = cache
+        else:
+            self._cache = PaddedBatchCache.merge(self._cache, cache)
+        self._rows = self._rows + newcomers
+        self._next_tokens = torch.cat([self._next_tokens, tokens])
+        self._positions = torch.cat([self._positions, next_positions])
+        offset = len(self._rows) - len(newcomers)
+        self._record(range(offset, len(self._rows)), token_list, logprob_list)
+
+    @torch.inference_mode()
+    def _decode_step(self) -> None:
+        """One forward pass of every running row, batched sampling, bookkeeping."""
+        cache = self._cache
+        mask = cache.extend(torch.ones((len(self._rows), 1), dtype=torch.bool, device=self._device))
+        logits = self._model(input_ids=self._next_tokens[:, None], attention_mask=mask,
+                             position_ids=self._positions[:, None], cache=cache, use_cache=True).logits[:, -1]
+        self._positions += 1
+        tokens, token_list, logprob_list = sample_tokens(logits, [r.params for r in self._rows],
+                                                         [r.generator for r in self._rows], self._generator)
+        self._next_tokens = tokens
+        self._record(range(len(self._rows)), token_list, logprob_list)
+
+    def _record(self, row_indices: range, token_list: list[int], logprob_list: list[float]) -> None:
+        """Append sampled tokens to rows ``row_indices``, finish rows that hit a stop, drop them."""
+        version = self._version
+        finished: list[int] = []
+        for i, token, logprob in zip(row_indices, token_list, logprob_list, strict=True):
+            request = self._rows[i]
+            request.tokens.append(token)
+            request.logprobs.append(logprob)
+            request.versions.append(version)
+            if self._check_stop(request, token):
+                finished.append(i)
+        with self._cond:
+            self._total_tokens += len(token_list)
+            self._recent.append((time.monotonic(), len(token_list)))
+        if finished:  # leave the batch first, so stats never count a returned request as running
+            done_requests = [self._rows[i] for i in finished]
+            done = set(finished)
+            self._keep_rows([i for i in range(len(self._rows)) if i not in done])
+            for request in done_requests:
+                self._finish(request)
+
+    def _check_stop(self, request: _Request, token: int) -> bool:
+        if token in request.eos_ids:
+            request.finish_reason = "eos"
+        elif token in request.stop_ids:
+            request.finish_reason = "stop"
+        elif request.params.stop and request.detok is not None:
+            request.detok.push(request.tokens)
+            end = request.detok.find_stop(request.params.stop)
+            if end is not None:
+                request.finish_reason, request.stop_text_end = "stop", end
+        if request.finish_reason is None and len(request.tokens) >= request.params.max_new_tokens:
+            request.finish_reason = "length"
+        return request.finish_reason is not None
+
+    def _finish(self, request: _Request) -> None:
+        if request.stop_text_end is not None:
+            text = request.detok.text[: request.stop_text_end]
+        elif self._tokenizer is not None:
+            text = self._tokenizer.decode(request.tokens, skip_special_tokens=True)
+        else:
+            text = ""
+        result = GenerationResult(token_ids=request.tokens, logprobs=request.logprobs,
+                                  versions=request.versions, finish_reason=request.finish_reason, text=text)
+        with self._cond:
+            self._n_pending -= 1
+        _post(request.loop, request.future, result)
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (cache, per-row tensors); trim columns that became all padding."""
+        if not keep:
+            self._reset_batch()
+            return
+        rows = torch.tensor(keep, dtype=torch.long, device=self._device)
+        self._rows = [self._rows[i] for i in keep]
+        self._cache.select_rows(rows)
+        self._cache.trim_leading_padding()
+        self._next_tokens = self._next_tokens.index_select(0, rows)
+        self._positions = self._positions.index_select(0, rows)

@@ -1,0 +1,361 @@
+"""The torch engine: continuous batching equals unbatched decoding, stops, logprobs, versions, load."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from services.rollout.engine import (
+    Engine,
+    EngineNotRunningError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    SamplingParams,
+    WeightUpdateError,
+)
+from services.rollout.kv_cache import PaddedBatchCache
+from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
+
+PROMPTS = ["hello world", "a", "the quick brown fox jumps", "1+2=", "RL on a bus"]
+
+
+class SteppedEngine(TorchEngine):
+    """A torch engine that records every step and runs test hooks in its thread after chosen steps."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.step = 0
+        self.hooks: dict[int, Callable[[], None]] = {}
+        self.trace: list[tuple[list[int], int]] = []  # (real cached tokens per row, cache length)
+
+    def _after_step(self) -> None:
+        self.step += 1
+        real = [len(r.prompt_ids) + len(r.tokens) - 1 for r in self._rows]
+        self.trace.append((real, self._cache.seq_length if self._cache is not None else 0))
+        hook = self.hooks.pop(self.step, None)
+        if hook is not None:
+            hook()
+
+    def wait_until(self, predicate: Callable[[], bool]) -> None:
+        with self._cond:
+            self._cond.wait_for(predicate)
+
+
+@pytest.fixture
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+async def engine(tiny_model_dir):
+    eng = SteppedEngine(TorchEngineConfig(model_dir=str(tiny_model_dir), max_batch_size=8))
+    await eng.start()
+    yield eng
+    await eng.stop()
+
+
+def greedy_reference(model, prompt_ids: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def signal(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    loop.call_soon_threadsafe(event.set)
+
+
+def test_cache_merge_select_trim_matches_unbatched(reference_model):
+    model = reference_model
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, 80, (n,)) for n in (5, 9, 3)]
+
+    def prefill(batch):
+        length = max(len(p) for p in batch)
+        ids = torch.zeros(len(batch), length, dtype=torch.long)
+        valid = torch.zeros(len(batch), length, dtype=torch.bool)
+        pos = torch.zeros(len(batch), length, dtype=torch.long)
+        for i, p in enumerate(batch):
+            ids[i, length - len(p):], valid[i, length - len(p):] = p, True
+            pos[i, length - len(p):] = torch.arange(len(p))
+        cache = PaddedBatchCache(model.config.num_hidden_layers)
+        out = model(input_ids=ids, attention_mask=cache.extend(valid), position_ids=pos, cache=cache,
+                    use_cache=True, logits_to_keep=1)
+        return cache, out.logits[:, -1]
+
+    with torch.inference_mode():
+        cache_a, logits_a = prefill(prompts[:2])
+        cache_b, logits_b = prefill(prompts[2:])
+        cache = PaddedBatchCache.merge(cache_a, cache_b)
+        assert cache.seq_length == 9 and cache.batch_size == 3
+        logits = torch.cat([logits_a, logits_b])
+        seqs = list(prompts)
+        positions = torch.tensor([len(p) for p in prompts])
+        for step in range(45):  # past the preallocated headroom, so the buffers grow
+            nxt = logits.argmax(-1)
+            seqs = [torch.cat([s, nxt[i:i + 1]]) for i, s in enumerate(seqs)]
+            reference = torch.stack([model(input_ids=s[None]).logits[0, -2] for s in seqs])
+            torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+            if step == 10:  # the longest prompt leaves: its leading padding columns go
+                keep = torch.tensor([0, 2])
+                cache.select_rows(keep)
+                nxt, positions, seqs = nxt[keep], positions[keep], [seqs[0], seqs[2]]
+                assert cache.trim_leading_padding() == 4
+                assert cache.seq_length == len(seqs[0]) - 1
+            mask = cache.extend(torch.ones(cache.batch_size, 1, dtype=torch.bool))
+            logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions[:, None],
+                           cache=cache, use_cache=True).logits[:, -1]
+            positions = positions + 1
+
+
+async def test_staggered_greedy_equals_per_prompt_generate(engine, tokenizer, reference_model):
+    assert isinstance(engine, Engine)
+    loop = asyncio.get_running_loop()
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    lengths = [30, 6, 12, 25, 3]
+    arrived = [asyncio.Event() for _ in range(3)]
+    # the engine pauses after steps 3, 5 and 9 until the next prompt is queued
+    for k, step in enumerate((3, 5, 9)):
+        engine.hooks[step] = lambda k=k: (signal(loop, arrived[k]),
+                                          engine.wait_until(lambda: len(engine._queue) > 0))
+
+    def gen(i):
+        params = SamplingParams(max_new_tokens=lengths[i], temperature=0.0, ignore_eos=True)
+        return asyncio.create_task(engine.generate(prompts[i], params))
+
+    tasks = [gen(0), gen(1)]
+    for k in range(3):
+        await arrived[k].wait()
+        tasks.append(gen(k + 2))
+    results = await asyncio.gather(*tasks)
+
+    for i, result in enumerate(results):
+        assert result.token_ids == greedy_reference(reference_model, prompts[i], lengths[i]), PROMPTS[i]
+        assert result.finish_reason == "length"
+        assert result.versions == [0] * lengths[i]
+    sizes = [len(real) for real, _ in engine.trace]
+    assert max(sizes) >= 3, "newcomers never joined a running batch"
+    assert any(b < a for a, b in zip(sizes, sizes[1:], strict=False)), "finished rows never left"
+    # no column is padding in every row: the cache is exactly as long as its longest row
+    for real, length in engine.trace:
+        assert length == (max(real) if real else 0)
+    assert engine.stats().pending == 0 and engine.stats().running == 0
+
+
+async def test_stop_token_eos_stop_string_and_length(tiny_model_dir, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    prompt = tokenizer.encode("the quick brown fox")
+    probe = TorchEngine.from_model(model, tokenizer)
+    await probe.start()
+    full = await probe.generate(prompt, SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))
+    await probe.stop()
+    assert full.finish_reason == "length" and len(full.token_ids) == 40
+
+    stop_token = full.token_ids[4]
+    first = full.token_ids.index(stop_token)
+    model.generation_config.eos_token_id = stop_token  # make that token the model's EOS
+    engine = TorchEngine.from_model(model, tokenizer)
+    await engine.start()
+    try:
+        greedy = {"temperature": 0.0, "max_new_tokens": 40}
+        eos = await engine.generate(prompt, SamplingParams(**greedy))
+        assert eos.finish_reason == "eos" and eos.token_ids == full.token_ids[: first + 1]
+
+        by_id = await engine.generate(prompt, SamplingParams(**greedy, ignore_eos=True,
+                                                             stop_token_ids=[full.token_ids[7]]))
+        assert by_id.finish_reason == "stop"
+        assert by_id.token_ids == full.token_ids[: full.token_ids.index(full.token_ids[7]) + 1]
+
+        text = tokenizer.decode(full.token_ids, skip_special_tokens=True)
+        stop = text[10:12]
+        cut = text.find(stop)
+        need = next(k for k in range(1, 41) if stop in tokenizer.decode(full.token_ids[:k], skip_special_tokens=True))
+        by_str = await engine.generate(prompt, SamplingParams(**greedy, ignore_eos=True, stop=["@@", stop]))
+        assert by_str.finish_reason == "stop"
+        assert by_str.text == text[:cut]
+        assert by_str.token_ids == full.token_ids[:need]  # tokens kept up to and including the stop string
+
+        short = await engine.generate(prompt, SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
+        assert short.finish_reason == "length" and short.token_ids == full.token_ids[:3]
+        assert short.text == tokenizer.decode(full.token_ids[:3], skip_special_tokens=True)
+    finally:
+        await engine.stop()
+
+
+async def test_logprobs_match_forward_at_temperature(engine, tokenizer, reference_model):
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:4]]
+    settings = [(0.7, 1.0), (1.0, 1.0), (1.5, 0.9), (0.0, 1.0)]
+    results = await asyncio.gather(*(
+        engine.generate(p, SamplingParams(max_new_tokens=16, temperature=t, top_p=top_p, seed=i, ignore_eos=True))
+        for i, (p, (t, top_p)) in enumerate(zip(prompts, settings, strict=True))))
+    for prompt, (temperature, _), result in zip(prompts, settings, results, strict=True):
+        ids = torch.tensor([prompt + result.token_ids])
+        with torch.inference_mode():
+            logits = reference_model(input_ids=ids).logits[0, len(prompt) - 1: -1]
+        expected = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+        expected = expected.gather(1, torch.tensor(result.token_ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+async def test_seeded_sampling_is_reproducible_across_batches(engine, tokenizer):
+    prompt = tokenizer.encode("seeded")
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = await engine.generate(prompt, params)
+    crowd = await asyncio.gather(
+        engine.generate(prompt, params),
+        *(engine.generate(tokenizer.encode(p), SamplingParams(max_new_tokens=10, ignore_eos=True)) for p in PROMPTS))
+    assert crowd[0].token_ids == alone.token_ids
+    other = await engine.generate(prompt, SamplingParams(max_new_tokens=20, seed=99, ignore_eos=True))
+    assert other.token_ids != alone.token_ids
+
+
+def perturbed(model_dir) -> dict[str, torch.Tensor]:
+    torch.manual_seed(7)
+    state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    return {k: v + 0.2 * torch.randn_like(v) for k, v in state.items()}
+
+
+async def test_in_flight_update_changes_later_tokens(engine, tiny_model_dir, tokenizer):
+    prompt = tokenizer.encode("in flight")
+    params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    baseline = await engine.generate(prompt, params)
+    new_state = perturbed(tiny_model_dir)
+    loop = asyncio.get_running_loop()
+    reached = asyncio.Event()
+    switch_at = engine.step + 6
+    engine.hooks[switch_at] = lambda: (signal(loop, reached), engine.wait_until(lambda: bool(engine._updates)))
+    task = asyncio.create_task(engine.generate(prompt, params))
+    await reached.wait()
+    await engine.update_weights(new_state, version=1)
+    result = await task
+
+    old = result.versions.count(0)
+    assert 0 < old < 30 and result.versions == [0] * old + [1] * (30 - old)
+    assert engine.version == 1
+    assert result.token_ids[:old] == baseline.token_ids[:old]
+    assert result.token_ids != baseline.token_ids
+    # a request started after the update is decoded entirely by the new weights
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    reference.load_state_dict(new_state)
+    reference.generation_config.eos_token_id = None
+    fresh = await engine.generate(prompt, params)
+    assert fresh.versions == [1] * 30
+    assert fresh.token_ids == greedy_reference(reference, prompt, 30)
+
+
+async def test_between_requests_update_waits_for_running_rows(tiny_model_dir, tokenizer):
+    engine = SteppedEngine(TorchEngineConfig(model_dir=str(tiny_model_dir), weight_update_mode="between_requests"))
+    await engine.start()
+    try:
+        loop = asyncio.get_running_loop()
+        reached = asyncio.Event()
+        engine.hooks[3] = lambda: (signal(loop, reached),
+                                   engine.wait_until(lambda: bool(engine._updates) and len(engine._queue) > 0))
+        params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+        first = asyncio.create_task(engine.generate(tokenizer.encode("first"), params))
+        await reached.wait()
+        update = asyncio.create_task(engine.update_weights(perturbed(tiny_model_dir), version=5))
+        second = asyncio.create_task(engine.generate(tokenizer.encode("second"), params))
+        a, b = await asyncio.gather(first, second)
+        await update
+        assert a.versions == [0] * 12 and b.versions == [5] * 12
+    finally:
+        await engine.stop()
+
+
+async def test_stats_count_pending_and_tokens(engine, tokenizer):
+    loop = asyncio.get_running_loop()
+    started, blocked, release = asyncio.Event(), asyncio.Event(), threading.Event()
+
+    def hold() -> None:  # after the first step: wait for 5 more requests, then until released
+        signal(loop, started)
+        engine.wait_until(lambda: len(engine._queue) >= 5)
+        signal(loop, blocked)
+        release.wait()
+
+    engine.hooks[1] = hold
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True)
+    tasks = [asyncio.create_task(engine.generate(tokenizer.encode("x"), params))]
+    await started.wait()
+    tasks += [asyncio.create_task(engine.generate(tokenizer.encode(p), params)) for p in PROMPTS]
+    await blocked.wait()
+    stats = engine.stats()
+    assert stats.pending == 6 and stats.running == 1
+    release.set()
+    await asyncio.gather(*tasks)
+    stats = engine.stats()
+    assert stats.pending == 0 and stats.running == 0 and stats.total_generated_tokens == 48
+    assert stats.tokens_per_s > 0
+
+
+async def test_two_hundred_concurrent_requests(tiny_model_dir, tokenizer):
+    engine = TorchEngine(TorchEngineConfig(model_dir=str(tiny_model_dir), max_batch_size=64))
+    await engine.start()
+    try:
+        gen = torch.Generator().manual_seed(0)
+        lengths = torch.randint(1, 17, (200,), generator=gen).tolist()
+        results = await asyncio.gather(*(
+            engine.generate(tokenizer.encode(PROMPTS[i % 5] * (1 + i % 3)),
+                            SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True))
+            for i, n in enumerate(lengths)))
+        assert [len(r.token_ids) for r in results] == lengths
+        assert all(len(r.logprobs) == len(r.versions) == len(r.token_ids) for r in results)
+        assert all(lp <= 0.0 for r in results for lp in r.logprobs)
+        assert engine.stats().pending == 0 and engine.stats().total_generated_tokens == sum(lengths)
+    finally:
+        await engine.stop()
+
+
+async def test_cancelled_request_leaves_the_batch(engine, tokenizer):
+    params = SamplingParams(max_new_tokens=200, temperature=1.0, ignore_eos=True)
+    long = asyncio.create_task(engine.generate(tokenizer.encode("long"), params))
+    short = await engine.generate(tokenizer.encode("short"), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert len(short.token_ids) == 4
+    long.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await long
+    again = await engine.generate(tokenizer.encode("again"), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert len(again.token_ids) == 4
+    assert engine.stats().pending == 0 and engine.stats().running == 0
+
+
+async def test_errors_say_what_went_wrong(tiny_model_dir, tokenizer):
+    engine = SteppedEngine(TorchEngineConfig(model_dir=str(tiny_model_dir), max_queued=1, dtype="bfloat16"))
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with pytest.raises(EngineNotRunningError):
+        await engine.generate([1, 2], params)
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(max_new_tokens=0)
+    await engine.start()
+    try:
+        with pytest.raises(InvalidRequestError, match="empty"):
+            await engine.generate([], params)
+        with pytest.raises(InvalidRequestError, match="max_position_embeddings"):
+            await engine.generate([5] * 500, SamplingParams(max_new_tokens=20))
+        with pytest.raises(WeightUpdateError, match="shape mismatch"):
+            await engine.update_weights({"lm_head.weight": torch.zeros(3, 3)}, version=9)
+        with pytest.raises(WeightUpdateError, match="unknown"):
+            await engine.update_weights({"nope": torch.zeros(3)}, version=9)
+        assert engine.version == 0
+        # block the engine after its first step so the queue fills up
+        loop = asyncio.get_running_loop()
+        started, blocked, release = asyncio.Event(), asyncio.Event(), threading.Event()
+        engine.hooks[1] = lambda: (signal(loop, started), engine.wait_until(lambda: len(engine._queue) >= 1),
+                                   signal(loop, blocked), release.wait())
+        running = asyncio.create_task(engine.generate([5, 6], params))
+        await started.wait()
+        queued = asyncio.create_task(engine.generate([5, 6], params))
+        await blocked.wait()
+        with pytest.raises(EngineOverloadedError):
+            await engine.generate([5, 6], params)
+        release.set()
+        assert len((await running).token_ids) == 4  # bfloat16 weights generate too
+        assert len((await queued).token_ids) == 4
+    finally:
+        await engine.stop()
+    with pytest.raises(EngineNotRunningError):
+        await engine.generate([1, 2], params)
