@@ -1,0 +1,251 @@
+"""The GRPO-family objective, written to read like the maths.
+
+Notation (one completion ``i`` of a prompt group ``g``, token ``t`` of it):
+
+* ``r_i``                 the completion's reward;
+* ``A_i``                 its advantage, shared by all of its tokens;
+* ``log pi_theta(t)``     ``logprobs``: the policy being trained (carries the gradient);
+* ``log pi_prox(t)``      ``old_logprobs``: the proximal ("old") policy the PPO ratio is
+  taken against. When not given it is the current policy, detached (one optimiser step
+  per batch), except for ``is_mode="none"`` where it is the behaviour policy;
+* ``log mu(t)``           ``behaviour_logprobs``: the policy that actually sampled the
+  token, as recorded by the rollout engine (possibly several versions stale);
+* ``log pi_ref(t)``       ``ref_logprobs``: a frozen reference, for the KL penalty;
+* ``m(t)``                ``loss_mask``: 1 for policy-sampled completion tokens, 0 for prompt,
+  padding and tool-output tokens.
+
+Per token::
+
+    rho(t)  = exp(log pi_theta(t) - log pi_prox(t))                  # PPO ratio
+    pg(t)   = -min(rho(t) * A_i, clip(rho(t), 1 - clip_low, 1 + clip_high) * A_i)
+    w(t)    = importance weight of the proximal policy against the behaviour policy
+              (detached; see ``is_mode``)
+    kl(t)   = exp(d) - d - 1,  d = log pi_ref(t) - log pi_theta(t)   # k3 estimator, >= 0
+    l(t)    = w(t) * pg(t) + kl_coef * kl(t)
+
+``is_mode``:
+
+* ``"tis"`` (default), truncated importance sampling:
+  ``w = min(exp(log pi_prox - log mu), is_cap)``; every token is kept, large weights are
+  truncated to the cap.
+* ``"decoupled"``, decoupled PPO (Hilton et al. 2022; AReaL):
+  ``w = exp(log pi_prox - log mu)`` where it is at most ``is_cap`` and the token is dropped
+  (``w = 0``) where it exceeds the cap, so a token far off the behaviour policy
+  contributes nothing rather than a truncated amount.
+* ``"none"``: ``w = 1`` (classic PPO: the behaviour policy is the old policy).
+
+Aggregation of ``l(t)`` over the batch (``aggregation``):
+
+* ``"seq_mean_token_mean"`` (default): mean over each completion's own tokens, then mean
+  over completions. Measured here (FACTS.md): this learnt where the all-token mean
+  collapsed at high learning rates.
+* ``"token_mean"``: one mean over every loss token in the batch (longer completions
+  weigh more).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+IsMode = Literal["tis", "decoupled", "none"]
+Aggregation = Literal["seq_mean_token_mean", "token_mean"]
+
+
+class LossInputError(ValueError):
+    """The loss was given tensors of mismatched shapes or an unknown option."""
+
+
+def group_advantages(
+    rewards: Tensor | Sequence[float],
+    group_ids: Sequence[Hashable] | Tensor,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Group-relative advantages, one per completion.
+
+    ``A_i = r_i - mean_g(r)`` and, with ``normalize_std``, divided by ``std_g(r) + eps``
+    where ``std_g`` is the sample standard deviation (Bessel-corrected, as in
+    DeepSeekMath/TRL). A group of one completion, or one whose rewards are all equal,
+    gets advantage 0 for every member.
+
+    Args:
+        rewards: ``[N]`` per-completion rewards.
+        group_ids: ``N`` hashable group keys (e.g. the prompt group id), or an int tensor.
+        normalize_std: divide by the group's reward std (Dr. GRPO turns this off).
+        eps: added to the std to keep the division finite.
+
+    Returns:
+        ``[N]`` float32 advantages, in the order of ``rewards``.
+    """
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    if isinstance(group_ids, Tensor):
+        group_ids = group_ids.tolist()
+    if rewards.dim() != 1 or len(group_ids) != rewards.shape[0]:
+        raise LossInputError(
+            f"rewards must be 1-D with one group id each; got rewards {tuple(rewards.shape)} "
+            f"and {len(group_ids)} group ids"
+        )
+    # Map each group key to a dense index 0..G-1.
+    index: dict[Hashable, int] = {}
+    group = torch.tensor([index.setdefault(g, len(index)) for g in group_ids], dtype=torch.long)
+    num_groups = len(index)
+    # Per-group count, mean and (Bessel-corrected) std via scatter-add.
+    count = torch.zeros(num_groups).index_add_(0, group, torch.ones_like(rewards))
+    mean = torch.zeros(num_groups).index_add_(0, group, rewards) / count
+    centred = rewards - mean[group]
+    advantages = centred
+    if normalize_std:
+        sq = torch.zeros(num_groups).index_add_(0, group, centred**2)
+        std = torch.sqrt(sq / (count - 1).clamp(min=1))
+        # Equal rewards (std 0) mean no signal: advantage 0, even with eps = 0.
+        spread = std[group]
+        advantages = torch.where(spread > 0, centred / (spread + eps), torch.zeros_like(centred))
+    # A singleton group has no baseline to compare against: no signal.
+    return torch.where(count[group] > 1, advantages, torch.zeros_like(advantages))
+
+
+def _aggregate(per_token: Tensor, mask: Tensor, aggregation: Aggregation, total: float | None) -> Tensor:
+    """Reduce a ``[B, T]`` per-token quantity to a scalar (see module docstring)."""
+    if aggregation == "token_mean":
+        denominator = total if total is not None else mask.sum().clamp(min=1.0)
+        return (per_token * mask).sum() / denominator
+    if aggregation == "seq_mean_token_mean":
+        tokens_per_seq = mask.sum(dim=1)
+        seq_means = (per_token * mask).sum(dim=1) / tokens_per_seq.clamp(min=1.0)
+        # Completions without a single loss token (e.g. all tool output) do not count.
+        has_tokens = (tokens_per_seq > 0).to(per_token.dtype)
+        denominator = total if total is not None else has_tokens.sum().clamp(min=1.0)
+        return (seq_means * has_tokens).sum() / denominator
+    raise LossInputError(f"unknown aggregation {aggregation!r}; use 'seq_mean_token_mean' or 'token_mean'")
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    kl_coef: float = 0.0,
+    is_mode: IsMode = "tis",
+    is_cap: float = 2.0,
+    aggregation: Aggregation = "seq_mean_token_mean",
+    total: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The GRPO loss with clip-higher, optional k3 KL and off-policy correction.
+
+    Formulas are in the module docstring. All per-token tensors are ``[B, T]``
+    (completion tokens, right-padded); ``advantages`` is ``[B]`` (from
+    :func:`group_advantages`, computed over whole groups, so it is an input here
+    rather than recomputed from a micro-batch).
+
+    Args:
+        logprobs: current-policy logprobs of the sampled tokens; carries the gradient.
+        behaviour_logprobs: logprobs recorded by the rollout engine when sampling.
+        advantages: per-completion advantages ``[B]``.
+        loss_mask: 1 where a token counts, 0 for prompt/padding/tool-output tokens.
+        old_logprobs: proximal-policy logprobs; default: see module docstring.
+        ref_logprobs: frozen-reference logprobs; needed when ``kl_coef > 0``.
+        clip_low: ratio floor is ``1 - clip_low``.
+        clip_high: ratio ceiling is ``1 + clip_high`` (clip-higher when > clip_low).
+        kl_coef: weight of the k3 KL penalty to the reference.
+        is_mode: ``"tis"``, ``"decoupled"`` or ``"none"``.
+        is_cap: cap on the importance weight (truncated for tis, dropped for decoupled).
+        aggregation: ``"seq_mean_token_mean"`` or ``"token_mean"``.
+        total: denominator for the whole batch when this call sees only a micro-batch
+            of it (gradient accumulation): the number of completions with loss tokens
+            (seq_mean_token_mean) or of loss tokens (token_mean) in the full batch.
+
+    Returns:
+        ``(loss, metrics)``: a scalar tensor to call ``backward()`` on, and floats named
+        ``losses/policy``, ``losses/kl``, ``losses/total``, ``policy/clip_frac``,
+        ``policy/approx_kl``, ``policy/is_weight_mean``, ``policy/is_truncated_frac``,
+        ``policy/entropy`` (sampled-token estimate ``mean(-log pi_theta)``, exact in
+        expectation for on-policy samples) and ``policy/advantage_abs_mean``.
+    """
+    shape = logprobs.shape
+    for name, tensor in (
+        ("behaviour_logprobs", behaviour_logprobs),
+        ("loss_mask", loss_mask),
+        ("old_logprobs", old_logprobs),
+        ("ref_logprobs", ref_logprobs),
+    ):
+        if tensor is not None and tensor.shape != shape:
+            raise LossInputError(f"{name} has shape {tuple(tensor.shape)}, logprobs has {tuple(shape)}")
+    if logprobs.dim() != 2 or advantages.shape != shape[:1]:
+        raise LossInputError(
+            f"expected logprobs [B, T] and advantages [B]; got {tuple(shape)} and {tuple(advantages.shape)}"
+        )
+    if kl_coef > 0 and ref_logprobs is None:
+        raise LossInputError("kl_coef > 0 needs ref_logprobs (the frozen reference policy's logprobs)")
+    if is_mode not in ("tis", "decoupled", "none"):
+        raise LossInputError(f"unknown is_mode {is_mode!r}; use 'tis', 'decoupled' or 'none'")
+
+    mask = loss_mask.to(logprobs.dtype)
+    behaviour_logprobs = behaviour_logprobs.detach()
+
+    # 1. The proximal policy the PPO ratio is taken against.
+    if old_logprobs is not None:
+        prox_logprobs = old_logprobs.detach()
+    elif is_mode == "none":
+        prox_logprobs = behaviour_logprobs
+    else:
+        prox_logprobs = logprobs.detach()
+
+    # 2. PPO ratio and its clipped surrogate (clip-higher: separate low/high bounds).
+    log_ratio = logprobs - prox_logprobs
+    ratio = torch.exp(log_ratio)
+    adv = advantages.to(logprobs.dtype).unsqueeze(1)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    pg_per_token = -torch.minimum(unclipped, clipped)
+
+    # 3. Off-policy correction: importance weight of proximal vs behaviour policy (no gradient).
+    raw_weight = torch.exp(prox_logprobs - behaviour_logprobs)
+    if is_mode == "tis":
+        is_weight = torch.clamp(raw_weight, max=is_cap)
+    elif is_mode == "decoupled":
+        is_weight = torch.where(raw_weight <= is_cap, raw_weight, torch.zeros_like(raw_weight))
+    else:
+        is_weight = torch.ones_like(raw_weight)
+    is_truncated = (raw_weight > is_cap).to(mask.dtype) if is_mode != "none" else torch.zeros_like(mask)
+    pg_per_token = is_weight * pg_per_token
+
+    # 4. KL to the frozen reference (k3 estimator: unbiased, always >= 0).
+    if ref_logprobs is not None:
+        d = ref_logprobs.detach() - logprobs
+        kl_per_token = torch.exp(d) - d - 1.0
+    else:
+        kl_per_token = torch.zeros_like(logprobs)
+
+    # 5. Aggregate over tokens and completions.
+    policy_loss = _aggregate(pg_per_token, mask, aggregation, total)
+    kl_loss = _aggregate(kl_per_token, mask, aggregation, total)
+    loss = policy_loss + kl_coef * kl_loss
+
+    # Diagnostics: token means over loss tokens of this call.
+    with torch.no_grad():
+        n_tokens = mask.sum().clamp(min=1.0)
+
+        def token_mean(x: Tensor) -> float:
+            return float((x * mask).sum() / n_tokens)
+
+        metrics = {
+            "losses/policy": float(policy_loss),
+            "losses/kl": float(kl_loss),
+            "losses/total": float(loss),
+            "policy/clip_frac": token_mean((clipped < unclipped).to(mask.dtype)),
+            "policy/approx_kl": token_mean((ratio - 1.0) - log_ratio),
+            "policy/is_weight_mean": token_mean(is_weight),
+            "policy/is_truncated_frac": token_mean(is_truncated),
+            "policy/entropy": token_mean(-logprobs),
+            "policy/advantage_abs_mean": float(advantages.abs().mean()) if advantages.numel() else 0.0,
+        }
+    return loss, metrics
