@@ -33,8 +33,8 @@ is the sha256 of the concatenated chunk digests (a one-level hash tree, so a
 reader verifies the whole without a second pass over the data);
 ``state_sha256`` is the sha256 of the reconstructed tensor data (the safetensors
 data section of the full layout), checked after a delta is applied. ``hmac`` is
-an optional HMAC-SHA256 over the manifest (with ``hmac`` empty), verified by
-engines that have the key.
+an optional HMAC-SHA256 over the manifest (with ``hmac`` and ``store`` empty),
+verified by engines that have the key.
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ class WeightManifest(msgspec.Struct, kw_only=True):
     encoding: str
     #: store type holding the chunks: objstore | s3 | fs
     store: str
-    #: hex HMAC-SHA256 of the manifest encoded with hmac="" (empty when unsigned)
+    #: hex HMAC-SHA256 of the manifest's msgpack with hmac="" and store="" (empty when unsigned);
+    #: store is excluded so relays can re-home chunks without the key
     hmac: str = ""
 
 

@@ -125,8 +125,11 @@ async def read_chunks(store: BlobStore, manifest: WeightManifest, parallel: int 
 
 
 def manifest_hmac(key: bytes, manifest: WeightManifest) -> str:
-    """Hex HMAC-SHA256 of the manifest's msgpack encoding with ``hmac`` emptied."""
-    body = msgspec.msgpack.encode(msgspec.structs.replace(manifest, hmac=""))
+    """Hex HMAC-SHA256 of the manifest's msgpack encoding with ``hmac`` and ``store`` emptied.
+
+    ``store`` is left out so a relay can re-home chunks without the key.
+    """
+    body = msgspec.msgpack.encode(msgspec.structs.replace(manifest, hmac="", store=""))
     return hmac_mod.new(key, body, hashlib.sha256).hexdigest()
 
 

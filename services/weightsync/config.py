@@ -85,3 +85,91 @@ class EncodingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     zstd_level: Annotated[int, msgspec.Meta(ge=1, le=19)] = 3
     #: publish a full anchor instead of a delta when the delta would exceed this fraction of it
     max_delta_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
+
+
+class RelayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Re-publish every upstream version once into a local store, announced under a local scope."""
+
+    #: scope local engines subscribe to (e.g. the node or region name)
+    scope: str
+    #: where local engines read chunks from
+    store: StoreConfig = msgspec.field(default_factory=ObjStoreConfig)
+    #: anchors kept in the local store (and the deltas after them)
+    keep_anchors: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 2
+
+
+class WeightsyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The weightsync service: retention of the trainer's versions and/or a relay near engines."""
+
+    run_id: str
+    #: scope the trainer publishes under
+    upstream_scope: str = "main"
+    #: the trainer's store (must match the publisher's config)
+    upstream_store: StoreConfig = msgspec.field(default_factory=ObjStoreConfig)
+    #: run retention on the upstream scope (exactly one weightsync instance per run should)
+    gc_upstream: bool = True
+    #: anchors kept upstream (and every delta after the oldest of them)
+    keep_anchors: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 2
+    #: relay into a local scope; None = no relay (retention only)
+    relay: RelayConfig | None = None
+    #: environment variable holding the hex HMAC key; empty = manifests are not verified
+    hmac_key_env: str = ""
+    #: chunks transferred concurrently
+    parallel: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+
+    def __post_init__(self) -> None:
+        if self.relay is not None and self.relay.scope == self.upstream_scope:
+            raise ConfigError(
+                f"relay.scope {self.relay.scope!r} equals upstream_scope; a relay needs its own scope"
+            )
+        if not self.gc_upstream and self.relay is None:
+            raise ConfigError("weightsync with gc_upstream=false and no relay has nothing to do")
+
+
+class StoreTransportConfig(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="store"
+):
+    """Weights through a blob store + announcements on the bus (the default; engines pull on their own clock)."""
+
+    store: StoreConfig = msgspec.field(default_factory=ObjStoreConfig)
+    #: scope to publish to (trainer: ``main``) or read from (engines: ``main`` or their relay's scope)
+    scope: str = "main"
+    encoding: EncodingConfig = msgspec.field(default_factory=EncodingConfig)
+    #: environment variable holding the hex HMAC key (sign when publishing, verify when reading)
+    hmac_key_env: str = ""
+    #: chunks transferred concurrently
+    parallel: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+
+
+class BroadcastConfig(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="broadcast"
+):
+    """A torch.distributed group between the trainer (rank 0) and engines; rendezvous over the bus."""
+
+    #: trainer + engines; every engine must join before the first send completes
+    world_size: Annotated[int, msgspec.Meta(ge=2, le=4096)]
+    #: gloo (CPU tensors), nccl (CUDA tensors), or auto (nccl when CUDA is available)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    #: address engines reach the trainer's TCPStore at
+    master_addr: str = "127.0.0.1"
+    #: 0 picks a free port
+    master_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    #: bytes per broadcast call (bounds the extra memory on every rank)
+    bucket_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 64 * MiB
+    #: any join or broadcast that takes longer fails with BroadcastError (never a silent hang)
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    #: dtype of sent weights, as for the store transport
+    dtype: Literal["bf16", "native"] = "native"
+    scope: str = "main"
+
+
+class InprocConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="inproc"):
+    """Colocated trainer and engine in one process: tensors are handed over, never copied through the bus."""
+
+    #: name of the in-process channel (one per trainer/engine pair)
+    channel: str = "default"
+    #: clone tensors on send (set when the trainer may modify them before the engine applies them)
+    snapshot: bool = False
+
+
+TransportConfig = StoreTransportConfig | BroadcastConfig | InprocConfig

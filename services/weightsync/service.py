@@ -1,0 +1,182 @@
+"""The weightsync service: retention of the trainer's versions, and a relay that serves engines nearby.
+
+Relay: watches the upstream announcements; for each new version it pulls the
+chunks once from the upstream store (verified), stores them unchanged in the
+local store, records the manifest in the local scope's KV and announces it on
+``rlbus.<run>.weights.announce.<local scope>``. Engines configured with the
+local scope and store then read locally, so N engines cost one upstream read.
+A delta whose base the relay has not copied (the relay joined late) pulls the
+missing chain from its anchor first. Retention runs on each side after every
+new version (see ``retention.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+
+import msgspec
+from nats.aio.client import Client as NATS
+
+from proto.weights import WeightAnnouncement, WeightManifest
+from services.weightsync.blobs import WeightIntegrityError, copy_chunks, read_chunks, verify_signature
+from services.weightsync.config import ConfigError, WeightsyncConfig
+from services.weightsync.index import VersionIndex
+from services.weightsync.retention import ManifestCache, collect_garbage
+from services.weightsync.store import BlobStore, open_store
+
+log = logging.getLogger("rlbus.weightsync.service")
+
+
+def load_hmac_key(env_var: str) -> bytes | None:
+    """The HMAC key from hex in ``$env_var`` (None when ``env_var`` is empty)."""
+    if not env_var:
+        return None
+    value = os.environ.get(env_var, "")
+    if not value:
+        raise ConfigError(
+            f"hmac_key_env names ${env_var}, which is not set; export the hex key or clear the field"
+        )
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise ConfigError(f"${env_var} must hold the HMAC key in hex") from None
+
+
+@dataclass
+class RelayStats:
+    """What the relay moved (for metrics and the benchmark)."""
+
+    versions_relayed: int = 0
+    upstream_bytes: int = 0
+    local_bytes: int = 0
+    refused: int = 0
+
+
+class WeightsyncService:
+    """Retention and/or relay for one run; ``run(stop)`` until the event is set."""
+
+    def __init__(self, nc: NATS, config: WeightsyncConfig, local_nc: NATS | None = None) -> None:
+        self.config = config
+        self.hmac_key = load_hmac_key(config.hmac_key_env)
+        self.upstream_store: BlobStore = open_store(config.upstream_store, nc, scope=config.upstream_scope)
+        self.upstream = VersionIndex(nc, config.run_id, config.upstream_scope)
+        self._upstream_cache = ManifestCache(self.upstream)
+        self.local_store: BlobStore | None = None
+        self.local: VersionIndex | None = None
+        self._local_cache: ManifestCache | None = None
+        if config.relay is not None:
+            lnc = local_nc or nc
+            self.local_store = open_store(config.relay.store, lnc, scope=config.relay.scope)
+            self.local = VersionIndex(lnc, config.run_id, config.relay.scope)
+            self._local_cache = ManifestCache(self.local)
+        self.stats = RelayStats()
+        #: set after each version is fully handled (relayed and collected); tests and benches wait on it
+        self.handled = asyncio.Condition()
+        self.last_handled: int | None = None
+
+    async def ensure(self) -> None:
+        """Provision every bucket this service uses (idempotent)."""
+        await self.upstream_store.ensure()
+        await self.upstream.ensure()
+        if self.local_store is not None and self.local is not None:
+            await self.local_store.ensure()
+            await self.local.ensure()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Handle every new upstream version until ``stop`` is set."""
+        await self.ensure()
+        watch = asyncio.create_task(self._watch(), name="weightsync-watch")
+        stopper = asyncio.create_task(stop.wait(), name="weightsync-stop")
+        try:
+            done, _ = await asyncio.wait({watch, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if watch in done:
+                watch.result()  # re-raise what ended the watch
+        finally:
+            for t in (watch, stopper):
+                t.cancel()
+            await asyncio.gather(watch, stopper, return_exceptions=True)
+            await self.upstream_store.close()
+            if self.local_store is not None:
+                await self.local_store.close()
+
+    async def _watch(self) -> None:
+        async for ann in self.upstream.watch(include_current=True):
+            await self.handle(ann)
+
+    async def handle(self, ann: WeightAnnouncement) -> None:
+        """Relay one announced version (and any missing chain) and run retention."""
+        try:
+            if self.local is not None:
+                await self._relay(ann)
+        except WeightIntegrityError as err:
+            self.stats.refused += 1
+            log.error("relay refused v%d: %s", ann.policy_version, err)
+        if self.config.gc_upstream:
+            await collect_garbage(
+                self.upstream, self.upstream_store, self.config.keep_anchors, self._upstream_cache
+            )
+        if self.local is not None and self.local_store is not None and self.config.relay is not None:
+            await collect_garbage(
+                self.local, self.local_store, self.config.relay.keep_anchors, self._local_cache
+            )
+        async with self.handled:
+            self.last_handled = ann.policy_version
+            self.handled.notify_all()
+
+    async def wait_handled(self, version: int) -> None:
+        """Wait until ``version`` (or a newer one) has been handled."""
+        async with self.handled:
+            await self.handled.wait_for(
+                lambda: self.last_handled is not None and self.last_handled >= version
+            )
+
+    async def _missing_chain(self, manifest: WeightManifest) -> list[WeightManifest]:
+        """Versions (oldest first) to copy so the local scope can rebuild ``manifest``."""
+        if self._local_cache is None:
+            return []
+        chain = [manifest]
+        m = manifest
+        while m.kind == "delta" and m.base_version is not None:
+            if await self._local_cache.get(m.base_version) is not None:
+                break
+            base = await self._upstream_cache.get(m.base_version)
+            if base is None:
+                raise WeightIntegrityError(
+                    f"cannot relay v{manifest.version}: upstream no longer has v{m.base_version} of its chain",
+                    version=manifest.version,
+                )
+            chain.append(base)
+            m = base
+        return chain[::-1]
+
+    async def _relay(self, ann: WeightAnnouncement) -> None:
+        if self.local is None or self.local_store is None or self._local_cache is None:
+            return
+        if await self._local_cache.get(ann.policy_version) is not None:
+            return  # already relayed (a restart re-delivers the current announcement)
+        for m in await self._missing_chain(ann.manifest):
+            verify_signature(self.hmac_key, m)
+            blob = await read_chunks(self.upstream_store, m, self.config.parallel)
+            await copy_chunks(blob, self.local_store, m.chunks, self.config.parallel)
+            self.stats.upstream_bytes += len(blob)
+            self.stats.local_bytes += len(blob)
+            await self.local.put_manifest(msgspec.structs.replace(m, store=self.local_store.kind))
+        local_manifest = await self._local_cache.get(ann.policy_version)
+        if local_manifest is None:
+            raise WeightIntegrityError(
+                f"relay lost v{ann.policy_version} while copying it", version=ann.policy_version
+            )
+        await self.local.announce(
+            WeightAnnouncement(
+                run_id=ann.run_id,
+                policy_version=ann.policy_version,
+                scope=self.local.scope,
+                manifest=local_manifest,
+                msg_id=f"{ann.msg_id}-{self.local.scope}",
+            )
+        )
+        self.stats.versions_relayed += 1
+        log.info("relayed v%d into scope %s", ann.policy_version, self.local.scope)
