@@ -20,8 +20,9 @@ a relay re-publishes under its own scope, e.g. ``node-a``, for the engines near 
 * object-store bucket ``rlbus_weight_blobs_<scope>`` (when the store type is
   ``objstore``) — chunk objects named ``<run>/v<version:010d>/<kind>.<index:04d>``;
   S3 and filesystem stores use the same names under their prefix/root.
-* subject ``rlbus.<run>.weights.broadcast.<scope>`` — :class:`BroadcastReady`,
-  rendezvous of the direct ``broadcast`` transport (trainer → engines).
+* subject ``rlbus.<run>.weights.broadcast.<scope>`` and KV ``<run>.bcast.*`` —
+  :class:`BroadcastGroup` / :class:`BroadcastReady`, rendezvous of the direct
+  ``broadcast`` transport (published by the trainer, read by engines).
 
 Blob layout: a ``full`` version (anchor) is a safetensors file (any safetensors
 reader opens the concatenated chunks); a ``delta`` version is a zstd frame of
@@ -168,25 +169,55 @@ class WeightAnnouncement(Envelope, kw_only=True, tag="weight_announcement"):
     manifest: WeightManifest
 
 
-class BroadcastReady(Envelope, kw_only=True, tag="weight_broadcast"):
-    """The trainer is about to broadcast ``policy_version`` on the direct process group.
+class BroadcastGroup(Envelope, kw_only=True, tag="weight_broadcast_group"):
+    """Rendezvous of the direct ``broadcast`` transport (KV ``<run>.bcast.group``).
 
-    ``master_addr``/``master_port``/``world_size`` are the torch.distributed
-    rendezvous (TCPStore) the engines join; ``tensors`` and ``bucket_bytes``
-    describe how the flat bytes are cut into broadcast buckets.
+    Written by the trainer's broadcast sender (rank 0) before it waits for the
+    engines; engines read it, claim a rank (KV ``<run>.bcast.<group_id>.rank.<i>``,
+    created atomically) and join the TCPStore at ``master_addr:master_port``.
     """
 
-    policy_version: int
+    group_id: str
     master_addr: str
     master_port: int
     world_size: int
+    #: gloo or nccl
+    backend: str
+
+
+class BroadcastReady(Envelope, kw_only=True, tag="weight_broadcast"):
+    """The trainer is about to broadcast ``policy_version`` on the group ``group_id``.
+
+    KV ``<run>.bcast.ready`` and subject ``rlbus.<run>.weights.broadcast.<scope>``:
+    published by the broadcast sender, consumed by broadcast receivers (engines),
+    which then join the collective. The data section of the full layout (no
+    safetensors header; ``tensors[i].offset`` relative to its start) is sent in
+    buckets of ``bucket_bytes``; ``state_sha256`` is its sha256 (empty when the
+    sender's tensors are on a GPU).
+    """
+
+    policy_version: int
     group_id: str
     bucket_bytes: int
     tensors: list[TensorEntry]
-    full_nbytes: int
-    data_offset: int
-    state_sha256: str
+    data_nbytes: int
+    state_sha256: str = ""
+
+
+def broadcast_group_key(run_id: str) -> str:
+    """KV key (scope's weights bucket) of the current :class:`BroadcastGroup`."""
+    return f"{check_run_id(run_id)}.bcast.group"
+
+
+def broadcast_ready_key(run_id: str) -> str:
+    """KV key of the newest :class:`BroadcastReady`."""
+    return f"{check_run_id(run_id)}.bcast.ready"
+
+
+def broadcast_rank_key(run_id: str, group_id: str, rank: int) -> str:
+    """KV key an engine creates to claim ``rank`` in group ``group_id``."""
+    return f"{check_run_id(run_id)}.bcast.{check_scope(group_id)}.rank.{rank}"
 
 
 #: used by ``rlbus tap`` (proto/registry.py) to decode the ``weights`` family
-TAP_TYPE = WeightAnnouncement | BroadcastReady
+TAP_TYPE = WeightAnnouncement | BroadcastReady | BroadcastGroup

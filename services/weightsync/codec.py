@@ -100,43 +100,53 @@ class FullBlob:
         return sha256_hex(self.data)
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def encode_full(state_dict: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> FullBlob:
-    """Write ``state_dict`` into one safetensors buffer (one copy of each tensor's bytes)."""
+def layout(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
+    """Data-section layout: entries with offsets from the start of the data, and its size.
+
+    Tensors are ordered by element size, largest first (stable), so each starts aligned.
+    """
     if not state_dict:
         raise CodecError("cannot encode an empty state dict")
-    names = sorted(
-        state_dict, key=lambda n: -state_dict[n].element_size()
-    )  # stable: keeps order within a size
-    header: dict[str, object] = {}
+    names = sorted(state_dict, key=lambda n: -state_dict[n].element_size())
     entries: list[TensorEntry] = []
     pos = 0
     for name in names:
         t = state_dict[name]
         nbytes = t.numel() * t.element_size()
-        dtype = st_dtype(t.dtype)
-        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [pos, pos + nbytes]}
-        entries.append(TensorEntry(name=name, dtype=dtype, shape=list(t.shape), offset=pos, nbytes=nbytes))
+        entries.append(
+            TensorEntry(name=name, dtype=st_dtype(t.dtype), shape=list(t.shape), offset=pos, nbytes=nbytes)
+        )
         pos += nbytes
+    return entries, pos
+
+
+def encode_full(state_dict: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> FullBlob:
+    """Write ``state_dict`` into one safetensors buffer (one copy of each tensor's bytes)."""
+    entries, data_nbytes = layout(state_dict)
+    header: dict[str, object] = {
+        e.name: {"dtype": e.dtype, "shape": e.shape, "data_offsets": [e.offset, e.offset + e.nbytes]}
+        for e in entries
+    }
     if metadata:
         header["__metadata__"] = dict(metadata)
     hjson = json.dumps(header, separators=(",", ":")).encode()
     hjson += b" " * (-(8 + len(hjson)) % 8)
     data_offset = 8 + len(hjson)
-    buf = bytearray(data_offset + pos)
+    buf = bytearray(data_offset + data_nbytes)
     buf[:8] = struct.pack("<Q", len(hjson))
     buf[8:data_offset] = hjson
     for e in entries:
         e.offset += data_offset
         if e.nbytes:
             dst = torch.frombuffer(buf, dtype=torch.uint8, count=e.nbytes, offset=e.offset)
-            dst.copy_(_flat_bytes(state_dict[e.name]))
+            dst.copy_(flat_bytes(state_dict[e.name]))
     return FullBlob(buf=buf, tensors=entries, data_offset=data_offset)
 
 

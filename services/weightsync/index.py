@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from nats.aio.client import Client as NATS
 from nats.js import api
 from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, NoKeysError
+from nats.js.kv import KeyValue
 
 from proto.codec import decode, encode
 from proto.weights import (
@@ -36,7 +37,7 @@ class VersionIndex:
         self.scope = scope
         self.bucket = kv_bucket(scope)
         self.subject = announce_subject(run_id, scope)
-        self._kv = None
+        self._kv: KeyValue | None = None
 
     async def ensure(self) -> None:
         """Create the KV bucket if missing (idempotent, safe under concurrent creators)."""
@@ -54,6 +55,13 @@ class VersionIndex:
                 )
             except BadRequestError:
                 self._kv = await self.js.key_value(self.bucket)
+
+    async def kv(self) -> KeyValue:
+        """The scope's KV bucket (provisioned on first use)."""
+        await self.ensure()
+        if self._kv is None:
+            raise RuntimeError(f"KV bucket {self.bucket} could not be opened")
+        return self._kv
 
     async def _get(self, key: str) -> bytes | None:
         await self.ensure()

@@ -1,0 +1,327 @@
+"""Direct transport: a torch.distributed broadcast from the trainer (rank 0) to engines on the same fabric.
+
+Rendezvous goes over the bus (``proto/weights.py``): the sender opens a
+TCPStore, records a :class:`BroadcastGroup` in the scope's KV bucket and waits
+for ``world_size - 1`` engines; each engine reads it, claims a rank with an
+atomic KV create and joins. The process group is private to this transport
+(it never touches torch.distributed's default group, which the trainer may
+use for its own ranks).
+
+Per version the sender records a :class:`BroadcastReady` (layout, size,
+sha256) in KV and on the subject, then broadcasts the data section of the full
+layout in ``bucket_bytes`` buckets (a bounded staging buffer on the sender;
+receivers write straight into their destination buffer). Gloo carries CPU
+tensors; NCCL carries CUDA tensors (``backend="auto"`` picks NCCL when CUDA is
+available). Every join and collective is bounded by ``timeout_s`` and fails
+with :class:`BroadcastError` — never a silent hang. Receivers must be inside
+``receive()`` when a version is sent (run it in its own task).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from nats.aio.client import Client as NATS
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from proto.codec import decode, encode
+from proto.weights import (
+    BroadcastGroup,
+    BroadcastReady,
+    broadcast_group_key,
+    broadcast_rank_key,
+    broadcast_ready_key,
+    broadcast_subject,
+)
+from services.runtime.natsd import free_port
+from services.weightsync.blobs import WeightIntegrityError
+from services.weightsync.client import cast_for_publish
+from services.weightsync.codec import layout, torch_dtype
+from services.weightsync.config import BroadcastConfig
+from services.weightsync.index import VersionIndex
+
+log = logging.getLogger("rlbus.weightsync.broadcast")
+
+_SLACK_S = 5.0  # extra wall time over the collective's own timeout before we give up on its thread
+
+
+class BroadcastError(RuntimeError):
+    """A broadcast join or transfer failed or timed out; the message says which and what to check."""
+
+
+def _backend(config: BroadcastConfig) -> str:
+    if config.backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return config.backend
+
+
+def _device(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+class _Group:
+    """A private process group; every call bounded by the timeout."""
+
+    def __init__(self, config: BroadcastConfig, backend: str) -> None:
+        self.config = config
+        self.backend = backend
+        self.timeout = timedelta(seconds=config.timeout_s)
+        self.pg: dist.ProcessGroup | None = None
+        self.store: dist.TCPStore | None = None
+
+    async def _bounded(self, what: str, fn, *args):
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(fn, *args), self.config.timeout_s + _SLACK_S)
+        except TimeoutError as err:
+            raise BroadcastError(
+                f"broadcast {what} did not finish within {self.config.timeout_s}s; check that every engine "
+                "is running and inside receive(), and that master_addr is reachable"
+            ) from err
+        except RuntimeError as err:  # torch.distributed reports timeouts and peer failures as RuntimeError
+            raise BroadcastError(
+                f"broadcast {what} failed: {err}; check that all {self.config.world_size - 1} engines are "
+                "running and inside receive()"
+            ) from err
+
+    def _make_pg(self, store: dist.Store, rank: int) -> dist.ProcessGroup:
+        size = self.config.world_size
+        if self.backend == "nccl":
+            nccl = getattr(dist, "ProcessGroupNCCL", None)
+            if nccl is None:
+                raise BroadcastError("backend nccl requested but this torch build has no NCCL; use gloo")
+            opts = nccl.Options()
+            opts._timeout = self.timeout
+            return nccl(store, rank, size, opts)
+        return dist.ProcessGroupGloo(store, rank, size, self.timeout)
+
+    async def join(self, addr: str, port: int, group_id: str, rank: int, is_master: bool) -> None:
+        def connect() -> None:
+            store = dist.TCPStore(
+                addr, port, self.config.world_size, is_master, self.timeout, wait_for_workers=False
+            )
+            self.store = store
+            self.pg = self._make_pg(dist.PrefixStore(f"rlbus-{group_id}", store), rank)
+
+        await self._bounded(f"join of rank {rank} (group {group_id})", connect)
+
+    async def bcast(self, tensor: torch.Tensor) -> None:
+        pg = self.pg
+        if pg is None:
+            raise BroadcastError("broadcast before the group was joined; call start() first")
+
+        def run() -> None:
+            pg.broadcast(tensor, 0).wait(self.timeout)
+            if tensor.is_cuda:
+                torch.cuda.current_stream().synchronize()
+
+        await self._bounded(f"of {tensor.numel()} bytes", run)
+
+
+class BroadcastSender:
+    """:class:`~services.weightsync.transport.WeightSender` as rank 0 of a broadcast group."""
+
+    def __init__(self, config: BroadcastConfig, nc: NATS, run_id: str) -> None:
+        self.config = config
+        self.nc = nc
+        self.run_id = run_id
+        self.index = VersionIndex(nc, run_id, config.scope)
+        self.backend = _backend(config)
+        self.group = _Group(config, self.backend)
+        self.group_id = uuid.uuid4().hex[:16]
+
+    async def start(self) -> None:
+        """Open the TCPStore, announce the group, wait (bounded) until every engine joined."""
+        await self.index.ensure()
+        port = self.config.master_port or free_port(self.config.master_addr)
+        info = BroadcastGroup(
+            run_id=self.run_id,
+            group_id=self.group_id,
+            master_addr=self.config.master_addr,
+            master_port=port,
+            world_size=self.config.world_size,
+            backend=self.backend,
+        )
+        kv = await self.index.kv()
+        await kv.put(broadcast_group_key(self.run_id), encode(info))
+        log.info(
+            "broadcast group %s waiting for %d engines on %s:%d",
+            self.group_id,
+            self.config.world_size - 1,
+            self.config.master_addr,
+            port,
+        )
+        await self.group.join(self.config.master_addr, port, self.group_id, 0, is_master=True)
+
+    async def send(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        sd = (
+            cast_for_publish(state_dict, self.config.dtype)
+            if self.config.dtype == "bf16"
+            else dict(state_dict)
+        )
+        entries, nbytes = layout(sd)
+        device = _device(self.backend)
+        on_cpu = all(not t.is_cuda for t in sd.values())
+        digest = await asyncio.to_thread(self._sha256, sd, entries) if on_cpu else ""
+        ready = BroadcastReady(
+            run_id=self.run_id,
+            policy_version=version,
+            group_id=self.group_id,
+            bucket_bytes=self.config.bucket_bytes,
+            tensors=entries,
+            data_nbytes=nbytes,
+            state_sha256=digest,
+        )
+        data = encode(ready)
+        kv = await self.index.kv()
+        await kv.put(broadcast_ready_key(self.run_id), data)
+        await self.nc.publish(broadcast_subject(self.run_id, self.config.scope), data)
+        await self.nc.flush()
+        # pack tensors into a bounded bucket, broadcast it whenever it fills
+        bucket = torch.empty(min(self.config.bucket_bytes, max(nbytes, 1)), dtype=torch.uint8, device=device)
+        fill = 0
+        for e in entries:
+            src = _raw(sd[e.name])
+            pos = 0
+            while pos < e.nbytes:
+                n = min(e.nbytes - pos, bucket.numel() - fill)
+                bucket[fill : fill + n].copy_(src[pos : pos + n])
+                fill += n
+                pos += n
+                if fill == bucket.numel():
+                    await self.group.bcast(bucket)
+                    fill = 0
+        if fill:
+            await self.group.bcast(bucket[:fill])
+        log.info("broadcast v%d: %d bytes to %d engines", version, nbytes, self.config.world_size - 1)
+
+    @staticmethod
+    def _sha256(sd: Mapping[str, torch.Tensor], entries) -> str:
+        h = hashlib.sha256()
+        for e in entries:
+            if e.nbytes:
+                h.update(_raw(sd[e.name]).numpy())
+        return h.hexdigest()
+
+    async def close(self) -> None:
+        """Withdraw the group from the bus and drop the process group."""
+        kv = await self.index.kv()
+        await kv.purge(broadcast_group_key(self.run_id))
+        for rank in range(1, self.config.world_size):
+            await kv.purge(broadcast_rank_key(self.run_id, self.group_id, rank))
+        self.group.pg = None
+        self.group.store = None
+
+
+class BroadcastReceiver:
+    """:class:`~services.weightsync.transport.WeightReceiver` as one engine rank of a broadcast group."""
+
+    def __init__(self, config: BroadcastConfig, nc: NATS, run_id: str) -> None:
+        self.config = config
+        self.run_id = run_id
+        self.index = VersionIndex(nc, run_id, config.scope)
+        self.group: _Group | None = None
+        self.group_info: BroadcastGroup | None = None
+        self.rank: int | None = None
+        self._version: int | None = None
+        self._ready: AsyncIterator[BroadcastReady] | None = None
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    async def _first(self, key: str, typ: type) -> AsyncIterator:
+        kv = await self.index.kv()
+        watcher = await kv.watch(key, ignore_deletes=True)
+        try:
+            async for entry in watcher:
+                if entry is not None and entry.value:
+                    yield decode(entry.value, typ, max_bytes=None)
+        finally:
+            await watcher.stop()
+
+    async def start(self) -> None:
+        """Find the group on the bus, claim a rank, join (bounded by the timeout)."""
+        await self.index.ensure()
+        groups = self._first(broadcast_group_key(self.run_id), BroadcastGroup)
+        try:
+            info = await asyncio.wait_for(anext(groups), self.config.timeout_s)
+        except TimeoutError as err:
+            raise BroadcastError(
+                f"no broadcast group announced for run {self.run_id} within {self.config.timeout_s}s; "
+                "is the trainer's broadcast sender started?"
+            ) from err
+        finally:
+            await groups.aclose()
+        kv = await self.index.kv()
+        for rank in range(1, info.world_size):
+            try:
+                await kv.create(broadcast_rank_key(self.run_id, info.group_id, rank), b"1")
+            except KeyWrongLastSequenceError:
+                continue
+            self.rank = rank
+            break
+        if self.rank is None:
+            raise BroadcastError(f"broadcast group {info.group_id} already has {info.world_size - 1} engines")
+        self.group_info = info
+        self.group = _Group(self.config, info.backend)
+        self._ready = self._first(broadcast_ready_key(self.run_id), BroadcastReady)
+        await self.group.join(info.master_addr, info.master_port, info.group_id, self.rank, is_master=False)
+        log.info("joined broadcast group %s as rank %d", info.group_id, self.rank)
+
+    async def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
+        if self.group is None or self._ready is None or self.group_info is None:
+            await self.start()
+        group, ready_iter, info = self.group, self._ready, self.group_info
+        if group is None or ready_iter is None or info is None:
+            raise BroadcastError("broadcast receiver failed to start")
+        while True:
+            ready = await anext(ready_iter)
+            if ready.group_id != info.group_id:
+                if await self._current_group_id() != info.group_id:
+                    raise BroadcastError(
+                        f"the trainer replaced broadcast group {info.group_id}; restart this receiver to rejoin"
+                    )
+                continue  # a stale announcement of an older group
+            if self._version is None or ready.policy_version > self._version:
+                break
+        flat = torch.empty(ready.data_nbytes, dtype=torch.uint8, device=_device(info.backend))
+        for off in range(0, ready.data_nbytes, ready.bucket_bytes):
+            await group.bcast(flat[off : off + ready.bucket_bytes])
+        if ready.state_sha256 and not flat.is_cuda:
+            got = await asyncio.to_thread(lambda: hashlib.sha256(flat.numpy()).hexdigest())
+            if got != ready.state_sha256:
+                raise WeightIntegrityError(
+                    f"broadcast v{ready.policy_version} arrived with sha256 {got}, expected {ready.state_sha256}",
+                    version=ready.policy_version,
+                )
+        tensors = {
+            e.name: flat[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
+            for e in ready.tensors
+        }
+        self._version = ready.policy_version
+        return ready.policy_version, tensors
+
+    async def _current_group_id(self) -> str | None:
+        kv = await self.index.kv()
+        try:
+            entry = await kv.get(broadcast_group_key(self.run_id))
+        except KeyNotFoundError:
+            return None
+        return decode(entry.value, BroadcastGroup, max_bytes=None).group_id if entry.value else None
+
+    async def close(self) -> None:
+        if self._ready is not None:
+            await self._ready.aclose()  # type: ignore[attr-defined]
+            self._ready = None
+        self.group = None

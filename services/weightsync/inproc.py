@@ -1,0 +1,98 @@
+"""Colocated trainer and engine in one process: weights are handed over as tensors, not bytes.
+
+The sender publishes the trainer's tensors (detached, same storage; cloned only
+with ``snapshot=True``) on a named in-process channel; receivers wake up and
+get the same tensor objects. Nothing is serialised or copied through the bus.
+With ``snapshot=False`` the engine must apply a version before the trainer
+changes its weights again (the colocated time-slicing does exactly that).
+All parties run on one asyncio event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Mapping
+
+import torch
+
+from services.weightsync.config import InprocConfig
+
+
+class InprocChannel:
+    """The newest version on one named channel and a condition receivers wait on."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.changed = asyncio.Condition()
+
+    async def put(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        async with self.changed:
+            if self.version is not None and version <= self.version:
+                raise ValueError(f"inproc version {version} is not newer than {self.version}")
+            self.version, self.tensors = version, tensors
+            self.changed.notify_all()
+
+    async def newer_than(self, held: int | None) -> tuple[int, dict[str, torch.Tensor]]:
+        async with self.changed:
+            await self.changed.wait_for(
+                lambda: self.version is not None and (held is None or self.version > held)
+            )
+            return self.version, self.tensors  # type: ignore[return-value]
+
+
+# per event loop (an asyncio.Condition belongs to one loop), then per (run id, channel name)
+_CHANNELS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], InprocChannel]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def channel(run_id: str, name: str) -> InprocChannel:
+    """Channel ``name`` of run ``run_id`` on the running event loop (created on first use)."""
+    per_loop = _CHANNELS.setdefault(asyncio.get_running_loop(), {})
+    return per_loop.setdefault((run_id, name), InprocChannel())
+
+
+class InprocSender:
+    """:class:`~services.weightsync.transport.WeightSender` for a colocated engine."""
+
+    def __init__(self, config: InprocConfig, run_id: str) -> None:
+        self.config = config
+        self.run_id = run_id
+
+    async def start(self) -> None:
+        """Nothing to set up."""
+
+    async def send(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        tensors = {
+            k: (t.detach().clone() if self.config.snapshot else t.detach()) for k, t in state_dict.items()
+        }
+        await channel(self.run_id, self.config.channel).put(version, tensors)
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+
+class InprocReceiver:
+    """:class:`~services.weightsync.transport.WeightReceiver` for a colocated engine."""
+
+    def __init__(self, config: InprocConfig, run_id: str) -> None:
+        self.config = config
+        self.run_id = run_id
+        self._version: int | None = None
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    async def start(self) -> None:
+        """Nothing to set up."""
+
+    async def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
+        version, tensors = await channel(self.run_id, self.config.channel).newer_than(self._version)
+        self._version = version
+        return version, dict(tensors)
+
+    async def close(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,163 @@
+"""One interface for every way weights travel, chosen by config ``type`` (store | broadcast | inproc).
+
+The trainer holds a :class:`WeightSender`, each engine a :class:`WeightReceiver`::
+
+    sender = make_sender(config.transport, nc, run_id)      # StoreTransportConfig | BroadcastConfig | InprocConfig
+    await sender.start()
+    await sender.send(model.state_dict(), version)            # returns once the version is delivered/durable
+
+    receiver = make_receiver(config.transport, nc, run_id)
+    await receiver.start()
+    version, state = await receiver.receive()                 # the next version newer than the one held
+    model.load_state_dict(state, strict=False)
+
+``receive`` raises :class:`~services.weightsync.blobs.WeightIntegrityError`
+for a version that fails verification (the receiver keeps its version) and
+:class:`~services.weightsync.broadcast.BroadcastError` when a collective
+times out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
+
+import torch
+from nats.aio.client import Client as NATS
+
+from proto.weights import WeightAnnouncement
+from services.weightsync.client import WeightPublisher, WeightSubscriber
+from services.weightsync.config import BroadcastConfig, InprocConfig, StoreTransportConfig, TransportConfig
+from services.weightsync.service import load_hmac_key
+from services.weightsync.store import open_store
+
+
+class WeightSender(Protocol):
+    """Trainer side of a transport."""
+
+    async def start(self) -> None:
+        """Provision / rendezvous; call once before the first send."""
+        ...
+
+    async def send(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Deliver ``version``; returns once receivers can have it (stored, or broadcast done)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class WeightReceiver(Protocol):
+    """Engine side of a transport."""
+
+    @property
+    def version(self) -> int | None:
+        """The version last received, or None."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """Wait for the next version newer than the one held; return it verified."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class StoreSender:
+    """:class:`WeightSender` through a blob store + announcements (:class:`WeightPublisher`)."""
+
+    def __init__(self, config: StoreTransportConfig, nc: NATS, run_id: str) -> None:
+        self.publisher = WeightPublisher(
+            nc,
+            run_id,
+            open_store(config.store, nc, scope=config.scope),
+            scope=config.scope,
+            encoding=config.encoding,
+            hmac_key=load_hmac_key(config.hmac_key_env),
+            parallel=config.parallel,
+        )
+
+    async def start(self) -> None:
+        await self.publisher.ensure()
+
+    async def send(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        await self.publisher.publish(state_dict, version)
+
+    async def close(self) -> None:
+        await self.publisher.store.close()
+
+
+class StoreReceiver:
+    """:class:`WeightReceiver` through a blob store: watches announcements, fetches the newest."""
+
+    def __init__(self, config: StoreTransportConfig, nc: NATS, run_id: str) -> None:
+        self.subscriber = WeightSubscriber(
+            nc,
+            run_id,
+            open_store(config.store, nc, scope=config.scope),
+            scope=config.scope,
+            hmac_key=load_hmac_key(config.hmac_key_env),
+            parallel=config.parallel,
+        )
+        self._watch: AsyncIterator[WeightAnnouncement] | None = None
+
+    @property
+    def version(self) -> int | None:
+        return self.subscriber.version
+
+    async def start(self) -> None:
+        await self.subscriber.ensure()
+        self._watch = aiter(self.subscriber.watch(include_current=True))
+
+    async def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
+        if self._watch is None:
+            await self.start()
+        while True:
+            ann = await anext(self._watch)  # type: ignore[arg-type]
+            held = self.subscriber.version
+            if held is None or ann.policy_version > held:
+                return ann.policy_version, await self.subscriber.fetch(ann.manifest)
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            await self._watch.aclose()  # type: ignore[attr-defined]
+            self._watch = None
+        await self.subscriber.store.close()
+
+
+def make_sender(config: TransportConfig, nc: NATS | None, run_id: str) -> WeightSender:
+    """The trainer side of the transport ``config`` selects."""
+    if isinstance(config, StoreTransportConfig):
+        if nc is None:
+            raise ValueError("the store transport needs a NATS connection")
+        return StoreSender(config, nc, run_id)
+    if isinstance(config, BroadcastConfig):
+        from services.weightsync.broadcast import BroadcastSender
+
+        if nc is None:
+            raise ValueError("the broadcast transport needs a NATS connection for its rendezvous")
+        return BroadcastSender(config, nc, run_id)
+    if isinstance(config, InprocConfig):
+        from services.weightsync.inproc import InprocSender
+
+        return InprocSender(config, run_id)
+    raise TypeError(f"unknown transport config {type(config).__name__}")
+
+
+def make_receiver(config: TransportConfig, nc: NATS | None, run_id: str) -> WeightReceiver:
+    """The engine side of the transport ``config`` selects."""
+    if isinstance(config, StoreTransportConfig):
+        if nc is None:
+            raise ValueError("the store transport needs a NATS connection")
+        return StoreReceiver(config, nc, run_id)
+    if isinstance(config, BroadcastConfig):
+        from services.weightsync.broadcast import BroadcastReceiver
+
+        if nc is None:
+            raise ValueError("the broadcast transport needs a NATS connection for its rendezvous")
+        return BroadcastReceiver(config, nc, run_id)
+    if isinstance(config, InprocConfig):
+        from services.weightsync.inproc import InprocReceiver
+
+        return InprocReceiver(config, run_id)
+    raise TypeError(f"unknown transport config {type(config).__name__}")
