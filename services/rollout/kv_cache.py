@@ -2,14 +2,18 @@
 
 Rows of the running batch are *left-padded* to one common length ``L``; a
 boolean ``pad_mask`` of shape ``[B, L]`` marks real tokens. Keys and values of
-each layer live in a preallocated buffer ``[B, kv_heads, capacity, head_dim]``
-of which the window ``[start, end)`` is in use, so that:
+each layer live in a preallocated buffer ``[batch_capacity, kv_heads,
+seq_capacity, head_dim]`` of which rows ``[0, B)`` and columns ``[start, end)``
+are live, so that:
 
 * a decode step writes one column in place (no copy of the whole cache, unlike
-  ``DynamicCache``'s ``torch.cat``); the buffer grows by doubling;
+  ``DynamicCache``'s ``torch.cat``); buffers grow by doubling when full;
+* removing finished rows moves the last live rows into their slots (one row
+  copied per removed row) and shrinks ``B``: :meth:`PaddedBatchCache.remove_rows`
+  returns the new row order;
 * trimming leading all-padding columns moves ``start`` (free);
-* removing finished rows is one ``index_select`` along the batch axis;
-* newcomers are merged by left-padding both sides to the longer length.
+* newcomers are appended into free rows, left-padded to ``L`` (or the running
+  rows are left-extended with padding when the newcomers are longer).
 
 Padding columns always hold finite values (zeros, or the states of padded prompt
 positions), so masked attention never meets a NaN. The model is called with an
@@ -19,52 +23,43 @@ per-row position ids, so transformers' own padding heuristics never run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 _MIN_HEADROOM = 32
 
 
+class CacheMergeError(ValueError):
+    """Two caches cannot be merged (different models, dtypes or devices)."""
+
+
 class _PaddedLayer(DynamicLayer):
     """One layer's keys/values in a growable buffer; ``keys``/``values`` are the live window."""
 
-    def __init__(self) -> None:
+    def __init__(self, batch_capacity: int = 0) -> None:
         super().__init__()
+        self.batch_capacity = batch_capacity
         self.kbuf: torch.Tensor | None = None
         self.vbuf: torch.Tensor | None = None
-        self.start = 0
-        self.end = 0
-
-    @classmethod
-    def from_buffers(cls, kbuf: torch.Tensor, vbuf: torch.Tensor, start: int, end: int) -> _PaddedLayer:
-        layer = cls()
-        layer.kbuf, layer.vbuf, layer.start, layer.end = kbuf, vbuf, start, end
-        layer.device = kbuf.device
-        layer.is_initialized = True
-        layer._refresh()
-        return layer
+        self.rows = self.start = self.end = 0
 
     def _refresh(self) -> None:
-        self.keys = self.kbuf[:, :, self.start : self.end]
-        self.values = self.vbuf[:, :, self.start : self.end]
+        self.keys = self.kbuf[: self.rows, :, self.start : self.end]
+        self.values = self.vbuf[: self.rows, :, self.start : self.end]
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, q_len, head_dim = key_states.shape
-        capacity = q_len + max(_MIN_HEADROOM, q_len)
-        self.kbuf = key_states.new_empty((batch, heads, capacity, head_dim))
-        self.vbuf = value_states.new_empty((batch, heads, capacity, value_states.shape[-1]))
-        self.start = self.end = 0
-        self.device = key_states.device
+    def _allocate(self, like_k: torch.Tensor, like_v: torch.Tensor, rows: int, columns: int) -> None:
+        batch_capacity = max(rows, self.batch_capacity)
+        capacity = columns + max(_MIN_HEADROOM, columns)
+        self.kbuf = like_k.new_empty((batch_capacity, like_k.shape[1], capacity, like_k.shape[-1]))
+        self.vbuf = like_v.new_empty((batch_capacity, like_v.shape[1], capacity, like_v.shape[-1]))
+        self.device = like_k.device
         self.is_initialized = True
 
-    def _grow(self, needed: int) -> None:
-        length = self.end - self.start
-        capacity = length + needed + max(_MIN_HEADROOM, length)
-        kbuf = self.kbuf.new_empty((*self.kbuf.shape[:2], capacity, self.kbuf.shape[-1]))
-        vbuf = self.vbuf.new_empty((*self.vbuf.shape[:2], capacity, self.vbuf.shape[-1]))
-        kbuf[:, :, :length] = self.kbuf[:, :, self.start : self.end]
-        vbuf[:, :, :length] = self.vbuf[:, :, self.start : self.end]
-        self.kbuf, self.vbuf, self.start, self.end = kbuf, vbuf, 0, length
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._allocate(key_states, value_states, key_states.shape[0], key_states.shape[-2])
+        self.rows, self.start, self.end = key_states.shape[0], 0, 0
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -73,42 +68,89 @@ class _PaddedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         q_len = key_states.shape[-2]
         if self.end + q_len > self.kbuf.shape[-2]:
-            self._grow(q_len)
-        self.kbuf[:, :, self.end : self.end + q_len] = key_states
-        self.vbuf[:, :, self.end : self.end + q_len] = value_states
+            self._relayout(self.end - self.start + q_len, self.rows)
+        self.kbuf[: self.rows, :, self.end : self.end + q_len] = key_states
+        self.vbuf[: self.rows, :, self.end : self.end + q_len] = value_states
         self.end += q_len
         self._refresh()
         return self.keys, self.values
 
+    def _relayout(self, columns: int, rows: int) -> None:
+        """Reallocate for ``rows`` rows and ``columns`` columns; live data is kept right-aligned at ``columns``."""
+        old_k, old_v = self.kbuf[: self.rows, :, self.start : self.end], self.vbuf[: self.rows, :, self.start : self.end]
+        length = self.end - self.start
+        self._allocate(old_k, old_v, rows, columns)
+        self.kbuf[: self.rows, :, :length] = old_k
+        self.vbuf[: self.rows, :, :length] = old_v
+        self.start, self.end = 0, length
+
     def get_seq_length(self) -> int:
         return self.end - self.start if self.is_initialized else 0
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.kbuf = self.kbuf.index_select(0, rows)
-        self.vbuf = self.vbuf.index_select(0, rows)
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, rows: int) -> None:
+        """Copy live rows ``src`` into slots ``dst``, then keep the first ``rows`` rows."""
+        if src.numel():
+            for buf in (self.kbuf, self.vbuf):
+                window = buf[:, :, self.start : self.end]
+                window.index_copy_(0, dst, window.index_select(0, src))
+        self.rows = rows
+        if rows == 0:
+            self.start = self.end = 0
         self._refresh()
 
     def trim_left(self, columns: int) -> None:
         self.start += columns
         self._refresh()
 
+    def append_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append rows (``[n, H, Ln, D]``), left-padding whichever side is shorter with zeros."""
+        n, new_len = keys.shape[0], keys.shape[-2]
+        if not self.is_initialized:
+            self._allocate(keys, values, n, new_len)
+        length = self.end - self.start
+        merged = max(length, new_len)
+        if self.rows == 0:
+            self.start = self.end = 0
+            new_start, new_end = 0, merged
+        else:
+            new_start, new_end = self.end - merged, self.end
+        if self.rows + n > self.kbuf.shape[0] or new_start < 0 or new_end > self.kbuf.shape[-2]:
+            # reallocate, the live rows right-aligned at ``merged`` behind zero padding
+            old_k = self.kbuf[: self.rows, :, self.start : self.end]
+            old_v = self.vbuf[: self.rows, :, self.start : self.end]
+            self._allocate(old_k, old_v, self.rows + n, merged)
+            for buf, old in ((self.kbuf, old_k), (self.vbuf, old_v)):
+                buf[: self.rows, :, : merged - length].zero_()
+                buf[: self.rows, :, merged - length : merged] = old
+            new_start, new_end = 0, merged
+        elif self.rows and merged > length:  # extend the running rows to the left with padding
+            self.kbuf[: self.rows, :, new_start : self.start].zero_()
+            self.vbuf[: self.rows, :, new_start : self.start].zero_()
+        self.start, self.end = new_start, new_end
+        lo, hi = self.rows, self.rows + n
+        for buf, new in ((self.kbuf, keys), (self.vbuf, values)):
+            buf[lo:hi, :, self.start : self.end - new_len].zero_()
+            buf[lo:hi, :, self.end - new_len : self.end] = new
+        self.rows = hi
+        self._refresh()
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.select_rows(indices)
+        raise NotImplementedError("use PaddedBatchCache.remove_rows")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.select_rows(beam_idx)
-
-
-class CacheMergeError(ValueError):
-    """Two caches cannot be merged (different models, dtypes or devices)."""
+        raise NotImplementedError("PaddedBatchCache does not support beam search")
 
 
 class PaddedBatchCache(Cache):
-    """The KV cache and padding mask of a left-padded batch of independent sequences."""
+    """The KV cache and padding mask of a left-padded batch of independent sequences.
 
-    def __init__(self, num_layers: int, pad_mask: torch.Tensor | None = None) -> None:
-        super().__init__(layers=[_PaddedLayer() for _ in range(num_layers)])
-        self.pad_mask: torch.Tensor | None = pad_mask
+    ``batch_capacity`` preallocates room for that many rows (the engine's
+    ``max_batch_size``), so appending newcomers rarely reallocates.
+    """
+
+    def __init__(self, num_layers: int, batch_capacity: int = 0) -> None:
+        super().__init__(layers=[_PaddedLayer(batch_capacity) for _ in range(num_layers)])
+        self.pad_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -119,14 +161,14 @@ class PaddedBatchCache(Cache):
         """Common (padded) length ``L`` of every row."""
         return 0 if self.pad_mask is None else self.pad_mask.shape[1]
 
-    def extend(self, new_valid: torch.Tensor) -> torch.Tensor:
+    def extend(self, new_valid: torch.Tensor) -> torch.Tensor | None:
         """Append ``q`` columns (``new_valid``: bool ``[B, q]``, False = padding) to the mask.
 
         Returns the 4-D boolean attention mask ``[B, 1, q, L + q]`` for a forward
         pass over those ``q`` query positions: causal, blind to padding, and with
         every query attending at least to itself (so padded queries stay finite).
         """
-        batch, q_len = new_valid.shape
+        q_len = new_valid.shape[1]
         old_len = self.seq_length
         if self.pad_mask is None:
             self.pad_mask = new_valid.clone()
@@ -137,60 +179,59 @@ class PaddedBatchCache(Cache):
         device = new_valid.device
         q_pos = torch.arange(old_len, old_len + q_len, device=device)[:, None]
         k_pos = torch.arange(old_len + q_len, device=device)[None, :]
-        causal = k_pos <= q_pos  # [q, L + q]
-        mask = causal[None] & self.pad_mask[:, None, :]  # [B, q, L + q]
+        mask = (k_pos <= q_pos)[None] & self.pad_mask[:, None, :]  # causal and not padding: [B, q, L + q]
         mask |= (k_pos == q_pos)[None]
         return mask[:, None]
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (1-D long tensor, in that order)."""
+    def remove_rows(self, removed: Sequence[int]) -> list[int]:
+        """Drop rows ``removed``; returns the old index of each remaining row, in the new row order.
+
+        Rows from the end of the batch move into the freed slots (one row copied
+        per removed row); callers reorder their per-row state the same way.
+        """
+        batch = self.batch_size
+        gone = set(removed)
+        rows = batch - len(gone)
+        holes = sorted(i for i in gone if i < rows)
+        fillers = [j for j in range(rows, batch) if j not in gone]
+        order = list(range(rows))
+        for hole, filler in zip(holes, fillers, strict=True):
+            order[hole] = filler
+        device = self.pad_mask.device
+        src = torch.tensor(fillers, dtype=torch.long, device=device)
+        dst = torch.tensor(holes, dtype=torch.long, device=device)
         for layer in self.layers:
-            layer.select_rows(rows)
-        self.pad_mask = self.pad_mask.index_select(0, rows)
+            layer.move_rows(src, dst, rows)
+        self.pad_mask = self.pad_mask.index_select(0, torch.tensor(order, dtype=torch.long, device=device))
+        if rows == 0:
+            self.pad_mask = self.pad_mask[:, :0]
+        return order
 
     def trim_leading_padding(self) -> int:
         """Drop leading columns that are padding in every row; returns how many were dropped."""
-        if self.pad_mask is None or self.pad_mask.shape[0] == 0:
+        if self.batch_size == 0:
             return 0
         any_real = self.pad_mask.any(dim=0)
-        if not bool(any_real.any()):
-            return 0
         first = int(any_real.to(torch.int8).argmax())
-        if first > 0:
+        if first > 0 and bool(any_real[first]):
             for layer in self.layers:
                 layer.trim_left(first)
             self.pad_mask = self.pad_mask[:, first:]
-        return first
+            return first
+        return 0
 
-    @classmethod
-    def merge(cls, first: PaddedBatchCache, second: PaddedBatchCache) -> PaddedBatchCache:
-        """Rows of ``first`` then rows of ``second``, both left-padded to the longer length."""
-        if len(first.layers) != len(second.layers):
-            raise CacheMergeError(
-                f"cannot merge caches of {len(first.layers)} and {len(second.layers)} layers"
-            )
-        len_a, len_b = first.seq_length, second.seq_length
-        length = max(len_a, len_b)
-        batch_a, batch_b = first.batch_size, second.batch_size
-        capacity = length + max(_MIN_HEADROOM, length)
-        merged = cls(len(first.layers))
-        for i, (la, lb) in enumerate(zip(first.layers, second.layers, strict=True)):
-            if la.kbuf.dtype != lb.kbuf.dtype or la.kbuf.device != lb.kbuf.device:
-                raise CacheMergeError(
-                    f"layer {i}: cannot merge {la.kbuf.dtype}/{la.kbuf.device} with "
-                    f"{lb.kbuf.dtype}/{lb.kbuf.device}"
-                )
-            bufs = []
-            for a, b in ((la.keys, lb.keys), (la.values, lb.values)):
-                buf = a.new_empty((batch_a + batch_b, a.shape[1], capacity, a.shape[-1]))
-                buf[:batch_a, :, : length - len_a].zero_()
-                buf[:batch_a, :, length - len_a : length] = a
-                buf[batch_a:, :, : length - len_b].zero_()
-                buf[batch_a:, :, length - len_b : length] = b
-                bufs.append(buf)
-            merged.layers[i] = _PaddedLayer.from_buffers(bufs[0], bufs[1], 0, length)
-        mask = first.pad_mask.new_zeros((batch_a + batch_b, length))
-        mask[:batch_a, length - len_a :] = first.pad_mask
-        mask[batch_a:, length - len_b :] = second.pad_mask
-        merged.pad_mask = mask
-        return merged
+    def append(self, other: PaddedBatchCache) -> None:
+        """Append the rows of ``other`` (e.g. freshly prefilled newcomers) after this cache's rows."""
+        if len(self.layers) != len(other.layers):
+            raise CacheMergeError(f"cannot merge caches of {len(self.layers)} and {len(other.layers)} layers")
+        for i, (mine, theirs) in enumerate(zip(self.layers, other.layers, strict=True)):
+            if mine.is_initialized and (mine.kbuf.dtype != theirs.keys.dtype or mine.kbuf.device != theirs.keys.device):
+                raise CacheMergeError(f"layer {i}: cannot merge {mine.kbuf.dtype}/{mine.kbuf.device} with "
+                                      f"{theirs.keys.dtype}/{theirs.keys.device}")
+            mine.append_rows(theirs.keys, theirs.values)
+        length = max(self.seq_length, other.seq_length)
+        mask = other.pad_mask.new_zeros((self.batch_size + other.batch_size, length))
+        if self.batch_size:
+            mask[: self.batch_size, length - self.seq_length :] = self.pad_mask
+        mask[self.batch_size :, length - other.seq_length :] = other.pad_mask
+        self.pad_mask = mask

@@ -412,11 +412,11 @@ class TorchEngine:
         _post(update.loop, update.future)
 
     def _drop_cancelled(self) -> None:
-        cancelled = sum(r.cancelled for r in self._rows)
+        cancelled = [i for i, r in enumerate(self._rows) if r.cancelled]
         if cancelled:
             with self._cond:
-                self._n_pending -= cancelled
-            self._keep_rows([i for i, r in enumerate(self._rows) if not r.cancelled])
+                self._n_pending -= len(cancelled)
+            self._remove_rows(cancelled)
 
     @torch.inference_mode()
     def _admit(self, newcomers: list[_Request]) -> None:
@@ -439,9 +439,8 @@ class TorchEngine:
                                                          [r.generator for r in newcomers], self._generator)
         next_positions = torch.tensor([len(r.prompt_ids) for r in newcomers], dtype=torch.long, device=device)
         if self._cache is None:
-            self._cache = cache
-        else:
-            self._cache = PaddedBatchCache.merge(self._cache, cache)
+            self._cache = PaddedBatchCache(self._num_layers, batch_capacity=self.config.max_batch_size)
+        self._cache.append(cache)
         self._rows = self._rows + newcomers
         self._next_tokens = torch.cat([self._next_tokens, tokens])
         self._positions = torch.cat([self._positions, next_positions])
@@ -477,8 +476,7 @@ class TorchEngine:
             self._recent.append((time.monotonic(), len(token_list)))
         if finished:  # leave the batch first, so stats never count a returned request as running
             done_requests = [self._rows[i] for i in finished]
-            done = set(finished)
-            self._keep_rows([i for i in range(len(self._rows)) if i not in done])
+            self._remove_rows(finished)
             for request in done_requests:
                 self._finish(request)
 
@@ -509,14 +507,11 @@ class TorchEngine:
             self._n_pending -= 1
         _post(request.loop, request.future, result)
 
-    def _keep_rows(self, keep: list[int]) -> None:
-        """Keep only rows ``keep`` (cache, per-row tensors); trim columns that became all padding."""
-        if not keep:
-            self._reset_batch()
-            return
-        rows = torch.tensor(keep, dtype=torch.long, device=self._device)
-        self._rows = [self._rows[i] for i in keep]
-        self._cache.select_rows(rows)
+    def _remove_rows(self, removed: list[int]) -> None:
+        """Drop rows ``removed`` from the batch (cache, per-row state); trim columns that became all padding."""
+        order = self._cache.remove_rows(removed)
         self._cache.trim_leading_padding()
-        self._next_tokens = self._next_tokens.index_select(0, rows)
-        self._positions = self._positions.index_select(0, rows)
+        self._rows = [self._rows[i] for i in order]
+        index = torch.tensor(order, dtype=torch.long, device=self._device)
+        self._next_tokens = self._next_tokens.index_select(0, index)
+        self._positions = self._positions.index_select(0, index)

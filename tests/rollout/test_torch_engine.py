@@ -69,47 +69,70 @@ def signal(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
     loop.call_soon_threadsafe(event.set)
 
 
-def test_cache_merge_select_trim_matches_unbatched(reference_model):
+def _prefill(model, prompts: list[torch.Tensor]) -> tuple[PaddedBatchCache, torch.Tensor]:
+    length = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), length, dtype=torch.long)
+    valid = torch.zeros(len(prompts), length, dtype=torch.bool)
+    pos = torch.zeros(len(prompts), length, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, length - len(p):], valid[i, length - len(p):] = p, True
+        pos[i, length - len(p):] = torch.arange(len(p))
+    cache = PaddedBatchCache(model.config.num_hidden_layers)
+    out = model(input_ids=ids, attention_mask=cache.extend(valid), position_ids=pos, cache=cache,
+                use_cache=True, logits_to_keep=1)
+    return cache, out.logits[:, -1]
+
+
+@torch.inference_mode()
+def test_cache_append_remove_trim_matches_unbatched(reference_model):
+    """Decode logits of a batch that rows join and leave equal each sequence decoded alone."""
     model = reference_model
     torch.manual_seed(1)
-    prompts = [torch.randint(3, 80, (n,)) for n in (5, 9, 3)]
+    cache = PaddedBatchCache(model.config.num_hidden_layers, batch_capacity=4)
+    seqs: list[torch.Tensor] = []
+    logits = torch.empty(0, model.config.vocab_size)
 
-    def prefill(batch):
-        length = max(len(p) for p in batch)
-        ids = torch.zeros(len(batch), length, dtype=torch.long)
-        valid = torch.zeros(len(batch), length, dtype=torch.bool)
-        pos = torch.zeros(len(batch), length, dtype=torch.long)
-        for i, p in enumerate(batch):
-            ids[i, length - len(p):], valid[i, length - len(p):] = p, True
-            pos[i, length - len(p):] = torch.arange(len(p))
-        cache = PaddedBatchCache(model.config.num_hidden_layers)
-        out = model(input_ids=ids, attention_mask=cache.extend(valid), position_ids=pos, cache=cache,
-                    use_cache=True, logits_to_keep=1)
-        return cache, out.logits[:, -1]
+    def add(prompts: list[torch.Tensor]) -> None:
+        nonlocal logits, seqs
+        part, part_logits = _prefill(model, prompts)
+        cache.append(part)
+        seqs, logits = seqs + prompts, torch.cat([logits, part_logits])
 
-    with torch.inference_mode():
-        cache_a, logits_a = prefill(prompts[:2])
-        cache_b, logits_b = prefill(prompts[2:])
-        cache = PaddedBatchCache.merge(cache_a, cache_b)
-        assert cache.seq_length == 9 and cache.batch_size == 3
-        logits = torch.cat([logits_a, logits_b])
-        seqs = list(prompts)
-        positions = torch.tensor([len(p) for p in prompts])
-        for step in range(45):  # past the preallocated headroom, so the buffers grow
-            nxt = logits.argmax(-1)
-            seqs = [torch.cat([s, nxt[i:i + 1]]) for i, s in enumerate(seqs)]
-            reference = torch.stack([model(input_ids=s[None]).logits[0, -2] for s in seqs])
-            torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
-            if step == 10:  # the longest prompt leaves: its leading padding columns go
-                keep = torch.tensor([0, 2])
-                cache.select_rows(keep)
-                nxt, positions, seqs = nxt[keep], positions[keep], [seqs[0], seqs[2]]
-                assert cache.trim_leading_padding() == 4
-                assert cache.seq_length == len(seqs[0]) - 1
-            mask = cache.extend(torch.ones(cache.batch_size, 1, dtype=torch.bool))
-            logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions[:, None],
-                           cache=cache, use_cache=True).logits[:, -1]
-            positions = positions + 1
+    def remove(rows: list[int]) -> None:
+        nonlocal logits, seqs
+        order = cache.remove_rows(rows)
+        seqs, logits = [seqs[i] for i in order], logits[order]
+
+    add([torch.randint(3, 80, (n,)) for n in (5, 9)])
+    add([torch.randint(3, 80, (3,))])  # shorter newcomer: padded on its own side
+    assert cache.seq_length == 9 and cache.batch_size == 3
+    for step in range(45):  # past the preallocated column headroom, so buffers also grow
+        nxt = logits.argmax(-1)
+        seqs = [torch.cat([s, nxt[i:i + 1]]) for i, s in enumerate(seqs)]
+        positions = torch.tensor([len(s) - 1 for s in seqs])
+        mask = cache.extend(torch.ones(cache.batch_size, 1, dtype=torch.bool))
+        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions[:, None],
+                       cache=cache, use_cache=True).logits[:, -1]
+        reference = torch.stack([model(input_ids=s[None]).logits[0, -1] for s in seqs])
+        torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+        if step == 3:  # a newcomer longer than the batch: reallocates, the running rows get padding
+            add([torch.randint(3, 80, (16,))])
+            assert cache.batch_size == 4 and cache.seq_length == 16
+        if step == 8:  # the longest row leaves: its leading columns were padding for every other row
+            remove([3])
+            assert cache.trim_leading_padding() > 0
+            assert cache.seq_length == max(len(s) for s in seqs)
+        if step == 12:  # a slightly longer newcomer: the running rows are extended left in place
+            buffer = cache.layers[0].kbuf
+            add([torch.randint(3, 80, (cache.seq_length + 2,))])
+            assert cache.layers[0].kbuf is buffer
+        if step == 20:
+            remove([0, 1])
+            assert cache.batch_size == 2
+    remove([0, 1])
+    assert cache.batch_size == 0
+    add([torch.randint(3, 80, (4,))])  # an emptied cache takes new rows
+    assert cache.batch_size == 1 and cache.seq_length == 4
 
 
 async def test_staggered_greedy_equals_per_prompt_generate(engine, tokenizer, reference_model):
