@@ -13,7 +13,7 @@ from typing import Literal
 
 import msgspec
 
-from proto import deadletter, echo, membership, metrics, prompts, rollouts, subjects, trajectories
+from proto import accounting, deadletter, echo, membership, metrics, prompts, rollouts, subjects, trajectories
 from proto.codec import MAX_MESSAGE_BYTES
 
 DAY = 24 * 3600.0
@@ -79,9 +79,12 @@ DLQ = StreamDef(
 METRICS = StreamDef(
     name="METRICS", subjects=[subjects.all_runs(metrics.FAMILY, ">")], max_age_s=3 * DAY, description="metrics reports"
 )
+OUTCOMES = StreamDef(
+    name="OUTCOMES", subjects=[subjects.all_runs(accounting.FAMILY)], description="what became of each trajectory"
+)
 ECHO = StreamDef(name="ECHO", subjects=[subjects.all_runs(echo.FAMILY, ">")], description="echo workload")
 
-STREAMS: dict[str, StreamDef] = {s.name: s for s in (PROMPTS, ROLLOUTS, TRAJECTORIES, DLQ, METRICS, ECHO)}
+STREAMS: dict[str, StreamDef] = {s.name: s for s in (PROMPTS, ROLLOUTS, TRAJECTORIES, OUTCOMES, DLQ, METRICS, ECHO)}
 
 # --- consumers (formatted per run) ---------------------------------------------------------------
 

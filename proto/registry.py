@@ -7,12 +7,13 @@ from typing import Any
 
 import msgspec
 
-from proto import deadletter, echo, membership, metrics, prompts, rollouts, trajectories
+from proto import accounting, deadletter, echo, membership, metrics, prompts, rollouts, trajectories
 from proto.codec import DecodeError, decode
 from proto.subjects import family_of
 
 _BY_FAMILY: dict[str, Any] = {
     prompts.FAMILY: prompts.PromptTicket,
+    accounting.FAMILY: accounting.TrajectoryOutcome,
     rollouts.FAMILY: rollouts.Rollout,
     trajectories.FAMILY: trajectories.ScoredTrajectory,
     membership.FAMILY: membership.Heartbeat,

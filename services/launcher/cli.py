@@ -168,8 +168,54 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    args.config = resolve_target(args.target)
-    return cmd_up(args)
+    import signal
+    import threading
+
+    from services.launcher.progress import follow, plot_rewards
+    from services.launcher.supervisor import Supervisor
+
+    sup = Supervisor(resolve_target(args.target), args.overrides, quiet=False)
+    trainer_cfg = sup.tree.get("services", {}).get("trainer", {})
+    total = trainer_cfg.get("total_steps") if isinstance(trainer_cfg, dict) else None
+    final: dict = {}
+    try:
+        sup.start()
+        threading.Thread(target=sup.wait, name="supervisor", daemon=True).start()
+
+        async def main() -> dict:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            if args.duration:
+                loop.call_later(args.duration, stop.set)
+
+            async def watch_children() -> None:
+                while not stop.is_set():
+                    if any(c.given_up and c.service == "trainer" and c.proc is None for c in sup.children) and \
+                            not (sup.run_dir / "summary.json").exists():
+                        print("[rlbus] the trainer is down for good; stopping the run", file=sys.stderr)
+                        stop.set()
+                    await asyncio.sleep(1.0)  # supervision check period
+
+            watcher = asyncio.create_task(watch_children(), name="run-watch-children")
+            try:
+                return await follow(sup.nats_url, sup.run.id, total, stop)
+            finally:
+                watcher.cancel()
+
+        final = asyncio.run(main())
+    finally:
+        sup.stop()
+    png = plot_rewards(sup.run_dir / "metrics.jsonl", sup.run_dir / "reward_curve.png")
+    if final.get("state") == "finished":
+        first, last = final.get("first_eval"), final.get("last_eval")
+        gain = "" if first is None or last is None else f"; eval reward {100 * first:.1f}% -> {100 * last:.1f}%"
+        print(f"[rlbus] run finished at step {final.get('step')}{gain}", file=sys.stderr)
+        print(f"[rlbus] final model: {final.get('final_model')}", file=sys.stderr)
+    if png:
+        print(f"[rlbus] reward curve: {png}; metrics: {sup.run_dir / 'metrics.jsonl'}", file=sys.stderr)
+    return 0 if final.get("state") in ("finished", None) else 1
 
 
 def cmd_tap(args: argparse.Namespace) -> int:

@@ -20,8 +20,29 @@ def _echo() -> Spec:
     return main.EchoConfig, main.build
 
 
+def _trainer() -> Spec:
+    from services.trainer import config, service
+
+    return config.TrainerConfig, service.build
+
+
+def _rollout() -> Spec:
+    from services.rollout import config, service
+
+    return config.RolloutConfig, service.build
+
+
+def _judge() -> Spec:
+    from services.judge import config, service
+
+    return config.JudgeConfig, service.build
+
+
 _BUILTIN: dict[str, Callable[[], Spec]] = {
     "echo": _echo,
+    "trainer": _trainer,
+    "rollout": _rollout,
+    "judge": _judge,
 }
 
 

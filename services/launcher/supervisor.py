@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 
 from services.runtime.config import ConfigError, RunSection, convert, load_tree
-from services.runtime.natsd import EmbeddedNats
+from services.runtime.natsd import EmbeddedNats, die_with_parent
 
 log = logging.getLogger("rlbus.launcher")
 
@@ -110,7 +110,7 @@ class Supervisor:
         with open(c.log_path, "ab") as logf:
             # own session: a terminal Ctrl-C reaches only the supervisor, which stops children in order
             c.proc = subprocess.Popen(c.argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent)
         self._say(f"started {c.label} (pid {c.proc.pid}, log {c.log_path})")
 
     def _say(self, text: str) -> None:
@@ -132,6 +132,10 @@ class Supervisor:
                 continue
             self.events.append({"event": "exit", "child": c.label, "code": code, "t": time.time()})
             c.proc = None
+            if code == 0:
+                c.given_up = True  # finished its work (e.g. the trainer at the end of a run)
+                self._say(f"{c.label} finished")
+                continue
             if not self.launcher.restart or self.stopping.is_set():
                 continue
             c.restarts = [t for t in c.restarts if now - t < self.launcher.restart_window_s] + [now]

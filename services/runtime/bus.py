@@ -34,7 +34,7 @@ async def connect(cfg: NatsSection, name: str, *, first_attempts: int = 0) -> Cl
             tls.load_cert_chain(cfg.tls_cert, cfg.tls_key)
 
     async def on_disconnect() -> None:
-        log.warning("%s: disconnected from NATS; reconnecting", name)
+        log.info("%s: disconnected from NATS", name)
 
     async def on_reconnect() -> None:
         log.warning("%s: reconnected to NATS", name)

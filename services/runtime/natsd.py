@@ -19,6 +19,18 @@ from pathlib import Path
 log = logging.getLogger("rlbus.natsd")
 
 
+def die_with_parent() -> None:
+    """``preexec_fn`` for child processes: the kernel sends SIGTERM when the launcher dies
+    (even by SIGKILL), so no child outlives it."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: children are still stopped by a normal shutdown
+
+
 class NatsServerError(RuntimeError):
     """The embedded nats-server could not be found or started."""
 
@@ -91,7 +103,8 @@ class EmbeddedNats:
         logf = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._logf = logf
         # own process group so a Ctrl-C at the terminal reaches us, and we stop it in order
-        self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

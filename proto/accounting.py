@@ -1,0 +1,30 @@
+"""Trajectory outcomes: what became of every scored trajectory.
+
+Subject ``rlbus.<run>.outcomes`` — published by the trainer for every trajectory
+it takes off the stream (trained in step N, dropped for staleness with the
+reason, or used for evaluation), stored by stream OUTCOMES. Together with the
+TRAJECTORIES stream this gives the accounting identity: every trajectory ever
+published is trained, dropped with a recorded reason, or still pending.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from proto.envelope import Envelope
+
+FAMILY = "outcomes"
+
+Outcome = Literal["trained", "dropped", "eval"]
+
+
+class TrajectoryOutcome(Envelope, kw_only=True, tag="trajectory_outcome"):
+    trajectory_id: str
+    group_id: str
+    outcome: Outcome
+    reason: str = ""
+    #: trainer step that used it (trained) or the step current when it was dropped
+    step: int
+    #: the trainer's weight version at that moment, and the trajectory's oldest token version
+    version: int
+    sample_version: int

@@ -1,0 +1,133 @@
+"""The rollout service: prompt tickets in, finished rollouts out, weights pulled on its own clock.
+
+Each ticket runs ``group_size`` agent loops concurrently; every loop's requests
+go to one shared engine that batches them dynamically, so hundreds of loops
+share one forward pass per decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from proto import catalog
+from proto.prompts import PromptTicket
+from proto.rollouts import Rollout, Turn
+from services.rollout.config import RolloutConfig
+from services.runtime.config import Loaded
+from services.runtime.consume import Delivery, Retry
+from services.runtime.service import ServiceContext
+
+log = logging.getLogger("rlbus.rollout")
+
+
+def rollout_msg_id(run_id: str, group_id: str, index: int) -> str:
+    """Deterministic: a redelivered ticket's rollouts are de-duplicated by JetStream."""
+    return f"{run_id}-{group_id}-s{index}"
+
+
+class RolloutService:
+    def __init__(self, loaded: Loaded) -> None:
+        self.loaded = loaded
+        self.cfg: RolloutConfig = loaded.service
+        self.weight_errors = 0
+        self.weight_updates = 0
+        self.first_weights = asyncio.Event()
+
+    def _engine(self) -> Any:
+        from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
+        from services.tasks.models import resolve_model
+
+        e = self.cfg.engine
+        model_dir = resolve_model(self.cfg.model, self.cfg.cache_dir or None, seed=self.loaded.run.seed)
+        return TorchEngine(TorchEngineConfig(
+            model_dir=str(model_dir), dtype=e.dtype, device=e.device or None, max_batch_size=e.max_batch_size,
+            num_threads=e.num_threads or None, weight_update_mode=e.weight_update_mode))
+
+    async def run(self, ctx: ServiceContext) -> None:
+        from services.weightsync.client import WeightSubscriber
+        from services.weightsync.store import open_store
+
+        self.engine = await asyncio.to_thread(self._engine)
+        await self.engine.start()
+        self.subscriber = WeightSubscriber(ctx.nc, ctx.run_id, open_store(self.cfg.store, ctx.nc))
+        weights = asyncio.create_task(self._follow_weights(ctx), name="rollout-weights")
+        reports = asyncio.create_task(self._report(ctx), name="rollout-metrics")
+        try:
+            try:
+                await asyncio.wait_for(self.first_weights.wait(), self.cfg.initial_weights_timeout_s or None)
+            except TimeoutError:
+                log.warning("no weight version announced within %.0fs; serving the local weights",
+                            self.cfg.initial_weights_timeout_s)
+            if not ctx.stop.is_set():
+                await ctx.consume(catalog.ROLLOUT_PROMPTS, PromptTicket, lambda t, d: self.handle(ctx, t, d),
+                                  concurrency=self.cfg.max_tickets)
+        finally:
+            weights.cancel()
+            reports.cancel()
+            await self.engine.stop()
+
+    async def _follow_weights(self, ctx: ServiceContext) -> None:
+        from services.weightsync.blobs import WeightIntegrityError
+
+        async for ann in self.subscriber.watch():
+            if ann.manifest.version <= self.engine.version and self.first_weights.is_set():
+                continue
+            t0 = time.perf_counter()
+            try:
+                state = await self.subscriber.fetch(ann.manifest)
+            except WeightIntegrityError as e:
+                self.weight_errors += 1
+                log.error("refused weight version %d: %s (keeping version %d)", ann.manifest.version, e,
+                          self.engine.version)
+                ctx.gauges["rollout/weight_errors"] = float(self.weight_errors)
+                continue
+            await self.engine.update_weights(state, ann.manifest.version)
+            self.weight_updates += 1
+            ctx.gauges["rollout/weight_version"] = float(ann.manifest.version)
+            ctx.gauges["rollout/weight_apply_s"] = time.perf_counter() - t0
+            self.first_weights.set()
+
+    async def _report(self, ctx: ServiceContext) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.report_every_s)  # reporting period
+            st = self.engine.stats()
+            await ctx.report({
+                "rollout/pending_requests": float(st.pending), "rollout/running": float(st.running),
+                "rollout/tokens_per_s": float(st.tokens_per_s), "rollout/tokens_total": float(st.total_generated_tokens),
+                "rollout/weight_version": float(st.version), "rollout/weight_errors": float(self.weight_errors),
+            })
+
+    async def handle(self, ctx: ServiceContext, ticket: PromptTicket, d: Delivery[PromptTicket]) -> None:
+        from services.rollout.engine import EngineOverloadedError, SamplingParams
+
+        s = ticket.sampling
+        params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                stop=list(s.stop))
+        try:
+            results = await asyncio.gather(*(self.engine.generate(ticket.prompt_ids, params)
+                                             for _ in range(ticket.group_size)), return_exceptions=True)
+        except EngineOverloadedError as e:
+            raise Retry(str(e), delay_s=2.0) from e
+        subject = ctx.subject("rollouts")
+        for i, res in enumerate(results):
+            if isinstance(res, EngineOverloadedError):
+                raise Retry(str(res), delay_s=2.0)
+            common = dict(run_id=ctx.run_id, task=ticket.task, group_id=ticket.group_id, prompt_id=ticket.prompt_id,
+                          sample_index=i, group_size=ticket.group_size, prompt_ids=ticket.prompt_ids,
+                          policy_version=ticket.policy_version, metadata=ticket.metadata, is_eval=ticket.is_eval,
+                          worker=ctx.instance, msg_id=rollout_msg_id(ctx.run_id, ticket.group_id, i))
+            if isinstance(res, BaseException):
+                log.warning("generation failed for %s/%d: %s", ticket.group_id, i, res)
+                rollout = Rollout(**common, turns=[], finish_reason="error", error=f"{type(res).__name__}: {res}")
+            else:
+                turn = Turn(role="assistant", token_ids=res.token_ids, logprobs=res.logprobs, versions=res.versions,
+                            text=res.text)
+                rollout = Rollout(**common, turns=[turn], finish_reason=res.finish_reason)
+            await ctx.publish(subject, rollout)
+
+
+def build(loaded: Loaded) -> RolloutService:
+    return RolloutService(loaded)

@@ -1,0 +1,90 @@
+"""The trainer's configuration (section ``[services.trainer]``). No ML imports here."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from services.weightsync.config import ObjStoreConfig, StoreConfig
+
+Pos = Annotated[int, msgspec.Meta(ge=1)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How weight versions are encoded (see services/weightsync); the store is ``store``."""
+
+    #: full anchor every this many versions, sparse deltas between
+    anchor_every: Pos = 10
+    #: "native" keeps the training dtype (lossless); "bf16" halves the bytes
+    dtype: Literal["native", "bf16"] = "native"
+
+
+class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # --- model and task ---
+    #: builtin model (tiny-addition, smollm2) or a Hugging Face directory
+    model: str = "tiny-addition"
+    #: where builtin models are built and cached (default ~/.cache/rlbus or $RLBUS_CACHE)
+    cache_dir: str = ""
+    #: training dtype
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    #: task name from the task registry, and its options
+    task: str = "addition"
+    task_options: dict[str, int | float | str | bool] = {}
+
+    # --- batch and sampling ---
+    #: prompt groups per optimiser step
+    groups_per_step: Pos = 16
+    #: completions per prompt (the GRPO group)
+    group_size: Annotated[int, msgspec.Meta(ge=2)] = 8
+    #: completion budget (0: the task's own)
+    max_new_tokens: NonNeg = 0
+    temperature: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    #: the run stops after this many optimiser steps
+    total_steps: Pos = 100
+    #: optional wall-clock budget in seconds (0: none); the run stops at the first step past it
+    max_wall_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+
+    # --- asynchrony ---
+    #: a sample is trained on only if its oldest token is at most this many versions old;
+    #: at most (max_staleness + 1) * groups_per_step groups are in flight. 0 = synchronous on-policy
+    max_staleness: NonNeg = 1
+
+    # --- objective ---
+    normalize_std: bool = True
+    clip_low: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.2
+    clip_high: Annotated[float, msgspec.Meta(ge=0.0)] = 0.28
+    kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    #: off-policy correction: truncated IS (default), decoupled PPO, or none
+    is_mode: Literal["tis", "decoupled", "none"] = "tis"
+    is_cap: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
+    aggregation: Literal["seq_mean_token_mean", "token_mean"] = "seq_mean_token_mean"
+
+    # --- optimiser ---
+    lr: Annotated[float, msgspec.Meta(gt=0.0)] = 1e-4
+    weight_decay: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    max_grad_norm: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_warmup_steps: NonNeg = 0
+    #: completions per forward/backward pass (gradient accumulation over the batch)
+    micro_batch_size: Pos = 64
+
+    # --- evaluation, checkpoints, resources ---
+    #: evaluate on the held-out prompts every this many steps (0: only at start and end)
+    eval_every: NonNeg = 10
+    #: held-out prompts per evaluation (0: all the task has)
+    eval_prompts: NonNeg = 0
+    eval_temperature: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    #: save a resumable checkpoint every this many steps (0: only the final model)
+    checkpoint_every: NonNeg = 20
+    #: torch intra-op threads (0: torch's default)
+    num_threads: NonNeg = 0
+    weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
+    #: where weight blobs go: { type = "objstore" } (default), "s3" or "fs" (see services/weightsync/config.py)
+    store: StoreConfig = msgspec.field(default_factory=ObjStoreConfig)
+
+    @property
+    def max_groups_in_flight(self) -> int:
+        return (self.max_staleness + 1) * self.groups_per_step
