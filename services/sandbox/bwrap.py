@@ -1,0 +1,604 @@
+"""The bubblewrap backend: namespaces + cgroups + overlayfs, one bwrap process tree per exec.
+
+A sandbox is a filesystem (an overlay work directory and a private /tmp), limits
+(a cgroup) and a network policy; it holds processes only while execs run. Each
+exec starts ``setpriv`` (drop to the unprivileged ``sandbox_uid``) → ``bwrap``
+with new user, pid, ipc, uts, mount, net and cgroup namespaces, the read-only
+base root, ``--die-with-parent`` and a scrubbed environment. The exec's process
+tree lives in its own pid namespace: when the command exits, whatever it left
+running dies with it. A *detached* exec replies at once and keeps running until
+it exits or the sandbox is destroyed; that is how long-running processes (a
+server, a counter loop) live in a sandbox. Processes of different execs share
+the filesystem, limits and freezer but not pid or network namespaces.
+
+Joining the cgroup without a race: bwrap is started with ``--info-fd`` (it
+reports its child's pid) and ``--block-fd`` (the child waits before running the
+command); the service moves the child into the sandbox's cgroup, opens the
+egress listener in its network namespace if needed, and only then releases it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from proto import sandbox as api
+from services.sandbox import common, execio, files
+from services.sandbox.backend import (
+    BackendUnavailable,
+    Conflict,
+    EventSink,
+    InvalidRequest,
+    NotFound,
+    SandboxFailure,
+)
+from services.sandbox.cgroups import Cgroup, Hierarchy
+from services.sandbox.config import LimitsConfig, SandboxConfig
+from services.sandbox.egress import Allowlist, EgressProxy
+from services.sandbox.host import base_args, check_prerequisites, read_to_eof, reap_instance
+from services.sandbox.overlay import Layers, WorkTree, rmtree
+
+log = logging.getLogger("rlbus.sandbox.bwrap")
+
+#: ``sh -c`` script: write "0" (= this process) into each file up to "--", then exec the rest
+_JOIN_CGROUP = (
+    'while [ "$1" != -- ]; do echo 0 > "$1" || { echo "rlbus-sandbox: cannot join cgroup $1" >&2; exit 125; }; '
+    'shift; done; shift; exec "$@"'
+)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a sandbox was made with; a snapshot keeps it so forks inherit it."""
+
+    base: str
+    limits: LimitsConfig
+    env: dict[str, str]
+    egress: tuple[str, ...]
+    lease_ttl_s: float
+    labels: dict[str, str]
+
+
+@dataclass
+class Exec:
+    exec_id: str
+    proc: asyncio.subprocess.Process
+    child_pid: int
+    started: float
+    server: asyncio.Server | None = None
+
+    def kill(self) -> None:
+        """SIGKILL the exec's pid 1 (its whole pid namespace dies) and the bwrap monitor."""
+        for pid in (self.child_pid, self.proc.pid):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+
+@dataclass
+class Sandbox:
+    id: str
+    run_id: str
+    spec: Spec
+    tree: WorkTree
+    cgroup: Cgroup
+    roots: files.Roots
+    allowlist: Allowlist
+    argv_prefix: list[str]
+    created_at: float
+    parent_id: str | None = None
+    state: str = "running"  # running | paused | destroying
+    seq: int = 0
+    oom_seen: int = 0
+    exec_count: int = 0
+    execs: dict[str, Exec] = field(default_factory=dict)
+    snapshots: set[str] = field(default_factory=set)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    id: str
+    sandbox_id: str
+    layers: tuple[str, ...]
+    spec: Spec
+
+
+class BwrapBackend:
+    """Sandboxes isolated by bubblewrap, cgroups and overlayfs (see the module docstring)."""
+
+    def __init__(self, config: SandboxConfig, on_event: EventSink) -> None:
+        self.cfg = config
+        self.on_event = on_event
+        self.instance_id = config.instance_id or common.new_instance_id()
+        self.state_dir = os.path.join(config.root_dir, self.instance_id)
+        self.sandboxes: dict[str, Sandbox] = {}
+        self.snapshots: dict[str, Snapshot] = {}
+        self.leases = common.LeaseTable(self._lease_expired)
+        self.egress = EgressProxy(config.egress_port, config.egress_connect_timeout_s)
+        self._lock = common.InstanceLock(self.state_dir)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._base_args: dict[str, list[str]] = {}
+        self.hierarchy: Hierarchy | None = None
+        self.layers: Layers | None = None
+
+    # --- lifecycle of the backend ------------------------------------------------------------
+
+    async def start(self) -> list[str]:
+        """Check the host, reap orphans (a dead predecessor with this id included), take the state dir."""
+        self.hierarchy = check_prerequisites(self.cfg)
+        reaped: list[str] = []
+        if os.path.isdir(self.state_dir):  # a predecessor with our id: reap it like any orphan
+            if not self._lock.try_acquire():
+                raise BackendUnavailable(f"instance id {self.instance_id} is in use by a live process "
+                                         f"(lock {self._lock.path}); choose another instance_id")
+            reaped += await reap_instance(self.cfg, self.hierarchy, self.instance_id, self.on_event, keep_dir=False)
+            self._lock.release()
+        reaped += await self.reap_orphans()
+        # make the state dir under a temporary name with its lock held, then move it into place, so a
+        # reaper scanning root_dir never sees it unlocked
+        tmp = os.path.join(self.cfg.root_dir, f".new-{self.instance_id}-{os.getpid()}")
+        os.makedirs(tmp, mode=0o711)
+        self._lock = common.InstanceLock(tmp)
+        if not self._lock.try_acquire():
+            raise BackendUnavailable(f"cannot lock {tmp}")
+        os.rename(tmp, self.state_dir)
+        self._lock.path = os.path.join(self.state_dir, "lock")
+        os.mkdir(os.path.join(self.state_dir, "s"), 0o711)
+        os.mkdir(os.path.join(self.state_dir, "trash"), 0o700)
+        self.layers = Layers(self.state_dir, self.cfg.sandbox_uid, self.cfg.sandbox_gid, self.cfg.max_layers)
+        self.hierarchy.prepare_instance(self.instance_id)
+        self._base_args = {name: base_args(self.cfg, name) for name in ("host", *self.cfg.images)}
+        await self._smoke_test()
+        log.info("sandbox instance %s ready (bwrap, cgroup v%d, state %s)", self.instance_id,
+                 self.hierarchy.version, self.state_dir)
+        return reaped
+
+    async def _smoke_test(self) -> None:
+        """One ``true`` through the full setpriv+bwrap command line: catches hosts that forbid user namespaces."""
+        layers, _ = self._ready()
+        argv = [*self._prefix(self._base_args["host"], layers.empty, layers.empty, []), "--", "true"]
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, env={}, start_new_session=True,
+        )
+        _, err = await proc.communicate()
+        if proc.returncode != 0:
+            raise BackendUnavailable(
+                f"bubblewrap cannot start a sandbox here: {err.decode(errors='replace').strip()} "
+                "(unprivileged user namespaces may be disabled: sysctl user.max_user_namespaces, "
+                "kernel.apparmor_restrict_unprivileged_userns)"
+            )
+
+    async def close(self) -> None:
+        """Destroy every sandbox (reason ``shutdown``) and remove this instance's state."""
+        for sb in list(self.sandboxes.values()):
+            await self._destroy(sb, "shutdown")
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # trash deletions, finished execs
+        if self.hierarchy is not None and self.layers is not None:
+            await reap_instance(self.cfg, self.hierarchy, self.instance_id, self.on_event, keep_dir=False)
+        self._lock.release()
+        self.egress.close()
+
+    async def reap_orphans(self) -> list[str]:
+        """Destroy sandboxes of dead instances under ``root_dir``; returns their ids."""
+        if self.hierarchy is None:
+            raise BackendUnavailable("call start() first")
+        hierarchy = self.hierarchy
+        reaped: list[str] = []
+        try:
+            entries = [e.name for e in os.scandir(self.cfg.root_dir) if e.is_dir()]
+        except FileNotFoundError:
+            return reaped
+        for name in entries:
+            if name == self.instance_id or name.startswith("."):
+                continue
+            lock = common.InstanceLock(os.path.join(self.cfg.root_dir, name))
+            if not lock.try_acquire():
+                continue  # alive (or not an instance directory)
+            try:
+                reaped += await reap_instance(self.cfg, hierarchy, name, self.on_event, keep_dir=False)
+            finally:
+                lock.release()
+        if reaped:
+            log.warning("reaped %d orphaned sandboxes of dead instances", len(reaped))
+        return reaped
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _emit(self, sb: Sandbox, detail: api.EventDetail) -> None:
+        sb.seq += 1
+        self.on_event(api.SandboxEvent(
+            run_id=sb.run_id, sandbox_id=sb.id, instance_id=self.instance_id, seq=sb.seq, detail=detail
+        ))
+
+    def _ready(self) -> tuple[Layers, Hierarchy]:
+        if self.layers is None or self.hierarchy is None:
+            raise BackendUnavailable("the sandbox backend is not started: call start() first")
+        return self.layers, self.hierarchy
+
+    def _get(self, sandbox_id: str) -> Sandbox:
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None or sb.state == "destroying":
+            raise NotFound(f"no sandbox {sandbox_id} on instance {self.instance_id}", sandbox_id)
+        return sb
+
+    def _spawn_task(self, coro, name: str) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _prefix(self, base: list[str], merged: str, tmp: str, cgroup_files: list[str]) -> list[str]:
+        c = self.cfg
+        return [
+            "/bin/sh", "-c", _JOIN_CGROUP, "rlbus-sandbox", *cgroup_files, "--",
+            c.setpriv_path, f"--reuid={c.sandbox_uid}", f"--regid={c.sandbox_gid}", "--clear-groups",
+            "--no-new-privs", c.bwrap_path,
+            "--unshare-user", "--uid", "0", "--gid", "0",
+            "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+            "--hostname", c.hostname, "--die-with-parent", "--new-session",
+            *base,
+            "--dev", "/dev", "--proc", "/proc",
+            "--bind", merged, c.workdir, "--bind", tmp, "/tmp",
+            "--remount-ro", "/",  # bwrap's own root (a tmpfs holding the mount points) read-only too
+        ]
+
+    async def _new_sandbox(self, run_id: str, spec: Spec, layers: tuple[str, ...], parent_id: str | None) -> Sandbox:
+        layers_store, hierarchy = self._ready()
+        common.check_capacity(len(self.sandboxes), self.cfg)
+        sid = common.new_id(self.instance_id, lambda s: s in self.sandboxes)
+        tree = layers_store.new_tree(os.path.join(self.state_dir, "s", sid), layers)
+        try:
+            cgroup = hierarchy.create(self.instance_id, sid, spec.limits)
+        except BaseException:
+            for d in layers_store.drop_tree(tree):
+                rmtree(d)
+            raise
+        with open(os.path.join(tree.dir, "meta.json"), "w") as f:
+            json.dump({"sandbox_id": sid, "run_id": run_id}, f)
+        sb = Sandbox(
+            id=sid, run_id=run_id, spec=spec, tree=tree, cgroup=cgroup,
+            roots=files.Roots(workdir=self.cfg.workdir, work_host=tree.merged, tmp_host=tree.tmp),
+            allowlist=Allowlist(list(spec.egress)),
+            argv_prefix=self._prefix(self._base_args[spec.base], tree.merged, tree.tmp, cgroup.self_attach_files()),
+            created_at=time.time(), parent_id=parent_id,
+        )
+        self.sandboxes[sid] = sb
+        return sb
+
+    # --- verbs -------------------------------------------------------------------------------
+
+    async def create(self, req: api.CreateRequest) -> api.CreateReply:
+        if req.base not in self._base_args:
+            raise InvalidRequest(f"unknown base {req.base!r}: use 'host' or one of {sorted(self.cfg.images)}")
+        allow = Allowlist(req.egress)  # validates
+        del allow
+        spec = Spec(
+            base=req.base, limits=common.resolve_limits(req.limits, self.cfg), env=common.check_env(dict(req.env)),
+            egress=tuple(req.egress), lease_ttl_s=common.resolve_ttl(req.lease_ttl_s, self.cfg.default_lease_ttl_s,
+                                                                      self.cfg),
+            labels=dict(req.labels),
+        )
+        sb = await self._new_sandbox(req.run_id, spec, (), None)
+        try:
+            if req.files:
+                files.write_files(sb.roots, req.files, self.cfg.sandbox_uid, self.cfg.sandbox_gid)
+        except BaseException:
+            await self._destroy(sb, "failed", emit=False)
+            raise
+        expires = self.leases.set(sb.id, spec.lease_ttl_s)
+        self._emit(sb, api.Created(
+            base=spec.base, limits=api.Limits(memory_mb=spec.limits.memory_mb, pids=spec.limits.pids,
+                                              cpus=spec.limits.cpus),
+            egress=list(spec.egress), lease_ttl_s=spec.lease_ttl_s, labels=spec.labels,
+        ))
+        return api.CreateReply(run_id=req.run_id, sandbox_id=sb.id, instance_id=self.instance_id,
+                               lease_expires_at=expires)
+
+    async def _spawn(self, sb: Sandbox, argv: list[str], env: dict[str, str], cwd: str, detach: bool) -> Exec:
+        """Start one exec: ``sh`` joins the cgroup, ``setpriv`` drops to sandbox_uid, ``bwrap`` isolates.
+
+        The wrapper shell moves *itself* into the cgroup before anything else runs
+        (a process migrating itself skips the kernel's global cgroup lock, which
+        costs a full RCU grace period per migration otherwise); if it cannot, it
+        exits 125 and nothing runs. ``--info-fd`` reports the sandbox's pid 1;
+        with an egress allowlist, ``--block-fd`` holds the command until the proxy
+        listener exists in its network namespace.
+        """
+        info_r, info_w = os.pipe2(os.O_CLOEXEC)
+        fds = [info_w]
+        extra = ["--info-fd", str(info_w)]
+        block_w = -1
+        if sb.allowlist:
+            block_r, block_w = os.pipe2(os.O_CLOEXEC)
+            fds.append(block_r)
+            extra += ["--block-fd", str(block_r)]
+        pipe = asyncio.subprocess.DEVNULL if detach else asyncio.subprocess.PIPE
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *sb.argv_prefix, "--chdir", cwd, *extra, "--", *argv,
+                stdin=pipe, stdout=pipe, stderr=asyncio.subprocess.PIPE if not detach else pipe,
+                env=env, pass_fds=fds, start_new_session=True,
+            )
+        except BaseException:
+            for fd in (info_r, *fds, block_w):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        for fd in fds:
+            os.close(fd)
+        try:
+            info = await read_to_eof(info_r)
+            if not info:
+                err = await proc.stderr.read() if proc.stderr else b""
+                await proc.wait()
+                raise SandboxFailure(f"the sandbox failed to start: {err.decode(errors='replace').strip()}")
+            ex = Exec(exec_id="", proc=proc, child_pid=int(json.loads(info)["child-pid"]), started=time.monotonic())
+            if block_w >= 0:
+                try:
+                    ex.server = await self.egress.listen(ex.child_pid, sb.allowlist, lambda h, p, r: self._emit(
+                        sb, api.EgressRefused(host=h, port=p, reason=r, exec_id=ex.exec_id)))
+                except BaseException:
+                    # kill before the block fd closes: EOF on it would release the command
+                    ex.kill()
+                    await proc.wait()
+                    raise
+                os.write(block_w, b"1")
+        finally:
+            if block_w >= 0:
+                os.close(block_w)
+        return ex
+
+    async def exec(self, req: api.ExecRequest) -> api.ExecReply:
+        sb = self._get(req.sandbox_id)
+        timeout = common.resolve_timeout(req, self.cfg)
+        cap = common.resolve_output_cap(req, self.cfg)
+        argv = common.command_argv(req.command)
+        cwd = req.cwd or self.cfg.workdir
+        if not cwd.startswith("/"):
+            raise InvalidRequest(f"cwd {cwd!r} must be an absolute path inside the sandbox")
+        env = {**self.cfg.env, "HOME": self.cfg.workdir, **sb.spec.env, **common.check_env(dict(req.env))}
+        if sb.allowlist:
+            env.update(self.egress.env())
+        async with sb.lock:
+            if sb.state == "paused":
+                raise Conflict(f"sandbox {sb.id} is paused: resume it before exec", sb.id)
+            if sb.state != "running":
+                raise NotFound(f"sandbox {sb.id} is being destroyed", sb.id)
+            sb.exec_count += 1
+            exec_id = f"{sb.id}-e{sb.exec_count}"
+            ex = await self._spawn(sb, argv, env, cwd, req.detach)
+            ex.exec_id = exec_id
+            sb.execs[exec_id] = ex
+        self._emit(sb, api.ExecStarted(exec_id=exec_id, argv=[a[:200] for a in argv], detach=req.detach))
+        if req.detach:
+            self._spawn_task(self._wait_detached(sb, ex, timeout), f"sandbox-detached-{exec_id}")
+            return api.ExecReply(run_id=req.run_id, sandbox_id=sb.id, exec_id=exec_id, exit_code=None, detached=True)
+        try:
+            out = await execio.communicate(ex.proc, req.stdin, cap, timeout or self.cfg.max_timeout_s, ex.kill)
+        except BaseException:
+            ex.kill()
+            raise
+        finally:
+            self._exec_done(sb, ex)
+        oom = self._check_oom(sb, exec_id)
+        code = execio.exit_code(out.returncode)
+        duration = time.monotonic() - ex.started
+        if out.timed_out:
+            self._emit(sb, api.Timeout(exec_id=exec_id, timeout_s=timeout or self.cfg.max_timeout_s))
+        self._emit(sb, api.ExecFinished(exec_id=exec_id, exit_code=code, duration_s=duration, timed_out=out.timed_out,
+                                        oom_killed=oom, stdout_bytes=out.stdout_bytes, stderr_bytes=out.stderr_bytes))
+        return api.ExecReply(
+            run_id=req.run_id, sandbox_id=sb.id, exec_id=exec_id, exit_code=code, stdout=out.stdout,
+            stderr=out.stderr, stdout_truncated=out.stdout_truncated, stderr_truncated=out.stderr_truncated,
+            duration_s=duration, timed_out=out.timed_out, oom_killed=oom,
+        )
+
+    def _exec_done(self, sb: Sandbox, ex: Exec) -> None:
+        sb.execs.pop(ex.exec_id, None)
+        if ex.server is not None:
+            ex.server.close()
+
+    def _check_oom(self, sb: Sandbox, exec_id: str | None) -> bool:
+        try:
+            kills = sb.cgroup.oom_kills()
+        except OSError:
+            return False
+        if kills <= sb.oom_seen:
+            return False
+        sb.oom_seen = kills
+        self._emit(sb, api.Oom(exec_id=exec_id, memory_mb=sb.spec.limits.memory_mb, kills=kills))
+        return True
+
+    async def _wait_detached(self, sb: Sandbox, ex: Exec, timeout: float | None) -> None:
+        timed_out = False
+        try:
+            if timeout is None:
+                await ex.proc.wait()
+            else:
+                try:
+                    await asyncio.wait_for(ex.proc.wait(), timeout)
+                except TimeoutError:
+                    timed_out = True
+                    ex.kill()
+                    self._emit(sb, api.Timeout(exec_id=ex.exec_id, timeout_s=timeout))
+                    await ex.proc.wait()
+        finally:
+            self._exec_done(sb, ex)
+        if sb.state == "destroying":
+            return
+        oom = self._check_oom(sb, ex.exec_id)
+        self._emit(sb, api.ExecFinished(exec_id=ex.exec_id, exit_code=execio.exit_code(ex.proc.returncode),
+                                        duration_s=time.monotonic() - ex.started, timed_out=timed_out, oom_killed=oom))
+
+    async def write_files(self, req: api.WriteFilesRequest) -> api.WriteFilesReply:
+        sb = self._get(req.sandbox_id)
+        async with sb.lock:
+            total = await self._maybe_thread(
+                files.write_files, sb.roots, req.files, self.cfg.sandbox_uid, self.cfg.sandbox_gid,
+                big=sum(len(f.data) for f in req.files) > (1 << 20),
+            )
+        return api.WriteFilesReply(run_id=req.run_id, sandbox_id=sb.id, files=len(req.files), bytes=total)
+
+    async def read_files(self, req: api.ReadFilesRequest) -> api.ReadFilesReply:
+        sb = self._get(req.sandbox_id)
+        limit = self.cfg.default_read_bytes if req.max_bytes is None else req.max_bytes
+        if limit > self.cfg.max_output_bytes:
+            raise InvalidRequest(f"max_bytes={limit} exceeds the maximum {self.cfg.max_output_bytes}")
+        async with sb.lock:
+            out = [await self._maybe_thread(files.read_file, sb.roots, p, limit, big=limit > (1 << 20))
+                   for p in req.paths]
+        return api.ReadFilesReply(run_id=req.run_id, sandbox_id=sb.id, files=out)
+
+    @staticmethod
+    async def _maybe_thread(fn, *args, big: bool):  # type: ignore[no-untyped-def]
+        return await asyncio.to_thread(fn, *args) if big else fn(*args)
+
+    async def pause(self, req: api.PauseRequest) -> api.PauseReply:
+        sb = self._get(req.sandbox_id)
+        async with sb.lock:
+            if sb.state == "running":
+                await sb.cgroup.freeze()
+                sb.state = "paused"
+                self._emit(sb, api.Paused())
+        return api.PauseReply(run_id=req.run_id, sandbox_id=sb.id, state="paused")
+
+    async def resume(self, req: api.ResumeRequest) -> api.ResumeReply:
+        sb = self._get(req.sandbox_id)
+        async with sb.lock:
+            if sb.state == "paused":
+                sb.cgroup.thaw()
+                sb.state = "running"
+                self._emit(sb, api.Resumed())
+        return api.ResumeReply(run_id=req.run_id, sandbox_id=sb.id, state="running")
+
+    async def _take_snapshot(self, sb: Sandbox) -> tuple[Snapshot, bool]:
+        """Snapshot under ``sb.lock``: O(1) layer swap when no exec runs, else freeze + copy."""
+        store, _ = self._ready()
+        copied = bool(sb.execs)
+        if not copied:
+            layers = store.swap_upper(sb.tree)
+        else:
+            was_paused = sb.state == "paused"
+            if not was_paused:
+                await sb.cgroup.freeze()
+            try:
+                layers = await store.copy_upper(sb.tree)
+            finally:
+                if not was_paused:
+                    sb.cgroup.thaw()
+        snap = Snapshot(id=common.new_id(f"{self.instance_id}-snap", lambda s: s in self.snapshots),
+                        sandbox_id=sb.id, layers=layers, spec=sb.spec)
+        store.acquire(layers)
+        self.snapshots[snap.id] = snap
+        sb.snapshots.add(snap.id)
+        self._emit(sb, api.Snapshotted(snapshot_id=snap.id, copied=copied))
+        return snap, copied
+
+    async def snapshot(self, req: api.SnapshotRequest) -> api.SnapshotReply:
+        sb = self._get(req.sandbox_id)
+        async with sb.lock:
+            snap, copied = await self._take_snapshot(sb)
+        return api.SnapshotReply(run_id=req.run_id, sandbox_id=sb.id, snapshot_id=snap.id, copied=copied)
+
+    async def fork(self, req: api.ForkRequest) -> api.ForkReply:
+        parent_id: str | None = None
+        if isinstance(req.source, api.FromSandbox):
+            parent = self._get(req.source.sandbox_id)
+            parent_id = parent.id
+            async with parent.lock:
+                snap, _ = await self._take_snapshot(parent)
+        else:
+            found = self.snapshots.get(req.source.snapshot_id)
+            if found is None:
+                raise NotFound(f"no snapshot {req.source.snapshot_id} on instance {self.instance_id} "
+                               "(it goes when its sandbox is destroyed)")
+            snap, parent_id = found, found.sandbox_id
+        ttl = common.resolve_ttl(req.lease_ttl_s, snap.spec.lease_ttl_s, self.cfg)
+        spec = Spec(base=snap.spec.base, limits=snap.spec.limits, env=snap.spec.env, egress=snap.spec.egress,
+                    lease_ttl_s=ttl, labels=dict(req.labels) if req.labels else snap.spec.labels)
+        child = await self._new_sandbox(req.run_id, spec, snap.layers, parent_id)
+        expires = self.leases.set(child.id, ttl)
+        self._emit(child, api.Forked(snapshot_id=snap.id, parent_id=parent_id, lease_ttl_s=ttl, labels=spec.labels))
+        return api.ForkReply(run_id=req.run_id, sandbox_id=child.id, instance_id=self.instance_id,
+                             snapshot_id=snap.id, lease_expires_at=expires)
+
+    async def destroy(self, req: api.DestroyRequest) -> api.DestroyReply:
+        sb = self._get(req.sandbox_id)
+        await self._destroy(sb, "requested")
+        return api.DestroyReply(run_id=req.run_id, sandbox_id=sb.id)
+
+    async def _destroy(self, sb: Sandbox, reason: api.DestroyReason, emit: bool = True) -> None:
+        store, _ = self._ready()
+        async with sb.lock:
+            if sb.state == "destroying":
+                return
+            sb.state = "destroying"
+        self.leases.drop(sb.id)
+        execs = list(sb.execs.values())
+        for ex in execs:
+            ex.kill()
+        await sb.cgroup.kill_all()  # thaws a paused sandbox so the killed processes can exit
+        await asyncio.gather(*(ex.proc.wait() for ex in execs))
+        for ex in execs:
+            self._exec_done(sb, ex)
+        await sb.cgroup.remove()
+        doomed = store.drop_tree(sb.tree)
+        for snap_id in sb.snapshots:
+            snap = self.snapshots.pop(snap_id, None)
+            if snap is not None:
+                doomed += store.release(snap.layers)
+        self.sandboxes.pop(sb.id, None)
+        self._discard(doomed)
+        if emit:
+            self._emit(sb, api.Destroyed(reason=reason))
+
+    def _discard(self, dirs: list[str]) -> None:
+        """Move ``dirs`` into the trash (a rename each) and delete them in a background thread.
+
+        Deleting files costs journal writes that a busy disk can stretch to many
+        milliseconds; the destroy reply does not wait for it.
+        """
+        trash = os.path.join(self.state_dir, "trash")
+        moved = []
+        for d in dirs:
+            dst = os.path.join(trash, secrets.token_hex(8))
+            try:
+                os.rename(d, dst)
+                moved.append(dst)
+            except FileNotFoundError:
+                pass
+        if moved:
+            self._spawn_task(asyncio.to_thread(lambda: [rmtree(d) for d in moved]), "sandbox-trash")
+
+    def _lease_expired(self, sandbox_id: str) -> None:
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None or sb.state == "destroying":
+            return
+        self._emit(sb, api.LeaseExpired(lease_ttl_s=sb.spec.lease_ttl_s))
+        self._spawn_task(self._destroy(sb, "lease_expired"), f"sandbox-expire-{sandbox_id}")
+
+    async def renew_lease(self, req: api.RenewLeaseRequest) -> api.RenewLeaseReply:
+        sb = self._get(req.sandbox_id)
+        ttl = common.resolve_ttl(req.ttl_s, sb.spec.lease_ttl_s, self.cfg)
+        expires = self.leases.set(sb.id, ttl)
+        return api.RenewLeaseReply(run_id=req.run_id, sandbox_id=sb.id, lease_expires_at=expires)
+
+    async def list(self, req: api.ListRequest) -> api.ListReply:
+        infos = [
+            api.SandboxInfo(
+                sandbox_id=sb.id, instance_id=self.instance_id, run_id=sb.run_id,
+                state="paused" if sb.state == "paused" else "running", base=sb.spec.base, created_at=sb.created_at,
+                lease_expires_at=self.leases.expires_at(sb.id), layers=len(sb.tree.layers),
+                running_execs=len(sb.execs), parent_id=sb.parent_id, labels=sb.spec.labels,
+            )
+            for sb in self.sandboxes.values()
+            if sb.state != "destroying" and (req.all_runs or sb.run_id == req.run_id)
+        ]
+        return api.ListReply(run_id=req.run_id, instance_id=self.instance_id, sandboxes=infos)

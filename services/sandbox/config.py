@@ -1,0 +1,116 @@
+"""Configuration of the sandbox service (section ``[services.sandbox]``).
+
+Only msgspec here: the config parses without the backend's dependencies, and a
+test can parse every shipped config file.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+import msgspec
+
+#: What base ``"host"`` exposes read-only: the host's system directories, not its whole
+#: ``/`` (which would show the repository, /root, /home, the state directory...).
+#: Missing entries are skipped; symlinks (merged /usr) are recreated as symlinks.
+DEFAULT_HOST_PATHS = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"]
+
+DEFAULT_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LANG": "C.UTF-8",
+    "TERM": "dumb",
+}
+
+_INSTANCE_ID = re.compile(r"^[a-z0-9]{1,32}$")
+
+
+class LimitsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Concrete per-sandbox resource limits."""
+
+    #: memory (RSS + page cache + kernel memory) in MiB
+    memory_mb: Annotated[int, msgspec.Meta(ge=16)] = 512
+    #: processes and threads alive at once
+    pids: Annotated[int, msgspec.Meta(ge=4)] = 128
+    #: CPU bandwidth in cores
+    cpus: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+
+
+class SandboxConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The ``[services.sandbox]`` section."""
+
+    #: isolation backend: ``bwrap`` (bubblewrap + cgroups + overlayfs; needs root) or
+    #: ``unsafe-process`` (plain processes, NO isolation: development only, warns loudly)
+    type: Literal["bwrap", "unsafe-process"] = "bwrap"
+    #: state directory: per-instance work layers, snapshots, locks. Every path component
+    #: must be searchable by ``sandbox_uid`` (the bwrap backend checks at start)
+    root_dir: str = "/var/lib/rlbus/sandbox"
+    #: this instance's id ([a-z0-9]{1,32}); None = random. A restarted instance with the same
+    #: id reaps what its predecessor left, like any other orphan
+    instance_id: str | None = None
+    #: named read-only base roots a create may ask for (``base = "<name>"``): name -> directory
+    #: holding a root filesystem (e.g. an unpacked container image)
+    images: dict[str, str] = {}
+    #: directories of the host exposed read-only by base ``"host"``
+    host_paths: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_HOST_PATHS))
+    #: the writable work directory inside the sandbox (overlay layers; snapshotted and forked)
+    workdir: str = "/workspace"
+    #: host uid/gid sandboxed processes run as (unprivileged); root inside the sandbox maps to it
+    sandbox_uid: Annotated[int, msgspec.Meta(ge=1)] = 65534
+    sandbox_gid: Annotated[int, msgspec.Meta(ge=1)] = 65534
+    #: hostname inside sandboxes
+    hostname: str = "sandbox"
+    #: base environment of every exec (the service's own environment never leaks in);
+    #: HOME is the work directory
+    env: dict[str, str] = msgspec.field(default_factory=lambda: dict(DEFAULT_ENV))
+    #: limits a create gets when it names none
+    default_limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    #: the most a create may ask for
+    max_limits: LimitsConfig = msgspec.field(
+        default_factory=lambda: LimitsConfig(memory_mb=16384, pids=4096, cpus=8.0)
+    )
+    #: wall-time limit of a foreground exec that names none, and the most one may ask for
+    default_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 60.0
+    max_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 3600.0
+    #: cap on each of stdout/stderr of an exec that names none, and the most one may ask for
+    default_max_output_bytes: Annotated[int, msgspec.Meta(ge=0)] = 1 << 20
+    max_output_bytes: Annotated[int, msgspec.Meta(ge=0)] = 16 << 20
+    #: bytes read_files returns per file by default
+    default_read_bytes: Annotated[int, msgspec.Meta(ge=0)] = 1 << 20
+    #: lease of a sandbox that names none, and the longest one may ask for (seconds)
+    default_lease_ttl_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
+    max_lease_ttl_s: Annotated[float, msgspec.Meta(gt=0.0)] = 86400.0
+    #: sandboxes this instance holds at once (creates beyond are refused with ``limit``)
+    max_sandboxes: Annotated[int, msgspec.Meta(ge=1)] = 10000
+    #: read-only layers under a sandbox's writable layer (one per snapshot that changed
+    #: something); a snapshot beyond is refused with ``limit``
+    max_layers: Annotated[int, msgspec.Meta(ge=1, le=64)] = 48
+    #: TCP port of the egress proxy inside sandboxes with an allowlist (127.0.0.1:<port>)
+    egress_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 3128
+    #: seconds the egress proxy waits to connect to an allowed host
+    egress_connect_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0
+    #: the bubblewrap and setpriv executables (names are looked up on PATH)
+    bwrap_path: str = "bwrap"
+    setpriv_path: str = "setpriv"
+    #: cgroup directory (below each hierarchy's root) that holds ``<instance>/<sandbox>``
+    cgroup_parent: str = "rlbus"
+
+    def __post_init__(self) -> None:
+        if self.instance_id is not None and not _INSTANCE_ID.match(self.instance_id):
+            raise ValueError(f"instance_id {self.instance_id!r} must match [a-z0-9]{{1,32}}")
+        if not self.workdir.startswith("/") or self.workdir in ("/", "/tmp") or ".." in self.workdir:
+            raise ValueError(f"workdir {self.workdir!r} must be an absolute path other than / and /tmp")
+        if not self.root_dir.startswith("/"):
+            raise ValueError(f"root_dir {self.root_dir!r} must be an absolute path")
+        if "host" in self.images:
+            raise ValueError('images may not be named "host" (that name is the host base)')
+        for name, field in (("default_limits", self.default_limits),):
+            m = self.max_limits
+            if field.memory_mb > m.memory_mb or field.pids > m.pids or field.cpus > m.cpus:
+                raise ValueError(f"{name} exceeds max_limits")
+        if self.default_timeout_s > self.max_timeout_s:
+            raise ValueError("default_timeout_s exceeds max_timeout_s")
+        if self.default_max_output_bytes > self.max_output_bytes:
+            raise ValueError("default_max_output_bytes exceeds max_output_bytes")
+        if self.default_lease_ttl_s > self.max_lease_ttl_s:
+            raise ValueError("default_lease_ttl_s exceeds max_lease_ttl_s")

@@ -1,0 +1,172 @@
+"""Host-side helpers of the bwrap backend: prerequisite checks, base roots, orphan reaping."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import stat
+
+from proto import sandbox as api
+from services.sandbox.backend import BackendUnavailable, EventSink
+from services.sandbox.cgroups import Hierarchy
+from services.sandbox.config import SandboxConfig
+from services.sandbox.overlay import mounts_under, rmtree, umount
+
+log = logging.getLogger("rlbus.sandbox.host")
+
+APT_HINT = "apt-get update && apt-get install -y bubblewrap"
+
+
+def _traversable(path: str, uid: int, gid: int) -> bool:
+    """Can ``uid``/``gid`` reach ``path`` (search permission on it and every ancestor)?"""
+    current = "/"
+    for part in [p for p in path.split("/") if p] + [None]:
+        st = os.stat(current)
+        if st.st_uid == uid:
+            ok = st.st_mode & stat.S_IXUSR
+        elif st.st_gid == gid:
+            ok = st.st_mode & stat.S_IXGRP
+        else:
+            ok = st.st_mode & stat.S_IXOTH
+        if not ok:
+            return False
+        if part is None:
+            return True
+        current = os.path.join(current, part)
+    return True
+
+
+def check_prerequisites(cfg: SandboxConfig) -> Hierarchy:
+    """Everything the bwrap backend needs, or one :class:`BackendUnavailable` listing all that is missing."""
+    problems: list[str] = []
+    if os.geteuid() != 0:
+        problems.append("the service must run as root (overlay mounts, cgroups, dropping to sandbox_uid)")
+    if shutil.which(cfg.bwrap_path) is None:
+        problems.append(f"bubblewrap ({cfg.bwrap_path}) is not installed: {APT_HINT}")
+    if shutil.which(cfg.setpriv_path) is None:
+        problems.append(f"setpriv ({cfg.setpriv_path}, package util-linux) is not installed")
+    try:
+        with open("/proc/filesystems") as f:
+            if "overlay" not in f.read():
+                problems.append("overlayfs is not available: modprobe overlay")
+    except OSError:
+        problems.append("/proc is not mounted")
+    try:
+        with open("/proc/sys/user/max_user_namespaces") as f:
+            if int(f.read()) == 0:
+                problems.append("user namespaces are disabled: sysctl -w user.max_user_namespaces=100000")
+    except FileNotFoundError:
+        problems.append("the kernel has no user namespaces")
+    if any(ch in cfg.root_dir for ch in ":,\\ "):
+        problems.append(f"root_dir {cfg.root_dir!r} may not contain ':', ',', '\\' or spaces (overlay options)")
+    hierarchy = None
+    try:
+        hierarchy = Hierarchy.detect(cfg.cgroup_parent)
+    except BackendUnavailable as e:
+        problems.append(str(e))
+    for name, path in cfg.images.items():
+        if not os.path.isdir(path):
+            problems.append(f"image {name!r}: {path} is not a directory")
+    if not problems:
+        os.makedirs(cfg.root_dir, mode=0o711, exist_ok=True)
+        if not _traversable(cfg.root_dir, cfg.sandbox_uid, cfg.sandbox_gid):
+            problems.append(
+                f"root_dir {cfg.root_dir} is not reachable by sandbox_uid {cfg.sandbox_uid}: "
+                "every directory on its path needs o+x (chmod o+x), or choose another root_dir"
+            )
+    if problems or hierarchy is None:
+        raise BackendUnavailable(
+            "the bwrap sandbox backend cannot start: " + "; ".join(problems)
+            + '. Fix these, or set services.sandbox.type = "unsafe-process" to run WITHOUT isolation '
+            "(development only)"
+        )
+    return hierarchy
+
+
+def base_args(cfg: SandboxConfig, base: str) -> list[str]:
+    """bwrap arguments building the read-only base root named ``base``."""
+    if base != "host":
+        return ["--ro-bind", cfg.images[base], "/"]
+    args: list[str] = []
+    for path in cfg.host_paths:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    return args
+
+
+async def read_to_eof(fd: int) -> bytes:
+    """Read a pipe until its writers close it, without blocking the event loop; closes ``fd``."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[bytes] = loop.create_future()
+    chunks: list[bytes] = []
+    os.set_blocking(fd, False)
+
+    def readable() -> None:
+        try:
+            while True:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    if not done.done():
+                        done.set_result(b"".join(chunks))
+                    return
+                chunks.append(chunk)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            if not done.done():
+                done.set_exception(e)
+
+    loop.add_reader(fd, readable)
+    try:
+        return await done
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+async def reap_instance(
+    cfg: SandboxConfig, hierarchy: Hierarchy, instance: str, on_event: EventSink, *, keep_dir: bool
+) -> list[str]:
+    """Kill, unmount and delete everything of ``instance`` (whose lock the caller holds).
+
+    Emits ``destroyed`` (reason ``orphan_reaped``, seq 0) for each sandbox that
+    still had its metadata. With ``keep_dir`` the instance directory and its lock
+    file stay. Returns the sandbox ids.
+    """
+    state_dir = os.path.join(cfg.root_dir, instance)
+    metas: dict[str, str] = {}
+    sandboxes_dir = os.path.join(state_dir, "s")
+    try:
+        for entry in os.scandir(sandboxes_dir):
+            try:
+                with open(os.path.join(entry.path, "meta.json")) as f:
+                    metas[entry.name] = json.load(f)["run_id"]
+            except (OSError, ValueError, KeyError):
+                metas.setdefault(entry.name, "")
+    except FileNotFoundError:
+        pass
+    killed = await hierarchy.remove_instance(instance)
+    for mp in mounts_under(state_dir):
+        umount(mp)
+    if keep_dir:
+        for name in ("s", "l", "e"):
+            path = os.path.join(state_dir, name)
+            if os.path.exists(path):
+                await asyncio.to_thread(rmtree, path)
+    elif os.path.exists(state_dir):
+        await asyncio.to_thread(rmtree, state_dir)
+    ids = sorted(set(metas) | set(killed))
+    for sid in ids:
+        if metas.get(sid):
+            on_event(api.SandboxEvent(
+                run_id=metas[sid], sandbox_id=sid, instance_id=instance, seq=0,
+                detail=api.Destroyed(reason="orphan_reaped"),
+            ))
+    if ids:
+        log.warning("reaped instance %s: %d sandboxes", instance, len(ids))
+    return ids

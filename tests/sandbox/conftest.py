@@ -1,0 +1,63 @@
+"""Fixtures for the sandbox tests: a real bwrap backend (as root), an event recorder, a local HTTP server."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from sbx_helpers import Events, Handler, make_config
+
+from services.sandbox.backend import BackendUnavailable
+from services.sandbox.bwrap import BwrapBackend
+
+
+@pytest.fixture
+def state_root() -> Iterator[str]:
+    """A root_dir the unprivileged sandbox user can traverse (pytest's tmp_path is mode 700)."""
+    root = f"/var/tmp/rlbus-sandbox-test-{uuid.uuid4().hex[:8]}"
+    os.makedirs(root, mode=0o711)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+async def events() -> Events:
+    return Events()
+
+
+@pytest.fixture
+async def backend(state_root: str, events: Events) -> AsyncIterator[BwrapBackend]:
+    b = BwrapBackend(make_config(state_root), events)
+    try:
+        await b.start()
+    except BackendUnavailable as e:
+        pytest.skip(f"bwrap backend unavailable here: {e}")
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+@pytest.fixture
+def http_server_factory() -> Iterator:
+    """Start HTTP servers on 127.0.0.1 (host side) answering a fixed body; yields ``start(body) -> port``."""
+    servers: list[http.server.ThreadingHTTPServer] = []
+
+    def start(body: bytes) -> int:
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        srv.body = body  # type: ignore[attr-defined]
+        threading.Thread(target=srv.serve_forever, name="sandbox-test-http", daemon=True).start()
+        servers.append(srv)
+        return srv.server_address[1]
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()

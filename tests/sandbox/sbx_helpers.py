@@ -1,0 +1,77 @@
+"""Helpers for the sandbox tests (imported by the test modules and conftest)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import os
+
+import pytest
+
+from proto import sandbox as api
+from services.sandbox.bwrap import BwrapBackend
+from services.sandbox.config import SandboxConfig
+
+RUN = "sbxtest"
+
+
+class Events:
+    """Records every event and lets a test wait for one."""
+
+    def __init__(self) -> None:
+        self.items: list[api.SandboxEvent] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, event: api.SandboxEvent) -> None:
+        self.items.append(event)
+        self._changed.set()
+
+    def kinds(self, sandbox_id: str) -> list[str]:
+        return [e.kind for e in self.items if e.sandbox_id == sandbox_id]
+
+    def of(self, sandbox_id: str, kind: str) -> list[api.SandboxEvent]:
+        return [e for e in self.items if e.sandbox_id == sandbox_id and e.kind == kind]
+
+    async def wait_for(self, sandbox_id: str, kind: str, timeout: float = 10.0) -> api.SandboxEvent:
+        async def _wait() -> api.SandboxEvent:
+            while not self.of(sandbox_id, kind):
+                self._changed.clear()
+                await self._changed.wait()
+            return self.of(sandbox_id, kind)[0]
+
+        return await asyncio.wait_for(_wait(), timeout)
+
+
+def make_config(root: str, **kw: object) -> SandboxConfig:
+    return SandboxConfig(root_dir=root, **kw)  # type: ignore[arg-type]
+
+
+async def new_sandbox(backend: BwrapBackend, **kw: object) -> str:
+    reply = await backend.create(api.CreateRequest(run_id=RUN, **kw))  # type: ignore[arg-type]
+    return reply.sandbox_id
+
+
+async def sh(backend: BwrapBackend, sandbox_id: str, script: str, **kw: object) -> api.ExecReply:
+    return await backend.exec(api.ExecRequest(run_id=RUN, sandbox_id=sandbox_id, command=api.Shell(script=script),
+                                              **kw))  # type: ignore[arg-type]
+
+
+async def read(backend: BwrapBackend, sandbox_id: str, path: str) -> bytes | None:
+    reply = await backend.read_files(api.ReadFilesRequest(run_id=RUN, sandbox_id=sandbox_id, paths=[path]))
+    f = reply.files[0]
+    return f.data if isinstance(f, api.FileContent) else None
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server API
+        body = self.server.body  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+needs_python = pytest.mark.skipif(not os.path.exists("/usr/bin/python3"), reason="needs /usr/bin/python3 on the host")
