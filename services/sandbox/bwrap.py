@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -40,7 +41,7 @@ from services.sandbox.backend import (
 from services.sandbox.cgroups import Cgroup, Hierarchy
 from services.sandbox.config import LimitsConfig, SandboxConfig
 from services.sandbox.egress import Allowlist, EgressProxy
-from services.sandbox.host import base_args, check_prerequisites, read_to_eof, reap_instance
+from services.sandbox.host import base_args, check_prerequisites, read_to_eof, reap_instance, wait_exited
 from services.sandbox.overlay import Layers, WorkTree, rmtree
 
 log = logging.getLogger("rlbus.sandbox.bwrap")
@@ -68,17 +69,39 @@ class Spec:
 class Exec:
     exec_id: str
     proc: asyncio.subprocess.Process
-    child_pid: int
+    #: the exec's pid 1 (bwrap's init inside the new pid namespace), as a pidfd: no pid-reuse races
+    pidfd: int | None
     started: float
     server: asyncio.Server | None = None
 
     def kill(self) -> None:
-        """SIGKILL the exec's pid 1 (its whole pid namespace dies) and the bwrap monitor."""
-        for pid in (self.child_pid, self.proc.pid):
+        """SIGKILL the exec's pid 1: its whole pid namespace dies, then the bwrap monitor exits.
+
+        The monitor (our child) is left to reap pid 1, so once ``proc.wait()``
+        returns every process of the exec is gone.
+        """
+        if self.pidfd is not None:
             try:
-                os.kill(pid, 9)
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+                return
             except ProcessLookupError:
-                pass
+                return
+        if self.proc.returncode is None:
+            self.proc.kill()  # pid 1 unknown: --die-with-parent takes it down with the monitor
+
+    async def gone(self, timeout_s: float = 5.0) -> None:
+        """Wait until pid 1 has exited (bwrap's monitor exits as soon as the command does, while pid 1
+        may still be tearing down the rest of the namespace)."""
+        if self.pidfd is not None and not await wait_exited(self.pidfd, timeout_s):
+            log.warning("exec %s: pid 1 still alive %.0f s after its command ended (frozen?)", self.exec_id,
+                        timeout_s)
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+        if self.server is not None:
+            self.server.close()
 
 
 @dataclass
@@ -339,15 +362,22 @@ class BwrapBackend:
                 err = await proc.stderr.read() if proc.stderr else b""
                 await proc.wait()
                 raise SandboxFailure(f"the sandbox failed to start: {err.decode(errors='replace').strip()}")
-            ex = Exec(exec_id="", proc=proc, child_pid=int(json.loads(info)["child-pid"]), started=time.monotonic())
+            child = int(json.loads(info)["child-pid"])
+            try:
+                pidfd: int | None = os.pidfd_open(child)
+            except ProcessLookupError:
+                pidfd = None  # already finished (and reaped by the monitor)
+            ex = Exec(exec_id="", proc=proc, pidfd=pidfd, started=time.monotonic())
             if block_w >= 0:
                 try:
-                    ex.server = await self.egress.listen(ex.child_pid, sb.allowlist, lambda h, p, r: self._emit(
+                    ex.server = await self.egress.listen(child, sb.allowlist, lambda h, p, r: self._emit(
                         sb, api.EgressRefused(host=h, port=p, reason=r, exec_id=ex.exec_id)))
                 except BaseException:
                     # kill before the block fd closes: EOF on it would release the command
                     ex.kill()
+                    proc.kill()
                     await proc.wait()
+                    ex.close()
                     raise
                 os.write(block_w, b"1")
         finally:
@@ -382,6 +412,8 @@ class BwrapBackend:
             return api.ExecReply(run_id=req.run_id, sandbox_id=sb.id, exec_id=exec_id, exit_code=None, detached=True)
         try:
             out = await execio.communicate(ex.proc, req.stdin, cap, timeout or self.cfg.max_timeout_s, ex.kill)
+            if not out.timed_out or sb.state != "paused":
+                await ex.gone()
         except BaseException:
             ex.kill()
             raise
@@ -402,8 +434,7 @@ class BwrapBackend:
 
     def _exec_done(self, sb: Sandbox, ex: Exec) -> None:
         sb.execs.pop(ex.exec_id, None)
-        if ex.server is not None:
-            ex.server.close()
+        ex.close()
 
     def _check_oom(self, sb: Sandbox, exec_id: str | None) -> bool:
         try:
@@ -429,6 +460,7 @@ class BwrapBackend:
                     ex.kill()
                     self._emit(sb, api.Timeout(exec_id=ex.exec_id, timeout_s=timeout))
                     await ex.proc.wait()
+            await ex.gone()
         finally:
             self._exec_done(sb, ex)
         if sb.state == "destroying":

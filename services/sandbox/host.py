@@ -129,6 +129,25 @@ async def read_to_eof(fd: int) -> bytes:
         os.close(fd)
 
 
+async def wait_exited(pidfd: int, timeout_s: float) -> bool:
+    """Wait until the process behind ``pidfd`` has exited (a pidfd turns readable then); False on timeout."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(pidfd, readable)
+    try:
+        await asyncio.wait_for(done, timeout_s)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(pidfd)
+
+
 async def reap_instance(
     cfg: SandboxConfig, hierarchy: Hierarchy, instance: str, on_event: EventSink, *, keep_dir: bool
 ) -> list[str]:
