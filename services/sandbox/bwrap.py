@@ -11,10 +11,7 @@ it exits or the sandbox is destroyed; that is how long-running processes (a
 server, a counter loop) live in a sandbox. Processes of different execs share
 the filesystem, limits and freezer but not pid or network namespaces.
 
-Joining the cgroup without a race: bwrap is started with ``--info-fd`` (it
-reports its child's pid) and ``--block-fd`` (the child waits before running the
-command); the service moves the child into the sandbox's cgroup, opens the
-egress listener in its network namespace if needed, and only then releases it.
+How one exec is started (and joins the cgroup without a race) is in :mod:`.bwrap_exec`.
 """
 
 from __future__ import annotations
@@ -24,8 +21,8 @@ import json
 import logging
 import os
 import secrets
-import signal
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from proto import sandbox as api
@@ -36,22 +33,15 @@ from services.sandbox.backend import (
     EventSink,
     InvalidRequest,
     NotFound,
-    SandboxFailure,
 )
+from services.sandbox.bwrap_exec import Exec, command_prefix, smoke_test, spawn
 from services.sandbox.cgroups import Cgroup, Hierarchy
 from services.sandbox.config import LimitsConfig, SandboxConfig
 from services.sandbox.egress import Allowlist, EgressProxy
-from services.sandbox.host import base_args, check_prerequisites, read_to_eof, reap_instance, wait_exited
+from services.sandbox.host import base_args, check_prerequisites, reap_instance
 from services.sandbox.overlay import Layers, WorkTree, rmtree
 
 log = logging.getLogger("rlbus.sandbox.bwrap")
-
-#: ``sh -c`` script: write "0" (= this process) into each file up to "--", then exec the rest
-_JOIN_CGROUP = (
-    'while [ "$1" != -- ]; do echo 0 > "$1" || { echo "rlbus-sandbox: cannot join cgroup $1" >&2; exit 125; }; '
-    'shift; done; shift; exec "$@"'
-)
-
 
 @dataclass(frozen=True)
 class Spec:
@@ -63,45 +53,6 @@ class Spec:
     egress: tuple[str, ...]
     lease_ttl_s: float
     labels: dict[str, str]
-
-
-@dataclass
-class Exec:
-    exec_id: str
-    proc: asyncio.subprocess.Process
-    #: the exec's pid 1 (bwrap's init inside the new pid namespace), as a pidfd: no pid-reuse races
-    pidfd: int | None
-    started: float
-    server: asyncio.Server | None = None
-
-    def kill(self) -> None:
-        """SIGKILL the exec's pid 1: its whole pid namespace dies, then the bwrap monitor exits.
-
-        The monitor (our child) is left to reap pid 1, so once ``proc.wait()``
-        returns every process of the exec is gone.
-        """
-        if self.pidfd is not None:
-            try:
-                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-                return
-            except ProcessLookupError:
-                return
-        if self.proc.returncode is None:
-            self.proc.kill()  # pid 1 unknown: --die-with-parent takes it down with the monitor
-
-    async def gone(self, timeout_s: float = 5.0) -> None:
-        """Wait until pid 1 has exited (bwrap's monitor exits as soon as the command does, while pid 1
-        may still be tearing down the rest of the namespace)."""
-        if self.pidfd is not None and not await wait_exited(self.pidfd, timeout_s):
-            log.warning("exec %s: pid 1 still alive %.0f s after its command ended (frozen?)", self.exec_id,
-                        timeout_s)
-
-    def close(self) -> None:
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
-        if self.server is not None:
-            self.server.close()
 
 
 @dataclass
@@ -178,26 +129,11 @@ class BwrapBackend:
         self.layers = Layers(self.state_dir, self.cfg.sandbox_uid, self.cfg.sandbox_gid, self.cfg.max_layers)
         self.hierarchy.prepare_instance(self.instance_id)
         self._base_args = {name: base_args(self.cfg, name) for name in ("host", *self.cfg.images)}
-        await self._smoke_test()
+        empty = self.layers.empty
+        await smoke_test(command_prefix(self.cfg, self._base_args["host"], empty, empty, []))
         log.info("sandbox instance %s ready (bwrap, cgroup v%d, state %s)", self.instance_id,
                  self.hierarchy.version, self.state_dir)
         return reaped
-
-    async def _smoke_test(self) -> None:
-        """One ``true`` through the full setpriv+bwrap command line: catches hosts that forbid user namespaces."""
-        layers, _ = self._ready()
-        argv = [*self._prefix(self._base_args["host"], layers.empty, layers.empty, []), "--", "true"]
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, env={}, start_new_session=True,
-        )
-        _, err = await proc.communicate()
-        if proc.returncode != 0:
-            raise BackendUnavailable(
-                f"bubblewrap cannot start a sandbox here: {err.decode(errors='replace').strip()} "
-                "(unprivileged user namespaces may be disabled: sysctl user.max_user_namespaces, "
-                "kernel.apparmor_restrict_unprivileged_userns)"
-            )
 
     async def close(self) -> None:
         """Destroy every sandbox (reason ``shutdown``) and remove this instance's state."""
@@ -257,21 +193,6 @@ class BwrapBackend:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _prefix(self, base: list[str], merged: str, tmp: str, cgroup_files: list[str]) -> list[str]:
-        c = self.cfg
-        return [
-            "/bin/sh", "-c", _JOIN_CGROUP, "rlbus-sandbox", *cgroup_files, "--",
-            c.setpriv_path, f"--reuid={c.sandbox_uid}", f"--regid={c.sandbox_gid}", "--clear-groups",
-            "--no-new-privs", c.bwrap_path,
-            "--unshare-user", "--uid", "0", "--gid", "0",
-            "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-            "--hostname", c.hostname, "--die-with-parent", "--new-session",
-            *base,
-            "--dev", "/dev", "--proc", "/proc",
-            "--bind", merged, c.workdir, "--bind", tmp, "/tmp",
-            "--remount-ro", "/",  # bwrap's own root (a tmpfs holding the mount points) read-only too
-        ]
-
     async def _new_sandbox(self, run_id: str, spec: Spec, layers: tuple[str, ...], parent_id: str | None) -> Sandbox:
         layers_store, hierarchy = self._ready()
         common.check_capacity(len(self.sandboxes), self.cfg)
@@ -289,7 +210,8 @@ class BwrapBackend:
             id=sid, run_id=run_id, spec=spec, tree=tree, cgroup=cgroup,
             roots=files.Roots(workdir=self.cfg.workdir, work_host=tree.merged, tmp_host=tree.tmp),
             allowlist=Allowlist(list(spec.egress)),
-            argv_prefix=self._prefix(self._base_args[spec.base], tree.merged, tree.tmp, cgroup.self_attach_files()),
+            argv_prefix=command_prefix(self.cfg, self._base_args[spec.base], tree.merged, tree.tmp,
+                                       cgroup.self_attach_files()),
             created_at=time.time(), parent_id=parent_id,
         )
         self.sandboxes[sid] = sb
@@ -324,67 +246,6 @@ class BwrapBackend:
         return api.CreateReply(run_id=req.run_id, sandbox_id=sb.id, instance_id=self.instance_id,
                                lease_expires_at=expires)
 
-    async def _spawn(self, sb: Sandbox, argv: list[str], env: dict[str, str], cwd: str, detach: bool) -> Exec:
-        """Start one exec: ``sh`` joins the cgroup, ``setpriv`` drops to sandbox_uid, ``bwrap`` isolates.
-
-        The wrapper shell moves *itself* into the cgroup before anything else runs
-        (a process migrating itself skips the kernel's global cgroup lock, which
-        costs a full RCU grace period per migration otherwise); if it cannot, it
-        exits 125 and nothing runs. ``--info-fd`` reports the sandbox's pid 1;
-        with an egress allowlist, ``--block-fd`` holds the command until the proxy
-        listener exists in its network namespace.
-        """
-        info_r, info_w = os.pipe2(os.O_CLOEXEC)
-        fds = [info_w]
-        extra = ["--info-fd", str(info_w)]
-        block_w = -1
-        if sb.allowlist:
-            block_r, block_w = os.pipe2(os.O_CLOEXEC)
-            fds.append(block_r)
-            extra += ["--block-fd", str(block_r)]
-        pipe = asyncio.subprocess.DEVNULL if detach else asyncio.subprocess.PIPE
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *sb.argv_prefix, "--chdir", cwd, *extra, "--", *argv,
-                stdin=pipe, stdout=pipe, stderr=asyncio.subprocess.PIPE if not detach else pipe,
-                env=env, pass_fds=fds, start_new_session=True,
-            )
-        except BaseException:
-            for fd in (info_r, *fds, block_w):
-                if fd >= 0:
-                    os.close(fd)
-            raise
-        for fd in fds:
-            os.close(fd)
-        try:
-            info = await read_to_eof(info_r)
-            if not info:
-                err = await proc.stderr.read() if proc.stderr else b""
-                await proc.wait()
-                raise SandboxFailure(f"the sandbox failed to start: {err.decode(errors='replace').strip()}")
-            child = int(json.loads(info)["child-pid"])
-            try:
-                pidfd: int | None = os.pidfd_open(child)
-            except ProcessLookupError:
-                pidfd = None  # already finished (and reaped by the monitor)
-            ex = Exec(exec_id="", proc=proc, pidfd=pidfd, started=time.monotonic())
-            if block_w >= 0:
-                try:
-                    ex.server = await self.egress.listen(child, sb.allowlist, lambda h, p, r: self._emit(
-                        sb, api.EgressRefused(host=h, port=p, reason=r, exec_id=ex.exec_id)))
-                except BaseException:
-                    # kill before the block fd closes: EOF on it would release the command
-                    ex.kill()
-                    proc.kill()
-                    await proc.wait()
-                    ex.close()
-                    raise
-                os.write(block_w, b"1")
-        finally:
-            if block_w >= 0:
-                os.close(block_w)
-        return ex
-
     async def exec(self, req: api.ExecRequest) -> api.ExecReply:
         sb = self._get(req.sandbox_id)
         timeout = common.resolve_timeout(req, self.cfg)
@@ -403,7 +264,14 @@ class BwrapBackend:
                 raise NotFound(f"sandbox {sb.id} is being destroyed", sb.id)
             sb.exec_count += 1
             exec_id = f"{sb.id}-e{sb.exec_count}"
-            ex = await self._spawn(sb, argv, env, cwd, req.detach)
+            listen = None
+            if sb.allowlist:
+                def refused(host: str, port: int, reason: str) -> None:
+                    self._emit(sb, api.EgressRefused(host=host, port=port, reason=reason, exec_id=exec_id))
+
+                def listen(pid: int) -> Awaitable[asyncio.Server]:
+                    return self.egress.listen(pid, sb.allowlist, refused)
+            ex = await spawn(sb.argv_prefix, argv, env, cwd, req.detach, listen)
             ex.exec_id = exec_id
             sb.execs[exec_id] = ex
         self._emit(sb, api.ExecStarted(exec_id=exec_id, argv=[a[:200] for a in argv], detach=req.detach))
@@ -577,9 +445,7 @@ class BwrapBackend:
         for ex in execs:
             ex.kill()
         await sb.cgroup.kill_all()  # thaws a paused sandbox so the killed processes can exit
-        await asyncio.gather(*(ex.proc.wait() for ex in execs))
-        for ex in execs:
-            self._exec_done(sb, ex)
+        await asyncio.gather(*(ex.proc.wait() for ex in execs))  # their waiters close them
         await sb.cgroup.remove()
         doomed = store.drop_tree(sb.tree)
         for snap_id in sb.snapshots:
