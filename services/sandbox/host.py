@@ -87,15 +87,25 @@ def check_prerequisites(cfg: SandboxConfig) -> Hierarchy:
 
 
 def base_args(cfg: SandboxConfig, base: str) -> list[str]:
-    """bwrap arguments building the read-only base root named ``base``."""
-    if base != "host":
-        return ["--ro-bind", cfg.images[base], "/"]
+    """bwrap arguments building the read-only base root named ``base``.
+
+    bwrap's own root is a tmpfs; the base's top-level entries are bound into it
+    one by one (read-only), so the mount points bwrap adds (/dev, /proc, /tmp,
+    the work directory) never need creating inside a read-only tree. An image's
+    top-level entries are read when the backend starts.
+    """
+    if base == "host":
+        paths = [(p, p) for p in cfg.host_paths]
+    else:
+        image = cfg.images[base]
+        skip = {"dev", "proc", "tmp", cfg.workdir.strip("/").split("/")[0]}
+        paths = [(os.path.join(image, name), "/" + name) for name in sorted(os.listdir(image)) if name not in skip]
     args: list[str] = []
-    for path in cfg.host_paths:
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
+    for src, dest in paths:
+        if os.path.islink(src):
+            args += ["--symlink", os.readlink(src), dest]
+        elif os.path.exists(src):
+            args += ["--ro-bind", src, dest]
     return args
 
 

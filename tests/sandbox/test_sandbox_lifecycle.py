@@ -119,3 +119,32 @@ def _cgroup_pids(instance: str, sandbox_id: str) -> list[int]:
     except OSError:
         return []
 
+
+
+async def test_image_base_replaces_the_host_view(state_root, events):
+    image = os.path.join(state_root, "image")
+    os.makedirs(os.path.join(image, "usr"))
+    os.makedirs(os.path.join(image, "etc"))
+    os.symlink("usr/bin", os.path.join(image, "bin"))
+    os.symlink("usr/lib", os.path.join(image, "lib"))
+    if os.path.isdir("/usr/lib64"):
+        os.symlink("usr/lib64", os.path.join(image, "lib64"))
+    with open(os.path.join(image, "etc", "image-marker"), "w") as f:
+        f.write("from-image\n")
+    usr = os.path.join(image, "usr")
+    if os.system(f"mount --bind /usr {usr}") != 0:
+        pytest.skip("cannot bind-mount /usr (not root?)")
+    try:
+        b = BwrapBackend(make_config(state_root + "/root", images={"mini": image}), events)
+        try:
+            await b.start()
+        except BackendUnavailable as e:
+            pytest.skip(f"bwrap backend unavailable here: {e}")
+        try:
+            sid = (await b.create(api.CreateRequest(run_id=RUN, base="mini"))).sandbox_id
+            r = await sh(b, sid, "cat /etc/image-marker; ls /etc; touch /etc/x || echo read-only; echo w > f; cat f")
+            assert r.stdout == b"from-image\nimage-marker\nread-only\nw\n"
+        finally:
+            await b.close()
+    finally:
+        os.system(f"umount {usr}")
