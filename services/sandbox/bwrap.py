@@ -173,9 +173,18 @@ class BwrapBackend:
 
     def _emit(self, sb: Sandbox, detail: api.EventDetail) -> None:
         sb.seq += 1
-        self.on_event(api.SandboxEvent(
-            run_id=sb.run_id, sandbox_id=sb.id, instance_id=self.instance_id, seq=sb.seq, detail=detail
-        ))
+        event = api.SandboxEvent(run_id=sb.run_id, sandbox_id=sb.id, instance_id=self.instance_id, seq=sb.seq,
+                                 detail=detail)
+        try:
+            self.on_event(event)
+        except Exception:  # a failing sink must not fail the operation that changed the state
+            log.exception("event sink failed on %s of %s", event.kind, sb.id)
+
+    @staticmethod
+    def _alive(sb: Sandbox) -> None:
+        """Under ``sb.lock``: refuse to work on a sandbox a concurrent destroy got to first."""
+        if sb.state == "destroying":
+            raise NotFound(f"sandbox {sb.id} was destroyed", sb.id)
 
     def _ready(self) -> tuple[Layers, Hierarchy]:
         if self.layers is None or self.hierarchy is None:
@@ -340,6 +349,7 @@ class BwrapBackend:
     async def write_files(self, req: api.WriteFilesRequest) -> api.WriteFilesReply:
         sb = self._get(req.sandbox_id)
         async with sb.lock:
+            self._alive(sb)
             total = await self._maybe_thread(
                 files.write_files, sb.roots, req.files, self.cfg.sandbox_uid, self.cfg.sandbox_gid,
                 big=sum(len(f.data) for f in req.files) > (1 << 20),
@@ -352,6 +362,7 @@ class BwrapBackend:
         if limit > self.cfg.max_output_bytes:
             raise InvalidRequest(f"max_bytes={limit} exceeds the maximum {self.cfg.max_output_bytes}")
         async with sb.lock:
+            self._alive(sb)
             out = [await self._maybe_thread(files.read_file, sb.roots, p, limit, big=limit > (1 << 20))
                    for p in req.paths]
         return api.ReadFilesReply(run_id=req.run_id, sandbox_id=sb.id, files=out)
@@ -363,6 +374,7 @@ class BwrapBackend:
     async def pause(self, req: api.PauseRequest) -> api.PauseReply:
         sb = self._get(req.sandbox_id)
         async with sb.lock:
+            self._alive(sb)
             if sb.state == "running":
                 await sb.cgroup.freeze()
                 sb.state = "paused"
@@ -372,6 +384,7 @@ class BwrapBackend:
     async def resume(self, req: api.ResumeRequest) -> api.ResumeReply:
         sb = self._get(req.sandbox_id)
         async with sb.lock:
+            self._alive(sb)
             if sb.state == "paused":
                 sb.cgroup.thaw()
                 sb.state = "running"
@@ -404,6 +417,7 @@ class BwrapBackend:
     async def snapshot(self, req: api.SnapshotRequest) -> api.SnapshotReply:
         sb = self._get(req.sandbox_id)
         async with sb.lock:
+            self._alive(sb)
             snap, copied = await self._take_snapshot(sb)
         return api.SnapshotReply(run_id=req.run_id, sandbox_id=sb.id, snapshot_id=snap.id, copied=copied)
 
@@ -413,6 +427,7 @@ class BwrapBackend:
             parent = self._get(req.source.sandbox_id)
             parent_id = parent.id
             async with parent.lock:
+                self._alive(parent)
                 snap, _ = await self._take_snapshot(parent)
         else:
             found = self.snapshots.get(req.source.snapshot_id)

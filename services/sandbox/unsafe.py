@@ -123,8 +123,12 @@ class UnsafeProcessBackend:
 
     def _emit(self, sb: _Sandbox, detail: api.EventDetail) -> None:
         sb.seq += 1
-        self.on_event(api.SandboxEvent(run_id=sb.run_id, sandbox_id=sb.id, instance_id=self.instance_id,
-                                       seq=sb.seq, detail=detail))
+        event = api.SandboxEvent(run_id=sb.run_id, sandbox_id=sb.id, instance_id=self.instance_id, seq=sb.seq,
+                                 detail=detail)
+        try:
+            self.on_event(event)
+        except Exception:  # a failing sink must not fail the operation that changed the state
+            log.exception("event sink failed on %s of %s", event.kind, sb.id)
 
     def _get(self, sandbox_id: str) -> _Sandbox:
         sb = self.sandboxes.get(sandbox_id)
