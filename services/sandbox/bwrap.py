@@ -156,11 +156,15 @@ class BwrapBackend:
         except FileNotFoundError:
             return reaped
         for name in entries:
-            if name == self.instance_id or name.startswith("."):
+            if name == self.instance_id or (name.startswith(".") and not name.startswith(".new-")):
                 continue
             lock = common.InstanceLock(os.path.join(self.cfg.root_dir, name))
-            if not lock.try_acquire():
+            if not lock.try_acquire(create=False):
                 continue  # alive (or not an instance directory)
+            if name.startswith(".new-"):  # an instance that died while starting
+                rmtree(os.path.join(self.cfg.root_dir, name))
+                lock.release()
+                continue
             try:
                 reaped += await reap_instance(self.cfg, hierarchy, name, self.on_event, keep_dir=False)
             finally:

@@ -130,9 +130,10 @@ class InstanceLock:
         self.path = os.path.join(state_dir, "lock")
         self.fd: int | None = None
 
-    def try_acquire(self) -> bool:
+    def try_acquire(self, create: bool = True) -> bool:
+        """Take the lock; False when another live process holds it (or, without ``create``, no lock file)."""
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
         except FileNotFoundError:
             return False
         try:

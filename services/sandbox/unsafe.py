@@ -103,7 +103,7 @@ class UnsafeProcessBackend:
             if not entry.is_dir() or entry.name.startswith("."):
                 continue
             lock = common.InstanceLock(entry.path)
-            if not lock.try_acquire():
+            if not lock.try_acquire(create=False):
                 continue
             try:
                 sdir = os.path.join(entry.path, "s")
