@@ -20,6 +20,17 @@ except OSError as e:
     print("FAILED", type(e).__name__)
 """
 
+CONNECT = """
+import http.client, sys
+c = http.client.HTTPConnection("127.0.0.1", 3128, timeout=5)
+c.set_tunnel("127.0.0.1", int(sys.argv[1]))
+try:
+    c.request("GET", "/")
+    print("TUNNEL", c.getresponse().read().decode())
+except OSError as e:
+    print("TUNNEL-FAILED", e)
+"""
+
 FETCH = """
 import sys, urllib.request
 try:
@@ -131,13 +142,15 @@ async def test_allowlist_lets_through_only_listed_hosts(backend, events, http_se
     sid = await new_sandbox(backend, egress=[f"127.0.0.1:{ok_port}"])
     r = await sh(backend, sid, f"python3 -c '{FETCH}' http://127.0.0.1:{ok_port}/x; "
                                f"python3 -c '{FETCH}' http://127.0.0.1:{bad_port}/x; "
+                               f"python3 -c '{CONNECT}' {ok_port}; python3 -c '{CONNECT}' {bad_port}; "
                                f"python3 -c '{NET_PROBE}' 127.0.0.1 {ok_port}")
     out = r.stdout.decode()
+    assert "TUNNEL allowed-body" in out and "TUNNEL-FAILED Tunnel connection failed: 403" in out  # CONNECT
     assert "allowed-body" in out  # through the proxy
     assert "forbidden-body" not in out and "403" in out
     assert out.strip().endswith("FAILED ConnectionRefusedError")  # no direct route even to an allowed host
     refused = events.of(sid, "egress_refused")
-    assert [(e.detail.host, e.detail.port) for e in refused] == [("127.0.0.1", bad_port)]
+    assert [(e.detail.host, e.detail.port) for e in refused] == [("127.0.0.1", bad_port)] * 2
 
 
 def _py(sid: str, script: str, timeout_s: float) -> api.ExecRequest:
