@@ -26,7 +26,7 @@ a relay re-publishes under its own scope, e.g. ``node-a``, for the engines near 
 
 Blob layout: a ``full`` version (anchor) is a safetensors file (any safetensors
 reader opens the concatenated chunks); a ``delta`` version is a zstd frame of
-per-tensor sparse updates against ``base_version`` (see
+per-tensor XOR updates (sparse or dense) against ``base_version`` (see
 ``services/weightsync/codec.py``).
 
 Checksums: ``ChunkRef.sha256`` covers each chunk's stored bytes; ``blob_sha256``
@@ -119,6 +119,8 @@ class TensorEntry(msgspec.Struct, kw_only=True):
     nbytes: int
     #: delta versions only: number of elements that changed since base_version
     nnz: int = 0
+    #: delta versions only: the XOR of the whole tensor is stored (not just the changed positions)
+    dense: bool = False
 
 
 class ChunkRef(msgspec.Struct, kw_only=True):
@@ -152,10 +154,12 @@ class WeightManifest(msgspec.Struct, kw_only=True):
     blob_sha256: str
     #: sha256 of the reconstructed tensor data section (hex)
     state_sha256: str
-    #: "safetensors" (full) or "sparse-zstd-v1" (delta)
+    #: "safetensors" (full) or "xor-sparse-zstd-v1" (delta)
     encoding: str
     #: store type holding the chunks: objstore | s3 | fs
     store: str
+    #: tied tensors published once: ``{alias name: canonical name}`` (the reader adds the alias back)
+    aliases: dict[str, str] = {}
     #: hex HMAC-SHA256 of the manifest's msgpack with hmac="" and store="" (empty when unsigned);
     #: store is excluded so relays can re-home chunks without the key
     hmac: str = ""

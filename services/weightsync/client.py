@@ -59,6 +59,7 @@ from services.weightsync.codec import (
     root_sha256,
     same_layout,
     sha256_hex,
+    split_aliases,
 )
 from services.weightsync.config import EncodingConfig
 from services.weightsync.index import VersionIndex
@@ -130,7 +131,8 @@ class WeightPublisher:
                 f"version {version} is not newer than the last published {self._prev_version}"
             )
         await self.ensure()
-        sd = cast_for_publish(state_dict, self.encoding.dtype)
+        sd, aliases = split_aliases(state_dict)
+        sd = cast_for_publish(sd, self.encoding.dtype)
         full = await asyncio.to_thread(encode_full, sd)
         state_sha = await asyncio.to_thread(full.state_sha256)
 
@@ -166,6 +168,7 @@ class WeightPublisher:
             state_sha256=state_sha,
             encoding=encoding,
             store=self.store.kind,
+            aliases=aliases,
         )
         manifest = sign(self.hmac_key, manifest)
         await self.index.put_manifest(manifest)
@@ -258,7 +261,10 @@ class WeightSubscriber:
         """
         await self.ensure()
         buf = await self.fetch_state(manifest)
-        return decode_full(bytearray(buf) if copy else buf, manifest.tensors)
+        tensors = decode_full(bytearray(buf) if copy else buf, manifest.tensors)
+        for alias, canonical in manifest.aliases.items():
+            tensors[alias] = tensors[canonical]
+        return tensors
 
     async def fetch_state(self, manifest: WeightManifest) -> bytearray:
         """Rebuild ``manifest``'s version as a full safetensors layout (kept as this subscriber's state)."""

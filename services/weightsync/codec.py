@@ -7,13 +7,13 @@ first, so every tensor starts aligned to its element size and can be viewed in
 place (``torch.frombuffer``) without a copy. ``safetensors.torch.load`` opens
 the same bytes.
 
-Delta layout (``sparse-zstd-v1``): for every tensor whose raw bits changed
-since the base version, in layout order, the gaps between the flat positions of
-the changed elements (int32; the first gap is the first position) and then
-their new values (the tensor's own dtype). Both arrays are byte-shuffled
-(all first bytes, then all second bytes, ...) so zstd finds the runs of zero
-high bytes. The concatenation is one zstd frame. Comparison is on raw bits,
-so reconstruction is bit-identical (NaN payloads and signed zeros included).
+Delta layout (``xor-sparse-zstd-v1``): per tensor in layout order, the XOR of
+the old and new raw bits — sparse (gaps between the changed flat positions as
+int32, then the XOR at those positions) when few elements changed, dense (the
+whole XOR) otherwise. Arrays are byte-shuffled (all first bytes, then all
+second bytes, ...) so zstd finds the runs of zero bytes; the concatenation is
+one zstd frame. Comparison is on raw bits, so reconstruction is bit-identical
+(NaN payloads and signed zeros included).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import zstandard
 from proto.weights import ChunkRef, TensorEntry
 
 FULL_ENCODING = "safetensors"
-DELTA_ENCODING = "sparse-zstd-v1"
+DELTA_ENCODING = "xor-sparse-zstd-v1"
 
 _ST_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -105,6 +105,24 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         t = t.cpu()
     return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def split_aliases(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Drop tensors that are the same view of the same memory as an earlier one (tied weights).
+
+    Returns the remaining tensors and ``{alias: canonical name}`` to restore them.
+    """
+    seen: dict[tuple, str] = {}
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, t in state_dict.items():
+        key = (t.device, t.dtype, t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+        else:
+            seen.setdefault(key, name)
+            unique[name] = t
+    return unique, aliases
 
 
 def layout(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
@@ -204,32 +222,45 @@ def _itemsize(dtype: str) -> int:
 
 
 def encode_delta(
-    old: bytearray, new: bytearray, tensors: list[TensorEntry], level: int = 3
+    old: bytearray, new: bytearray, tensors: list[TensorEntry], level: int = 3, dense_above: float = 0.5
 ) -> tuple[bytes, list[TensorEntry]]:
-    """Sparse delta turning full layout ``old`` into ``new`` (same layout).
+    """Delta turning full layout ``old`` into ``new`` (same layout).
 
-    Returns the zstd blob and the layout entries with ``nnz`` filled in.
+    Per tensor, ``x = old_bits ^ new_bits``. A tensor where at most
+    ``dense_above`` of the elements changed is stored sparse: gaps between the
+    changed positions (int32) and ``x`` at those positions; a denser one stores
+    all of ``x`` (zstd squeezes its zero runs). Both arrays byte-shuffled;
+    everything in one zstd frame. XOR keeps the shared sign/exponent bits of
+    old and new values at zero, so values compress too, and applying the same
+    delta twice undoes it. Returns the blob and the entries with ``nnz`` and
+    ``dense`` filled in.
     """
     if len(old) != len(new):
         raise CodecError("delta between layouts of different sizes; publish a full version instead")
     parts: list[bytes] = []
     out: list[TensorEntry] = []
     for e in tensors:
-        width = _itemsize(e.dtype)
-        bits = _BITS[width]
-        nnz = 0
+        bits = _BITS[_itemsize(e.dtype)]
+        nnz, dense = 0, False
         if e.nbytes:
-            a = tensor_view(old, e, bits)
-            b = tensor_view(new, e, bits)
-            idx = torch.ne(a, b).nonzero().view(-1)
+            x = torch.bitwise_xor(tensor_view(old, e, bits), tensor_view(new, e, bits))
+            idx = x.nonzero().view(-1)
             nnz = int(idx.numel())
-            if nnz:
-                gaps = torch.diff(idx, prepend=idx.new_zeros(1)).to(torch.int32)
-                parts.append(_shuffle(gaps))
-                parts.append(_shuffle(b[idx]))
+            dense = nnz > dense_above * x.numel()
+            if dense:
+                parts.append(_shuffle(x))
+            elif nnz:
+                parts.append(_shuffle(torch.diff(idx, prepend=idx.new_zeros(1)).to(torch.int32)))
+                parts.append(_shuffle(x[idx]))
         out.append(
             TensorEntry(
-                name=e.name, dtype=e.dtype, shape=list(e.shape), offset=e.offset, nbytes=e.nbytes, nnz=nnz
+                name=e.name,
+                dtype=e.dtype,
+                shape=list(e.shape),
+                offset=e.offset,
+                nbytes=e.nbytes,
+                nnz=nnz,
+                dense=dense,
             )
         )
     payload = b"".join(parts)
@@ -239,40 +270,56 @@ def encode_delta(
 
 @dataclass
 class UndoLog:
-    """Old values overwritten by :func:`apply_delta`, to restore the base version if verification fails."""
+    """What :func:`apply_delta` XORed in; XORing it again restores the base version."""
 
-    entries: list[tuple[TensorEntry, torch.Tensor, torch.Tensor]]
+    entries: list[tuple[TensorEntry, torch.Tensor | None, torch.Tensor]]
 
     def undo(self, buf: bytearray) -> None:
-        for e, idx, old_vals in reversed(self.entries):
-            tensor_view(buf, e, _BITS[_itemsize(e.dtype)])[idx] = old_vals
+        for e, idx, x in reversed(self.entries):
+            _xor_into(tensor_view(buf, e, _BITS[_itemsize(e.dtype)]), idx, x)
+
+
+def _xor_into(target: torch.Tensor, idx: torch.Tensor | None, x: torch.Tensor) -> None:
+    if idx is None:
+        target.bitwise_xor_(x)
+    else:
+        target[idx] = torch.bitwise_xor(target[idx], x)
 
 
 def apply_delta(buf: bytearray, blob: bytes | bytearray | memoryview, tensors: list[TensorEntry]) -> UndoLog:
-    """Apply a delta blob in place to full layout ``buf``; returns what it overwrote."""
+    """Apply a delta blob in place to full layout ``buf``; the returned log undoes it."""
     try:
         # a writable buffer: torch.frombuffer warns on read-only ones (deltas are small, the copy is cheap)
         payload = bytearray(zstandard.ZstdDecompressor().decompress(bytes(blob)))
     except zstandard.ZstdError as err:
         raise CodecError(f"delta blob is not a valid zstd frame: {err}") from err
-    undo: list[tuple[TensorEntry, torch.Tensor, torch.Tensor]] = []
+    undo: list[tuple[TensorEntry, torch.Tensor | None, torch.Tensor]] = []
     pos = 0
     for e in tensors:
         if not e.nnz:
             continue
         width = _itemsize(e.dtype)
-        need = e.nnz * (4 + width)
+        bits = _BITS[width]
+        target = tensor_view(buf, e, bits)
+        if e.dense:
+            need = target.numel() * width
+        else:
+            need = e.nnz * (4 + width)
         if pos + need > len(payload):
             raise CodecError(f"delta payload too short for tensor {e.name!r} ({e.nnz} changed elements)")
-        idx = torch.cumsum(_unshuffle(payload, pos, e.nnz, torch.int32).to(torch.int64), 0)
-        pos += 4 * e.nnz
-        vals = _unshuffle(payload, pos, e.nnz, _BITS[width])
-        pos += width * e.nnz
-        target = tensor_view(buf, e, _BITS[width])
-        if int(idx[-1]) >= target.numel():
-            raise CodecError(f"delta position {int(idx[-1])} out of range for tensor {e.name!r}")
-        undo.append((e, idx, target[idx].clone()))
-        target[idx] = vals
+        if e.dense:
+            idx = None
+            x = _unshuffle(payload, pos, target.numel(), bits)
+            pos += need
+        else:
+            idx = torch.cumsum(_unshuffle(payload, pos, e.nnz, torch.int32).to(torch.int64), 0)
+            pos += 4 * e.nnz
+            x = _unshuffle(payload, pos, e.nnz, bits)
+            pos += width * e.nnz
+            if int(idx[-1]) >= target.numel() or int(idx[0]) < 0:
+                raise CodecError(f"delta position {int(idx[-1])} out of range for tensor {e.name!r}")
+        _xor_into(target, idx, x)
+        undo.append((e, idx, x))
     if pos != len(payload):
         raise CodecError(
             f"delta payload has {len(payload) - pos} trailing bytes; it does not match the manifest"

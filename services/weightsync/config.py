@@ -37,6 +37,9 @@ class ObjStoreConfig(
     publish_window: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
     #: messages requested per pull while downloading
     fetch_batch: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 256
+    #: read chunks over an extra plain connection that writes payloads in place (falls back to
+    #: nats-py automatically under TLS or nkey/JWT auth)
+    fast_read: bool = True
 
 
 class S3StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="s3"):

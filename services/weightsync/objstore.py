@@ -9,7 +9,9 @@ transfer paths differ from nats-py's:
   instead of waiting for each ack in turn;
 * read never calls ``ObjectStore.get`` (it appends to ``bytes``, quadratic, and
   answers flow control slowly): an ephemeral pull consumer on the chunk subject
-  is fetched in batches straight into the caller's preallocated buffer.
+  is drained into the caller's preallocated buffer — by ``rawpull.py`` (a
+  second plain connection whose socket writes payloads in place) when the
+  connection allows it, else by nats-py ``fetch`` batches.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
 from proto.weights import object_bucket
 from services.weightsync.config import ObjStoreConfig
+from services.weightsync.rawpull import RawPullError, RawPullReader, open_raw_reader
 from services.weightsync.store import BlobNotFound, StoreError, StoreStats
 
 log = logging.getLogger("rlbus.weightsync.objstore")
 
 _FETCH_TIMEOUT_S = 30.0
+_RAW_REQUEST_BYTES = 8 * 1024 * 1024  # bytes asked for per pull request (two requests kept in flight)
 
 
 def _meta_subject(bucket: str, name: str) -> str:
@@ -54,6 +58,8 @@ class ObjectStoreBlobs:
         self.stream = f"OBJ_{self.bucket}"
         self.stats = StoreStats()
         self._msg_bytes = self.config.message_bytes
+        self._raw_idle: list[RawPullReader] = []
+        self._raw_disabled = not self.config.fast_read
 
     async def ensure(self) -> None:
         """Create the bucket if missing; an existing bucket (any config) is used as it is."""
@@ -129,15 +135,75 @@ class ObjectStoreBlobs:
             )
         if size == 0:
             return
-        cfg = api.ConsumerConfig(
+        subject = _chunk_subject(self.bucket, info.nuid)
+        if not self._raw_disabled:
+            reader = await self._raw_reader()
+            if reader is not None:
+                try:
+                    pos = await self._read_raw(reader, subject, info, nchunks, out)
+                finally:
+                    if reader.usable():
+                        self._raw_idle.append(reader)
+                self._account(name, pos, size)
+                return
+        pos = await self._read_nats_py(subject, name, nchunks, out)
+        self._account(name, pos, size)
+
+    def _account(self, name: str, pos: int, size: int) -> None:
+        if pos != size:
+            raise StoreError(f"object {name!r} in bucket {self.bucket}: read {pos} of {size} bytes")
+        self.stats.bytes_read += size
+        self.stats.blobs_read += 1
+
+    def _consumer_config(self, subject: str) -> api.ConsumerConfig:
+        return api.ConsumerConfig(
+            name=self.nc._nuid.next().decode(),
+            filter_subject=subject,
             ack_policy=api.AckPolicy.NONE,
             deliver_policy=api.DeliverPolicy.ALL,
             inactive_threshold=60.0,
             mem_storage=True,
         )
-        psub = await self.js.pull_subscribe(
-            _chunk_subject(self.bucket, info.nuid), stream=self.stream, config=cfg
-        )
+
+    async def _raw_reader(self) -> RawPullReader | None:
+        while self._raw_idle:
+            reader = self._raw_idle.pop()
+            if reader.usable():
+                return reader
+            reader.close()
+        try:
+            reader = await open_raw_reader(self.nc)
+        except (OSError, RawPullError, TimeoutError) as err:
+            log.warning("fast chunk reader unavailable (%s); using nats-py", err)
+            reader = None
+        if reader is None:
+            self._raw_disabled = True
+            log.info("fast chunk reader not usable on this connection (TLS or nkey/JWT auth); using nats-py")
+        return reader
+
+    async def _read_raw(
+        self, reader: RawPullReader, subject: str, info: api.ObjectInfo, nchunks: int, out: memoryview
+    ) -> int:
+        cfg = self._consumer_config(subject)
+        await self.js.add_consumer(self.stream, config=cfg)
+        msg_size = (info.options.max_chunk_size if info.options else 0) or max(1, len(out) // max(1, nchunks))
+        batch = max(1, min(self.config.fetch_batch, _RAW_REQUEST_BYTES // msg_size))
+        try:
+            return await reader.read(self.stream, cfg.name, nchunks, out, batch, _FETCH_TIMEOUT_S)
+        except RawPullError as err:
+            reader.close()
+            raise StoreError(f"reading {subject} from stream {self.stream} failed: {err}") from err
+        finally:
+            try:
+                await self.js.delete_consumer(self.stream, cfg.name)
+            except NotFoundError:
+                pass
+
+    async def _read_nats_py(self, subject: str, name: str, nchunks: int, out: memoryview) -> int:
+        """Fallback: nats-py pull consumer, ``fetch`` in batches, each payload copied into ``out``."""
+        cfg = self._consumer_config(subject)
+        psub = await self.js.pull_subscribe(subject, stream=self.stream, config=cfg)
+        size = len(out)
         pos = received = 0
         try:
             while received < nchunks:
@@ -154,16 +220,12 @@ class ObjectStoreBlobs:
                     pos += n
                 received += len(msgs)
         finally:
-            name_ = psub._consumer  # ephemeral consumer name
             await psub.unsubscribe()
             try:
-                await self.js.delete_consumer(self.stream, name_)
+                await self.js.delete_consumer(self.stream, cfg.name)
             except NotFoundError:
                 pass
-        if pos != size:
-            raise StoreError(f"object {name!r} in bucket {self.bucket}: read {pos} of {size} bytes")
-        self.stats.bytes_read += size
-        self.stats.blobs_read += 1
+        return pos
 
     async def delete(self, name: str) -> None:
         """Purge the object's chunk messages and its meta message (no tombstone is left)."""
@@ -187,4 +249,7 @@ class ObjectStoreBlobs:
         return sorted(names)
 
     async def close(self) -> None:
-        """Nothing to release: the NATS connection belongs to the caller."""
+        """Close the fast readers' connections (the caller's NATS connection stays open)."""
+        for reader in self._raw_idle:
+            reader.close()
+        self._raw_idle.clear()

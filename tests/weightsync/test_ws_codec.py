@@ -35,14 +35,16 @@ def test_full_layout_keeps_special_values():
     assert_bit_identical(decode_full(full.buf, full.tensors), {"x": t})
 
 
+@pytest.mark.parametrize("frac", [0.05, 0.6], ids=["sparse", "dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_delta_round_trip_bit_identical(dtype):
+def test_delta_round_trip_bit_identical(dtype, frac):
     a = make_state(2, dtype)
-    b = perturb(a, 0.05, seed=3)
+    b = perturb(a, frac, seed=3)
     fa, fb = encode_full(a), encode_full(b)
     blob, entries = encode_delta(fa.buf, fb.buf, fa.tensors)
     assert sum(e.nnz for e in entries) > 0
-    assert len(blob) < len(fb.buf) / 2
+    assert any(e.dense for e in entries) == (frac > 0.25)
+    assert len(blob) < len(fb.buf)
     buf = bytearray(fa.buf)
     undo = apply_delta(buf, blob, entries)
     assert buf == fb.buf

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.weightsync.client import WeightIntegrityError, WeightPublisher, WeightSubscriber
-from services.weightsync.config import EncodingConfig
+from services.weightsync.config import EncodingConfig, ObjStoreConfig
 from services.weightsync.objstore import ObjectStoreBlobs
 from tests.weightsync.helpers import assert_bit_identical, make_state
 
@@ -17,14 +17,18 @@ RUN = "ws1"
 FULL_ONLY = EncodingConfig(anchor_every=1, chunk_bytes=64 * 1024)
 
 
+@pytest.mark.parametrize("fast_read", [True, False], ids=["rawpull", "nats-py"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-async def test_round_trip_bit_identical(nc, dtype):
+async def test_round_trip_bit_identical(nc, dtype, fast_read):
     state = make_state(0, dtype, scale=64)
-    pub = WeightPublisher(nc, RUN, ObjectStoreBlobs(nc), encoding=FULL_ONLY)
+    # small messages so each chunk spans several of them
+    pub = WeightPublisher(
+        nc, RUN, ObjectStoreBlobs(nc, ObjStoreConfig(message_bytes=4096)), encoding=FULL_ONLY
+    )
     manifest = await pub.publish(state, version=1)
     assert manifest.kind == "full" and len(manifest.chunks) > 1
 
-    sub = WeightSubscriber(nc, RUN, ObjectStoreBlobs(nc))
+    sub = WeightSubscriber(nc, RUN, ObjectStoreBlobs(nc, ObjStoreConfig(fast_read=fast_read)))
     latest = await sub.latest()
     assert latest is not None and latest.version == 1
     got = await sub.fetch(latest)
@@ -95,3 +99,14 @@ async def test_64mb_read_speed(nc):
     t2 = time.perf_counter()
     assert torch.equal(got["w"], state["w"])
     print(f"\n64 MiB: publish {t1 - t0:.2f}s, fetch+verify {t2 - t1:.2f}s ({64 / (t2 - t1):.0f} MiB/s)")
+
+
+async def test_tied_weights_are_published_once(nc):
+    state = make_state(5, scale=16)
+    state["lm_head.weight"] = state["embed.weight"]  # tied, as in SmolLM2
+    pub = WeightPublisher(nc, RUN, ObjectStoreBlobs(nc), encoding=FULL_ONLY)
+    m = await pub.publish(state, version=1)
+    assert m.aliases == {"lm_head.weight": "embed.weight"}
+    assert all(t.name != "lm_head.weight" for t in m.tensors)
+    got = await WeightSubscriber(nc, RUN, ObjectStoreBlobs(nc)).fetch(m)
+    assert_bit_identical(got, state)

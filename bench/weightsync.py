@@ -1,0 +1,401 @@
+"""Weight sync figures, all measured in one run on this machine.
+
+* ``delta_ratio``: anchor bytes / mean sparse-delta bytes over a few real GRPO
+  steps (sampled groups, task rewards, group advantages, the trainer's
+  ``grpo_loss``, AdamW at lr 1e-6, fp32 master weights published as bf16) of
+  SmolLM2-135M-Instruct; ``delta_ratio_tiny`` the same on the tiny default
+  example model at its own learning rate (1e-4). Without SmolLM2 in the cache
+  (``services.tasks.smollm2``) the figure comes from a locally built model of
+  the same architecture with random weights and says so in ``delta_model``.
+* ``objstore_pull_MBps`` / ``s3_pull_MBps``: fetch + verify of one full
+  version (256 MB; 64 MB with ``--quick``) from the JetStream object store and
+  from S3 (moto's server on 127.0.0.1), next to ``raw_loopback_MBps``: a plain
+  socket copy of the same bytes on the same machine.
+* ``publish_to_all_applied_s``: publish until 8 engines have fetched and
+  verified the version, relay off (every engine reads upstream) and on (one
+  weightsync relay reads upstream, engines read its local bucket), with the
+  upstream bytes of each.
+* ``broadcast_MBps``: the gloo ``broadcast`` transport between 2 processes.
+
+Usage: ``python bench/weightsync.py [--quick]``; the last stdout line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import nats  # noqa: E402
+import torch  # noqa: E402
+
+from services.runtime.natsd import EmbeddedNats, free_port  # noqa: E402
+from services.weightsync.client import WeightPublisher, WeightSubscriber, cast_for_publish  # noqa: E402
+from services.weightsync.codec import encode_delta, encode_full, split_aliases  # noqa: E402
+from services.weightsync.config import (  # noqa: E402
+    BroadcastConfig,
+    EncodingConfig,
+    ObjStoreConfig,
+    RelayConfig,
+    S3StoreConfig,
+    WeightsyncConfig,
+)
+from services.weightsync.objstore import ObjectStoreBlobs  # noqa: E402
+from services.weightsync.service import WeightsyncService  # noqa: E402
+from services.weightsync.store import open_store  # noqa: E402
+from services.weightsync.transport import make_receiver, make_sender  # noqa: E402
+
+MB = 1e6
+log = logging.getLogger("bench.weightsync")
+
+
+def random_state(nbytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """bf16 tensors of 4 MiB each adding up to ``nbytes``."""
+    g = torch.Generator().manual_seed(seed)
+    per = 2 * 1024 * 1024  # elements per tensor
+    n = max(1, nbytes // (2 * per))
+    return {f"layer{i}.weight": torch.randn(per, generator=g).to(torch.bfloat16) for i in range(n)}
+
+
+# -- raw loopback -------------------------------------------------------------------------------
+def raw_loopback_MBps(data: bytes | bytearray) -> float:
+    """A plain TCP copy of ``data`` over 127.0.0.1 into a preallocated buffer (best of 3)."""
+    best = 0.0
+    for _ in range(3):
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+
+        def send(s: socket.socket = srv) -> None:
+            conn, _ = s.accept()
+            conn.sendall(data)
+            conn.close()
+
+        th = threading.Thread(target=send, name="raw-sender")
+        th.start()
+        cl = socket.create_connection(srv.getsockname())
+        t0 = time.perf_counter()
+        out = memoryview(bytearray(len(data)))  # a fresh buffer, as a fetch allocates one
+        pos = 0
+        while pos < len(data):
+            pos += cl.recv_into(out[pos:])
+        best = max(best, len(data) / (time.perf_counter() - t0) / MB)
+        th.join()
+        cl.close()
+        srv.close()
+    return best
+
+
+# -- store pulls --------------------------------------------------------------------------------
+async def pull_MBps(nc, store_cfg, state, run: str) -> dict[str, float]:
+    pub = WeightPublisher(nc, run, open_store(store_cfg, nc), encoding=EncodingConfig(anchor_every=1))
+    t0 = time.perf_counter()
+    manifest = await pub.publish(state, 1)
+    put_s = time.perf_counter() - t0
+    best = 0.0
+    for _ in range(2):
+        sub = WeightSubscriber(nc, run, open_store(store_cfg, nc))
+        t0 = time.perf_counter()
+        await sub.fetch(manifest, copy=False)
+        best = max(best, manifest.blob_nbytes / (time.perf_counter() - t0) / MB)
+        await sub.store.close()
+    await pub.store.close()
+    return {"publish_MBps": manifest.blob_nbytes / put_s / MB, "pull_MBps": best}
+
+
+def s3_config(endpoint: str) -> S3StoreConfig:
+    return S3StoreConfig(
+        bucket="bench",
+        endpoint_url=endpoint,
+        access_key_id="x",
+        secret_access_key="x",
+        part_bytes=16 * 1024 * 1024,
+    )
+
+
+# -- relay on/off -------------------------------------------------------------------------------
+async def all_applied(url: str, state, engines: int, relay: bool, run: str) -> dict[str, float]:
+    """Seconds from publish to ``engines`` engines holding the verified version, and upstream bytes."""
+    nc = await nats.connect(url)
+    scope = "node1" if relay else "main"
+    service = stop = task = None
+    if relay:
+        cfg = WeightsyncConfig(
+            run_id=run, relay=RelayConfig(scope=scope, store=ObjStoreConfig()), gc_upstream=False
+        )
+        service, stop = WeightsyncService(nc, cfg), asyncio.Event()
+        await service.ensure()
+        task = asyncio.create_task(service.run(stop), name="relay")
+    conns = [await nats.connect(url) for _ in range(engines)]
+    subs = [WeightSubscriber(c, run, ObjectStoreBlobs(c, scope=scope), scope=scope) for c in conns]
+    for s in subs:
+        await s.ensure()
+    pub = WeightPublisher(nc, run, ObjectStoreBlobs(nc), encoding=EncodingConfig(anchor_every=1))
+    await pub.ensure()
+
+    async def engine(sub: WeightSubscriber) -> None:
+        async for ann in sub.watch(include_current=False):
+            await sub.fetch(ann.manifest, copy=False)
+            return
+
+    waiting = [asyncio.create_task(engine(s), name=f"engine-{i}") for i, s in enumerate(subs)]
+    await asyncio.sleep(0.5)  # let every watcher subscribe before the clock starts
+    t0 = time.perf_counter()
+    manifest = await pub.publish(state, 1)
+    await asyncio.gather(*waiting)
+    elapsed = time.perf_counter() - t0
+    upstream = service.stats.upstream_bytes if service else sum(s.store.stats.bytes_read for s in subs)
+    if stop is not None and task is not None:
+        stop.set()
+        await task
+    for s, c in zip(subs, conns, strict=True):
+        await s.store.close()
+        await c.close()
+    await nc.close()
+    return {"s": elapsed, "upstream_bytes": upstream, "version_bytes": manifest.blob_nbytes}
+
+
+# -- broadcast ----------------------------------------------------------------------------------
+async def broadcast_receiver(url: str, run: str, versions: int) -> None:
+    nc = await nats.connect(url)
+    rx = make_receiver(BroadcastConfig(world_size=2, backend="gloo", timeout_s=60), nc, run)
+    await rx.start()
+    for _ in range(versions):
+        await rx.receive()
+    await rx.close()
+    await nc.close()
+
+
+async def broadcast_MBps(url: str, state) -> float:
+    run = "bench-bcast"
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--broadcast-receiver", url, run, "2"],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    nc = await nats.connect(url)
+    try:
+        tx = make_sender(BroadcastConfig(world_size=2, backend="gloo", timeout_s=60), nc, run)
+        await tx.start()
+        await tx.send(state, 1)  # warm-up
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        t0 = time.perf_counter()
+        await tx.send(state, 2)
+        rate = nbytes / (time.perf_counter() - t0) / MB
+        if await asyncio.to_thread(proc.wait, 60) != 0:
+            raise RuntimeError("broadcast receiver process failed")
+        await tx.close()
+        return rate
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await nc.close()
+
+
+# -- deltas over real GRPO steps ---------------------------------------------------------------
+def _local_smollm2_shaped() -> tuple[object, object, str]:
+    """A random model with SmolLM2-135M's architecture and the tiny char tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.tasks.tiny_model import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    return (
+        LlamaForCausalLM(cfg),
+        tok,
+        "local random model with SmolLM2-135M architecture (SmolLM2 not cached)",
+    )
+
+
+def load_policy(spec: str) -> tuple[object, object, str]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.tasks.models import resolve_model
+
+    if spec == "smollm2":
+        try:
+            path = resolve_model("smollm2")
+        except (ImportError, OSError, RuntimeError, ValueError) as err:
+            log.warning("SmolLM2 unavailable (%s); using a locally built model", err)
+            return _local_smollm2_shaped()
+    else:
+        path = resolve_model(spec)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(path), f"{spec} ({path})"
+
+
+def grpo_delta_ratio(
+    spec: str, task_name: str, lr: float, steps: int, prompts: int, group: int, max_new: int
+):
+    """Anchor bytes / mean delta bytes of the bf16 versions published after each GRPO step."""
+    from services.tasks.base import get_task
+    from services.tasks.evaluate import generate_completions
+    from services.trainer.loss import group_advantages, grpo_loss
+
+    model, tok, described = load_policy(spec)
+    if getattr(tok, "chat_template", None) is None and task_name == "word_problems":
+        task_name = "addition"  # the local stand-in has a character tokenizer without a chat template
+        described += "; task addition"
+    task = get_task(task_name)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    stream = task.train_prompts(seed=0)
+    prev = encode_full(cast_for_publish(split_aliases(model.state_dict())[0], "bf16"))
+    deltas, changed = [], []
+    for _ in range(steps):
+        batch = [next(stream) for _ in range(prompts)]
+        prompt_ids = [task.format_prompt(tok, p) for p in batch for _ in range(group)]
+        model.eval()
+        comps, behaviour = generate_completions(model, tok, prompt_ids, max_new_tokens=max_new)
+        texts = [tok.decode(c, skip_special_tokens=True) for c in comps]
+        # task reward, plus a small shaping term so a group whose task rewards tie still carries signal
+        rewards = [
+            task.reward(batch[i // group], t).value + 0.1 * sum(ch.isdigit() for ch in t) / max(1, len(t))
+            for i, t in enumerate(texts)
+        ]
+        adv = group_advantages(rewards, [i // group for i in range(len(texts))])
+        width = max(len(p) + len(c) for p, c in zip(prompt_ids, comps, strict=True))
+        ids = torch.full((len(comps), width), tok.pad_token_id)
+        mask = torch.zeros(len(comps), width)
+        blp = torch.zeros(len(comps), width)
+        for i, (p, c) in enumerate(zip(prompt_ids, comps, strict=True)):
+            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+            mask[i, len(p) : len(p) + len(c)] = 1
+            blp[i, len(p) : len(p) + len(c)] = torch.tensor(behaviour[i])
+        model.train()
+        logits = (
+            model(input_ids=ids, attention_mask=(ids != tok.pad_token_id) | (mask > 0)).logits[:, :-1].float()
+        )
+        logprobs = torch.log_softmax(logits, -1).gather(2, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        loss, _ = grpo_loss(logprobs, blp[:, 1:], adv, mask[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        cur = encode_full(cast_for_publish(split_aliases(model.state_dict())[0], "bf16"))
+        blob, entries = encode_delta(prev.buf, cur.buf, cur.tensors)
+        numel = sum(e.nbytes // 2 for e in entries if e.dtype == "BF16")
+        deltas.append(len(blob))
+        changed.append(sum(e.nnz for e in entries) / max(1, numel))
+        prev = cur
+    mean_delta = sum(deltas) / len(deltas)
+    return {
+        "ratio": len(prev.buf) / max(1.0, mean_delta),
+        "anchor_bytes": len(prev.buf),
+        "delta_bytes": deltas,
+        "changed_fraction": [round(c, 5) for c in changed],
+        "model": described,
+    }
+
+
+# -- main ---------------------------------------------------------------------------------------
+async def transfers(args, tmp: Path) -> dict[str, object]:
+    from moto.server import ThreadedMotoServer
+
+    out: dict[str, object] = {}
+    size = (64 if args.quick else 256) * 1024 * 1024
+    state = random_state(size)
+    data = encode_full(state).buf
+    out["version_MB"] = round(len(data) / MB, 1)
+    out["raw_loopback_MBps"] = round(raw_loopback_MBps(data), 1)
+    with EmbeddedNats(tmp / "nats", port=None) as server:
+        nc = await nats.connect(server.url)
+        r = await pull_MBps(nc, ObjStoreConfig(), state, "bench-obj")
+        out["objstore_pull_MBps"], out["objstore_publish_MBps"] = (
+            round(r["pull_MBps"], 1),
+            round(r["publish_MBps"], 1),
+        )
+        port = free_port()
+        moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        moto.start()
+        try:
+            r = await pull_MBps(nc, s3_config(f"http://127.0.0.1:{port}"), state, "bench-s3")
+            out["s3_pull_MBps"], out["s3_publish_MBps"] = (
+                round(r["pull_MBps"], 1),
+                round(r["publish_MBps"], 1),
+            )
+        finally:
+            moto.stop()
+        await nc.close()
+        small = random_state((16 if args.quick else 64) * 1024 * 1024, seed=1)
+        off = await all_applied(server.url, small, args.engines, relay=False, run="bench-relay-off")
+        on = await all_applied(server.url, small, args.engines, relay=True, run="bench-relay-on")
+        out["publish_to_all_applied_s"] = {"relay_off": round(off["s"], 3), "relay_on": round(on["s"], 3)}
+        out["upstream_bytes"] = {"relay_off": off["upstream_bytes"], "relay_on": on["upstream_bytes"]}
+        out["relay_version_bytes"] = off["version_bytes"]
+        out["engines"] = args.engines
+        out["broadcast_MBps"] = round(await broadcast_MBps(server.url, state), 1)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="smaller versions and fewer GRPO steps (< 1 min)"
+    )
+    parser.add_argument("--engines", type=int, default=8)
+    parser.add_argument(
+        "--steps", type=int, default=0, help="GRPO steps per model (default 3; 1 with --quick)"
+    )
+    parser.add_argument("--broadcast-receiver", nargs=3, metavar=("URL", "RUN", "N"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.broadcast_receiver:
+        url, run, n = args.broadcast_receiver
+        asyncio.run(broadcast_receiver(url, run, int(n)))
+        return
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    steps = args.steps or (1 if args.quick else 3)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = asyncio.run(transfers(args, Path(tmp)))
+    print(f"transfers done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    t1 = time.perf_counter()
+    tiny = grpo_delta_ratio("tiny-addition", "addition", 1e-4, steps, 8, 8, 6)
+    result["delta_ratio_tiny"] = round(tiny["ratio"], 1)
+    result["delta_tiny"] = tiny
+    big = grpo_delta_ratio(
+        "smollm2",
+        "word_problems",
+        1e-6,
+        steps,
+        2 if args.quick else 4,
+        2 if args.quick else 4,
+        8 if args.quick else 32,
+    )
+    result["delta_ratio"] = round(big["ratio"], 1)
+    print(f"GRPO deltas done in {time.perf_counter() - t1:.1f}s", file=sys.stderr)
+    result["delta_model"] = big.pop("model")
+    result["delta_smollm2"] = big
+    result["objstore_vs_raw"] = round(result["objstore_pull_MBps"] / result["raw_loopback_MBps"], 3)
+    result["s3_vs_raw"] = round(result["s3_pull_MBps"] / result["raw_loopback_MBps"], 3)
+    result["broadcast_vs_raw"] = round(result["broadcast_MBps"] / result["raw_loopback_MBps"], 3)
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
