@@ -104,7 +104,8 @@ class RelayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class WeightsyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The weightsync service: retention of the trainer's versions and/or a relay near engines."""
 
-    run_id: str
+    #: run whose versions this instance handles; empty = the run's id from the ``[run]`` section
+    run_id: str = ""
     #: scope the trainer publishes under
     upstream_scope: str = "main"
     #: the trainer's store (must match the publisher's config)

@@ -59,6 +59,8 @@ class WeightsyncService:
     """Retention and/or relay for one run; ``run(stop)`` until the event is set."""
 
     def __init__(self, nc: NATS, config: WeightsyncConfig, local_nc: NATS | None = None) -> None:
+        if not config.run_id:
+            raise ConfigError("WeightsyncConfig.run_id is empty; set it (main.py fills it from [run] id)")
         self.config = config
         self.hmac_key = load_hmac_key(config.hmac_key_env)
         self.upstream_store: BlobStore = open_store(config.upstream_store, nc, scope=config.upstream_scope)

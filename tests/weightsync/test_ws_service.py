@@ -146,3 +146,27 @@ def test_retention_never_drops_the_chain_of_an_announced_version():
     # v3 is still announced somewhere (e.g. a relay's latest): its chain 1, 2, 3 stays
     assert versions_to_keep(ms, keep_anchors=1, needed=[3]) == {1, 2, 3, 5}
     assert versions_to_keep(ms, keep_anchors=2) == {4, 5}
+
+
+def test_config_selects_stores_and_checks_fields():
+    import msgspec
+    import pytest
+
+    from services.weightsync.config import S3StoreConfig
+
+    cfg = msgspec.convert(
+        {
+            "relay": {
+                "scope": "node-a",
+                "store": {"type": "s3", "bucket": "w", "endpoint_url": "http://h:9000"},
+            }
+        },
+        WeightsyncConfig,
+    )
+    assert isinstance(cfg.relay.store, S3StoreConfig) and isinstance(cfg.upstream_store, ObjStoreConfig)
+    with pytest.raises(msgspec.ValidationError, match="own scope"):
+        msgspec.convert({"relay": {"scope": "main"}}, WeightsyncConfig)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"upstream_store": {"type": "ftp"}}, WeightsyncConfig)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"keep_anchors": 0}, WeightsyncConfig)
