@@ -144,6 +144,8 @@ class ObjectStoreBlobs:
                 finally:
                     if reader.usable():
                         self._raw_idle.append(reader)
+                    else:
+                        reader.close()
                 self._account(name, pos, size)
                 return
         pos = await self._read_nats_py(subject, name, nchunks, out)

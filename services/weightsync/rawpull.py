@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import secrets
 
 from nats.aio.client import Client as NATS
@@ -28,7 +27,6 @@ from nats.aio.client import Client as NATS
 log = logging.getLogger("rlbus.weightsync.rawpull")
 
 _CRLF = b"\r\n"
-_MSG = re.compile(rb"^(H?MSG)\s+(\S+)\s+(\d+)\s+(?:(\S+)\s+)?(\d+)(?:\s+(\d+))?$")
 _SCRATCH = 256 * 1024
 _CONNECT_TIMEOUT_S = 10.0
 
@@ -103,8 +101,8 @@ class _Protocol(asyncio.BufferedProtocol):
         self.n += nbytes
         try:
             self._parse()
-        except RawPullError as err:
-            self.error = err
+        except (RawPullError, ValueError) as err:  # ValueError: an INFO line that is not JSON
+            self.error = err if isinstance(err, RawPullError) else RawPullError(f"bad server line: {err}")
             self.on_message.set()
             if self.transport is not None:
                 self.transport.close()
@@ -152,15 +150,18 @@ class _Protocol(asyncio.BufferedProtocol):
             self._control(line)
 
     def _control(self, line: bytes) -> None:
-        if line.startswith((b"MSG", b"HMSG")):
-            m = _MSG.match(line)
-            if m is None:
-                raise RawPullError(f"malformed message line {line[:200]!r}")
-            kind, _subject, _sid, _reply, a, b = m.groups()
-            if kind == b"HMSG":
-                header, total = int(a), int(b)
-            else:
-                header, total = 0, int(a)
+        if line.startswith((b"MSG ", b"HMSG ")):
+            # MSG <subject> <sid> [reply] <size> | HMSG <subject> <sid> [reply] <header size> <total size>
+            tokens = line.split()
+            try:
+                if tokens[0] == b"HMSG" and len(tokens) in (5, 6):
+                    header, total = int(tokens[-2]), int(tokens[-1])
+                elif tokens[0] == b"MSG" and len(tokens) in (4, 5):
+                    header, total = 0, int(tokens[-1])
+                else:
+                    raise ValueError("wrong number of fields")
+            except ValueError as err:
+                raise RawPullError(f"malformed message line {line[:200]!r}: {err}") from None
             payload = total - header
             self.payload_is_status = payload == 0  # JetStream status (404/408/409/100) carry headers only
             if payload and self.dest is not None and self.pos + payload > len(self.dest):
@@ -191,6 +192,7 @@ class RawPullReader:
         self.prefix = prefix  # JetStream API prefix
         self.inbox = f"_INBOX.rlbus.{secrets.token_hex(8)}"
         self.lock = asyncio.Lock()
+        self.clean = True  # False while a read is unfinished or after one was abandoned
         transport.write(f"SUB {self.inbox} 1\r\n".encode())
 
     async def ping(self) -> None:
@@ -204,6 +206,9 @@ class RawPullReader:
         """Pull ``nmsgs`` messages of ``consumer`` into ``out`` in order; returns bytes written."""
         async with self.lock:
             p = self.proto
+            if not self.clean:
+                raise RawPullError("this reader abandoned a read earlier; open a new one")
+            self.clean = False
             p.dest, p.pos, p.messages = out, 0, 0
             subj = f"{self.prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
             requested = 0
@@ -242,11 +247,12 @@ class RawPullReader:
                 p.dest = None
             if p.error is not None:
                 raise RawPullError(f"raw pull of {stream}/{consumer} failed: {p.error}")
+            self.clean = True
             return written
 
     def usable(self) -> bool:
         """Whether the connection is still open and healthy."""
-        return not self.transport.is_closing() and self.proto.error is None
+        return self.clean and not self.transport.is_closing() and self.proto.error is None
 
     def close(self) -> None:
         self.transport.close()
