@@ -1,0 +1,287 @@
+"""Beats the usual tool: TRL's GRPOTrainer vs rlbus on the addition example, one after the other.
+
+Both sides train the same warm-started tiny model (``tiny-addition`` for the
+run's seed) on the same task (2-digit addition, exact-match reward through
+``AdditionTask.reward``), with the same group size, completion length,
+temperature, learning rate, clipping (0.2 / 0.28), no KL, one optimiser step
+per batch, per-sequence loss averaging (TRL ``loss_type="grpo"`` = rlbus
+``seq_mean_token_mean``) and the same sample budget (steps x prompts x group).
+Both evaluate the same held-out prompts the same way (one sample each at the
+eval temperature, exact match) every ``eval_every`` steps.
+
+Clocks: rlbus's is the trainer's (see bench/_rlbus_runs.py), where an
+evaluation counts at the moment its weight version existed; TRL's starts when
+``train()`` begins and stops while its callback evaluates, so neither side pays
+for evaluating and neither pays for start-up.
+
+TRL gets its best CPU settings: ``use_cpu=True, bf16=False``, 2 torch threads
+(``--trl-threads``), no checkpoints, no logging integrations. rlbus runs the
+example as shipped (async, max_staleness 1, 1 thread each for trainer and
+rollout), checkpoints off as on the TRL side.
+
+Figure: wall time each takes to first reach the target eval reward (default:
+the lower of the two final rewards) and ``ratio`` = TRL / rlbus (goal >= 2);
+where one side never gets there (only with ``--target``), the reward each had
+at equal wall time.
+
+    .venv/bin/python bench/vs_trl.py            # full: a few minutes per side
+    .venv/bin/python bench/vs_trl.py --quick    # both sides, a few steps each
+
+Needs ``trl`` (``pip install trl==1.16.0 -c constraints`` with ``torch==2.13.0``).
+The last stdout line is one JSON object of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+import tempfile
+import time
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._rlbus_runs import (  # noqa: E402
+    BenchRunError,
+    EvalPoint,
+    compare,
+    curve_json,
+    default_target,
+    final_reward,
+    ratio,
+    run_rlbus,
+)
+
+log = logging.getLogger("rlbus.bench.vs_trl")
+
+#: the example's settings both sides share (examples/addition.toml)
+GROUPS_PER_STEP = 16
+GROUP_SIZE = 8
+MAX_NEW_TOKENS = 6
+TEMPERATURE = 1.0
+LR = 1e-4
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+MAX_GRAD_NORM = 1.0
+
+
+class TrlUnavailable(RuntimeError):
+    """TRL (or one of its dependencies) is not installed or cannot run here."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a few steps and fewer eval prompts")
+    p.add_argument("--steps", type=int, default=None, help="optimiser steps per side (default 120; quick 8)")
+    p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default 10; quick 4)")
+    p.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts per eval (default 200; quick 50)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", type=float, default=None,
+                   help="eval reward to reach (0..1); default: the lower of the two final rewards")
+    p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL run (default 2)")
+    p.add_argument("--only", choices=["trl", "rlbus"], default=None, help="run one side only (no ratio)")
+    p.add_argument("--work-dir", type=Path, default=None, help="where outputs go (default: a temp dir)")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="model cache (default: the one rlbus uses, $RLBUS_CACHE or ~/.cache/rlbus)")
+    return p.parse_args(argv)
+
+
+# --- TRL side -----------------------------------------------------------------------------------
+
+
+def prompt_text(tokenizer: Any, task: Any, prompt: Any) -> str:
+    """The prompt as text that TRL's tokenizer call turns into exactly ``task.format_prompt``'s ids.
+
+    Raises:
+        TrlUnavailable: the round trip does not hold for this tokenizer (TRL would see other ids).
+    """
+    ids = task.format_prompt(tokenizer, prompt)
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    again = tokenizer(text)["input_ids"]
+    if list(again) != list(ids):
+        raise TrlUnavailable(f"prompt {prompt.text!r}: text {text!r} tokenizes to {again}, not {ids}; "
+                             "TRL would condition on other tokens than rlbus")
+    return text
+
+
+def run_trl(args: argparse.Namespace, model_dir: Path, out_dir: Path) -> tuple[list[EvalPoint], dict[str, Any]]:
+    """Train with TRL's GRPOTrainer; return the eval curve on TRL's train clock and loop stats."""
+    try:
+        import torch
+        from datasets import Dataset
+        from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as e:
+        raise TrlUnavailable(f"cannot import TRL or its dependencies ({e}); install with "
+                             "`.venv/bin/pip install trl==1.16.0 -c constraints.txt` (torch==2.13.0 pinned)") from e
+
+    from services.tasks import Prompt, get_task
+    from services.tasks.evaluate import evaluate_task
+
+    torch.set_num_threads(args.trl_threads)
+    torch.manual_seed(args.seed)
+    task = get_task("addition")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    eval_set = task.eval_prompts()[: args.eval_prompts]
+    # the prompts rlbus's trainer admits, in the same order (its stream for this seed)
+    train = list(islice(task.train_prompts(args.seed), args.steps * GROUPS_PER_STEP))
+    dataset = Dataset.from_list([{"prompt": prompt_text(tokenizer, task, p), "answer": p.metadata["answer"],
+                                  "prompt_id": p.id} for p in train])
+
+    def addition_reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
+        return [task.reward(Prompt(id="trl", text=p, metadata={"answer": a}), c).value
+                for p, c, a in zip(prompts, completions, answer, strict=True)]
+
+    config = GRPOConfig(
+        output_dir=str(out_dir), use_cpu=True, bf16=False, report_to="none", seed=args.seed,
+        max_steps=args.steps, per_device_train_batch_size=GROUPS_PER_STEP * GROUP_SIZE,
+        gradient_accumulation_steps=1, num_generations=GROUP_SIZE, max_completion_length=MAX_NEW_TOKENS,
+        temperature=TEMPERATURE, top_p=1.0, top_k=0, learning_rate=LR, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, beta=0.0, num_iterations=1,
+        epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH, loss_type="grpo", scale_rewards="group",
+        shuffle_dataset=False, save_strategy="no", logging_steps=1, disable_tqdm=True,
+        dataloader_num_workers=0, log_completions=False, gradient_checkpointing=False,  # 1 M params: memory is no issue
+    )
+
+    class EvalClock(TrainerCallback):
+        """Evaluates every eval_every steps; keeps a train clock that stops while evaluating."""
+
+        def __init__(self) -> None:
+            self.t0 = 0.0
+            self.eval_s = 0.0
+            self.curve: list[EvalPoint] = []
+            self.step_times: list[float] = []
+            self.train_rewards: list[float] = []
+
+        def now(self) -> float:
+            return time.monotonic() - self.t0 - self.eval_s
+
+        def evaluate(self, model: Any, step: int) -> None:
+            t = self.now()
+            started = time.monotonic()
+            reward = evaluate_task(model, tokenizer, task, eval_set, temperature=TEMPERATURE,
+                                   max_new_tokens=MAX_NEW_TOKENS)
+            self.eval_s += time.monotonic() - started
+            self.curve.append(EvalPoint(version=step, step=step, reward=reward, t=t, reported_s=t))
+            log.info("trl: eval at step %d (%.1fs): reward %.3f", step, t, reward)
+
+        def on_train_begin(self, _args, state, control, model=None, **kw):
+            self.t0 = time.monotonic()
+            self.evaluate(model, 0)
+            self.eval_s = time.monotonic() - self.t0  # the clock starts after the first evaluation
+
+        def on_step_end(self, _args, state, control, model=None, **kw):
+            self.step_times.append(self.now())
+            if state.global_step % args.eval_every == 0 or state.global_step == args.steps:
+                self.evaluate(model, state.global_step)
+
+        def on_log(self, _args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                self.train_rewards.append(float(logs["reward"]))
+
+    clock = EvalClock()
+    trainer = GRPOTrainer(model=model, reward_funcs=addition_reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[clock])
+    with contextlib.redirect_stdout(sys.stderr):  # TRL prints its logs: keep stdout for the JSON line
+        trainer.train()
+    times = clock.step_times
+    stats = {
+        "steps": len(times),
+        "last_step_s": round(times[-1], 2) if times else 0.0,
+        "s_per_step": round((times[-1] - times[0]) / max(1, len(times) - 1), 3) if times else 0.0,
+        "eval_s_total": round(clock.eval_s, 1),
+        "train_reward_first": clock.train_rewards[0] if clock.train_rewards else None,
+        "train_reward_last": clock.train_rewards[-1] if clock.train_rewards else None,
+        "threads": args.trl_threads,
+    }
+    return clock.curve, stats
+
+
+# --- rlbus side ---------------------------------------------------------------------------------
+
+
+def rlbus_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The example as shipped, with the bench's budget and eval schedule."""
+    return {
+        "run.seed": args.seed,
+        "services.trainer.total_steps": args.steps,
+        "services.trainer.max_wall_s": 0.0,
+        "services.trainer.groups_per_step": GROUPS_PER_STEP,
+        "services.trainer.group_size": GROUP_SIZE,
+        "services.trainer.max_new_tokens": MAX_NEW_TOKENS,
+        "services.trainer.temperature": TEMPERATURE,
+        "services.trainer.eval_temperature": TEMPERATURE,
+        "services.trainer.lr": LR,
+        "services.trainer.clip_low": CLIP_LOW,
+        "services.trainer.clip_high": CLIP_HIGH,
+        "services.trainer.kl_coef": 0.0,
+        "services.trainer.max_grad_norm": MAX_GRAD_NORM,
+        "services.trainer.lr_schedule": "constant",
+        "services.trainer.aggregation": "seq_mean_token_mean",
+        "services.trainer.normalize_std": True,
+        "services.trainer.eval_every": args.eval_every,
+        "services.trainer.eval_prompts": args.eval_prompts,
+        "services.trainer.checkpoint_every": 0,  # TRL saves nothing either
+        "common.drain_timeout_s": 2.0,  # after the run has finished: shutdown only
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    args.steps = args.steps or (8 if args.quick else 120)
+    args.eval_every = args.eval_every or (4 if args.quick else 10)
+    args.eval_prompts = args.eval_prompts or (50 if args.quick else 200)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="rlbus-vs-trl-"))
+    from services.tasks.models import default_cache_dir, resolve_model
+
+    model_dir = resolve_model("tiny-addition", str(args.cache_dir or default_cache_dir()), seed=args.seed)
+    curves: dict[str, list[EvalPoint]] = {}
+    sides: dict[str, dict[str, Any]] = {}
+    try:
+        if args.only != "rlbus":
+            t0 = time.monotonic()
+            curves["trl"], stats = run_trl(args, model_dir, work / "trl")
+            sides["trl"] = {"final_reward": final_reward(curves["trl"]), "curve": curve_json(curves["trl"]),
+                            "launch_s": round(time.monotonic() - t0, 1), **stats}
+        if args.only != "trl":
+            extra = {"services.trainer.cache_dir": str(args.cache_dir)} if args.cache_dir else {}
+            r = run_rlbus("rlbus", work / "rlbus", {**rlbus_overrides(args), **extra})
+            curves["rlbus"] = r.curve
+            sides["rlbus"] = {"final_reward": r.final_reward, "curve": curve_json(r.curve),
+                              "launch_s": round(r.launch_s, 1), **r.stats}
+    except (TrlUnavailable, BenchRunError) as e:
+        print(f"vs_trl: {e}", file=sys.stderr)
+        return 1
+    target = args.target if args.target is not None else default_target(*curves.values())
+    figures = compare(curves, target)
+    out: dict[str, Any] = {
+        "bench": "vs_trl",
+        "quick": args.quick,
+        "ratio": ratio(figures.get("trl_s"), figures.get("rlbus_s")),
+        **figures,
+        "trl_final_reward": sides.get("trl", {}).get("final_reward"),
+        "rlbus_final_reward": sides.get("rlbus", {}).get("final_reward"),
+        "steps": args.steps,
+        "samples_per_step": GROUPS_PER_STEP * GROUP_SIZE,
+        "sample_budget": args.steps * GROUPS_PER_STEP * GROUP_SIZE,
+        "group_size": GROUP_SIZE,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "lr": LR,
+        "eval_every": args.eval_every,
+        "eval_prompts": args.eval_prompts,
+        "seed": args.seed,
+        **sides,
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The pure helpers behind the RL benchmarks (bench/_rlbus_runs.py): no processes started."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from bench._rlbus_runs import (
+    BenchRunError,
+    EvalPoint,
+    compare,
+    default_target,
+    eval_curve,
+    final_reward,
+    ratio,
+    read_metrics,
+    reward_at,
+    run_stats,
+    set_args,
+    step_to_reward,
+    time_to_reward,
+    toml_value,
+)
+
+
+def step_line(step: int, elapsed: float, staleness: float = 0.0, dropped: float = 0.0) -> dict:
+    return {"step": step, "elapsed_s": elapsed, "trainer/version": float(step), "time/step_s": 0.5,
+            "time/publish_s": 0.1, "trainer/staleness_mean": staleness, "trainer/staleness_max": staleness,
+            "trainer/dropped_total": dropped, "trainer/trained_total": 128.0 * step, "trainer/in_flight_peak": 32.0}
+
+
+def eval_line(step: int, elapsed: float, reward: float) -> dict:
+    return {"step": step, "elapsed_s": elapsed, "eval/reward": reward, "eval/version": float(step)}
+
+
+METRICS = [
+    eval_line(0, 1.5, 0.20),
+    step_line(1, 3.0),
+    step_line(2, 4.0, staleness=1.0),
+    eval_line(2, 6.5, 0.30),  # reported 2.5 s after version 2 existed
+    step_line(3, 5.0, staleness=1.0, dropped=8.0),
+    step_line(4, 6.0, staleness=1.0, dropped=8.0),
+    eval_line(4, 9.0, 0.25),
+]
+
+
+def test_eval_curve_places_each_eval_when_its_version_existed() -> None:
+    curve = eval_curve(METRICS)
+    assert [(p.version, p.t, p.reported_s, p.reward) for p in curve] == [
+        (0, 0.0, 1.5, 0.20), (2, 4.0, 6.5, 0.30), (4, 6.0, 9.0, 0.25)]
+
+
+def test_eval_curve_sorts_by_version_and_falls_back_to_report_time() -> None:
+    records = [eval_line(5, 12.0, 0.5), eval_line(0, 1.0, 0.1), step_line(1, 2.0)]
+    curve = eval_curve(records)
+    assert [p.version for p in curve] == [0, 5]
+    assert curve[1].t == 12.0  # no step line names version 5
+
+
+def test_time_to_reward_is_the_first_crossing_not_the_best() -> None:
+    curve = eval_curve(METRICS)
+    assert time_to_reward(curve, 0.25) == 4.0
+    assert step_to_reward(curve, 0.25) == 2
+    assert time_to_reward(curve, 0.2) == 0.0
+    assert time_to_reward(curve, 0.31) is None
+    assert step_to_reward(curve, 0.31) is None
+
+
+def test_time_to_reward_tolerates_float_noise_at_the_target() -> None:
+    curve = [EvalPoint(version=1, step=1, reward=0.1 + 0.2, t=3.0, reported_s=3.0)]
+    assert time_to_reward(curve, 0.3) == 3.0
+
+
+def test_reward_at_takes_the_newest_version_that_existed() -> None:
+    curve = eval_curve(METRICS)
+    assert reward_at(curve, -1.0) is None
+    assert reward_at(curve, 3.9) == 0.20
+    assert reward_at(curve, 4.0) == 0.30
+    assert reward_at(curve, 100.0) == 0.25
+
+
+def test_default_target_is_the_lower_final_reward_and_both_reach_it() -> None:
+    a = eval_curve(METRICS)  # final 0.25
+    b = [EvalPoint(0, 0, 0.2, 0.0, 1.0), EvalPoint(10, 10, 0.4, 20.0, 21.0)]
+    target = default_target(a, b)
+    assert target == 0.25
+    figures = compare({"a": a, "b": b}, target)
+    assert figures["a_s"] == 4.0 and figures["b_s"] == 20.0
+    assert "equal_time_s" not in figures
+
+
+def test_compare_reports_rewards_at_equal_time_when_one_side_misses() -> None:
+    fast = [EvalPoint(0, 0, 0.2, 0.0, 0.0), EvalPoint(10, 10, 0.5, 10.0, 10.0), EvalPoint(20, 20, 0.6, 20.0, 20.0)]
+    slow = [EvalPoint(0, 0, 0.2, 0.0, 0.0), EvalPoint(10, 10, 0.3, 15.0, 15.0)]
+    figures = compare({"fast": fast, "slow": slow}, 0.55)
+    assert figures["fast_s"] == 20.0 and figures["slow_s"] is None
+    assert figures["equal_time_s"] == 15.0
+    assert figures["fast_reward_at_equal_time"] == 0.5
+    assert figures["slow_reward_at_equal_time"] == 0.3
+
+
+def test_ratio() -> None:
+    assert ratio(30.0, 10.0) == 3.0
+    assert ratio(None, 10.0) is None
+    assert ratio(10.0, None) is None
+    assert ratio(0.0, 0.0) == 1.0  # both start at the target
+
+
+def test_final_reward_of_an_empty_curve_says_what_to_check() -> None:
+    with pytest.raises(BenchRunError, match="no evaluation"):
+        final_reward([])
+
+
+def test_run_stats_from_step_lines() -> None:
+    stats = run_stats(METRICS)
+    assert stats["steps"] == 4
+    assert stats["s_per_step"] == 1.0
+    assert stats["staleness_mean"] == 0.75
+    assert stats["staleness_max"] == 1.0
+    assert stats["dropped"] == 8.0
+    assert stats["trained"] == 512.0
+    assert run_stats([eval_line(0, 1.0, 0.2)]) == {"steps": 0}
+
+
+def test_set_args_parse_back_as_toml() -> None:
+    values = {"run.dir": '/tmp/a "quoted" dir', "services.trainer.total_steps": 300,
+              "services.trainer.max_wall_s": 0.0, "services.trainer.normalize_std": True}
+    args = set_args(values)
+    assert args[0::2] == ["--set"] * len(values)
+    for arg, (key, value) in zip(args[1::2], values.items(), strict=True):
+        k, _, v = arg.partition("=")
+        assert k == key
+        assert tomllib.loads(f"x = {v}")["x"] == value
+    with pytest.raises(TypeError):
+        toml_value([1, 2])
+
+
+def test_read_metrics_skips_a_torn_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in METRICS) + '\n{"step": 5, "elaps')
+    assert read_metrics(path) == METRICS
