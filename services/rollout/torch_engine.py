@@ -359,18 +359,19 @@ class TorchEngine:
                         self._decode_step()
                 except Exception as exc:  # fail the affected requests, keep serving the others
                     log.exception("torch engine step failed")
-                    self._fail(newcomers + self._rows, EngineError(f"generation failed: {exc!r}"))
+                    affected = self._rows + [r for r in newcomers if r not in self._rows]
                     self._reset_batch()
+                    self._fail(affected, EngineError(f"generation failed: {exc!r}"))
                 self._after_step()
         finally:
             with self._cond:
                 queued, self._queue = list(self._queue), collections.deque()
                 updates, self._updates = self._updates, []
-            error = EngineNotRunningError("the torch engine stopped before this request finished")
-            self._fail(queued + self._rows, error)
+            running = self._rows
+            self._reset_batch()
+            self._fail(queued + running, EngineNotRunningError("the torch engine stopped before this request finished"))
             for update in updates:
                 _post(update.loop, update.future, error=EngineNotRunningError("engine stopped before the update"))
-            self._reset_batch()
 
     def _take_newcomers(self) -> list[_Request]:
         """Pop queued requests that fit (batch size, prefill budget); called under the lock."""
@@ -391,10 +392,10 @@ class TorchEngine:
         return taken
 
     def _fail(self, requests: list[_Request], error: EngineError) -> None:
-        for request in requests:
-            _post(request.loop, request.future, error=error)
         with self._cond:
             self._n_pending -= len(requests)
+        for request in requests:
+            _post(request.loop, request.future, error=error)
 
     def _reset_batch(self) -> None:
         self._rows = []
@@ -471,9 +472,12 @@ class TorchEngine:
             request.versions.append(version)
             if self._check_stop(request, token):
                 finished.append(i)
+        now = time.monotonic()
         with self._cond:
             self._total_tokens += len(token_list)
-            self._recent.append((time.monotonic(), len(token_list)))
+            self._recent.append((now, len(token_list)))
+            while self._recent[0][0] < now - self.config.stats_window_s:
+                self._recent.popleft()
         if finished:  # leave the batch first, so stats never count a returned request as running
             done_requests = [self._rows[i] for i in finished]
             self._remove_rows(finished)

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.rollout.engine import (
     Engine,
+    EngineError,
     EngineNotRunningError,
     EngineOverloadedError,
     InvalidRequestError,
@@ -382,3 +383,25 @@ async def test_errors_say_what_went_wrong(tiny_model_dir, tokenizer):
         await engine.stop()
     with pytest.raises(EngineNotRunningError):
         await engine.generate([1, 2], params)
+
+
+async def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_model_dir):
+    class FlakyEngine(TorchEngine):
+        failures = 1
+
+        def _decode_step(self) -> None:
+            if self.failures:
+                self.failures -= 1
+                raise RuntimeError("injected failure")
+            super()._decode_step()
+
+    engine = FlakyEngine(TorchEngineConfig(model_dir=str(tiny_model_dir)))
+    await engine.start()
+    try:
+        params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+        with pytest.raises(EngineError, match="injected failure"):
+            await engine.generate([5, 6, 7], params)
+        assert engine.stats().pending == 0
+        assert len((await engine.generate([5, 6, 7], params)).token_ids) == 5
+    finally:
+        await engine.stop()
