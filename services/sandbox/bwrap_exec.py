@@ -45,7 +45,7 @@ def command_prefix(cfg: SandboxConfig, base: list[str], merged: str, tmp: str, c
         "/bin/sh", "-c", JOIN_CGROUP, "rlbus-sandbox", *cgroup_files, "--",
         cfg.setpriv_path, f"--reuid={cfg.sandbox_uid}", f"--regid={cfg.sandbox_gid}", "--clear-groups",
         "--no-new-privs", cfg.bwrap_path,
-        "--unshare-user", "--uid", "0", "--gid", "0",
+        "--unshare-user", "--disable-userns", "--uid", "0", "--gid", "0",  # no nested user namespaces
         "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
         "--hostname", cfg.hostname, "--die-with-parent", "--new-session",
         *base,

@@ -31,8 +31,8 @@ async def test_runs_as_unprivileged_root_in_workdir_with_scrubbed_env(backend):
     os.environ["RLBUS_TEST_SECRET"] = "leak"
     try:
         sid = await new_sandbox(backend, env={"MINE": "yes"})
-        r = await sh(backend, sid, "id -u; pwd; env; grep -E '^(CapEff|NoNewPrivs)' /proc/self/status",
-                     env={"PER_EXEC": "1"})
+        r = await sh(backend, sid, "id -u; pwd; env; grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; "
+                                   "unshare -U true 2>/dev/null && echo NESTED-USERNS", env={"PER_EXEC": "1"})
     finally:
         del os.environ["RLBUS_TEST_SECRET"]
     out = r.stdout.decode()
@@ -41,6 +41,7 @@ async def test_runs_as_unprivileged_root_in_workdir_with_scrubbed_env(backend):
     assert "MINE=yes" in out and "PER_EXEC=1" in out and "HOME=/workspace" in out
     assert "RLBUS_TEST_SECRET" not in out and "VIRTUAL_ENV" not in out
     assert "CapEff:\t0000000000000000" in out and "NoNewPrivs:\t1" in out
+    assert "NESTED-USERNS" not in out  # --disable-userns: no root-in-a-new-namespace tricks
 
 
 async def test_timeout_kills_and_reports(backend, events):
