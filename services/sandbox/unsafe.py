@@ -164,8 +164,12 @@ class UnsafeProcessBackend:
         sb = self._new(req.run_id, common.resolve_limits(req.limits, self.cfg), common.check_env(dict(req.env)),
                        common.resolve_ttl(req.lease_ttl_s, self.cfg.default_lease_ttl_s, self.cfg), dict(req.labels),
                        None, None)
-        if req.files:
+        try:
             files.write_files(self._roots(sb), req.files, os.getuid(), os.getgid())
+        except BaseException:
+            self.sandboxes.pop(sb.id, None)
+            shutil.rmtree(sb.dir, ignore_errors=True)
+            raise
         expires = self.leases.set(sb.id, sb.lease_ttl_s)
         self._emit(sb, api.Created(base="host", limits=api.Limits(memory_mb=sb.limits.memory_mb, pids=sb.limits.pids,
                                                                   cpus=sb.limits.cpus),
