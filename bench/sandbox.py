@@ -170,16 +170,25 @@ async def bench_paused(t: Target, backend: BwrapBackend, n: int, concurrency: in
         async with sem:
             sid = await create(t)
             await t.call(api.ExecRequest(run_id=RUN, sandbox_id=sid, detach=True,
-                                         command=api.Argv(args=["sleep", "3600"])))
+                                         command=api.Shell(script="touch /tmp/up; exec sleep 3600")))
             return sid
+
+    async def up(sid: str) -> bool:
+        reply = await t.call(api.ReadFilesRequest(run_id=RUN, sandbox_id=sid, paths=["/tmp/up"]))
+        return isinstance(reply.files[0], api.FileContent)
 
     t0 = time.perf_counter()
     ids = await asyncio.gather(*(one() for _ in range(n)))
+    waiting = list(ids)
+    while waiting:  # every sleep is running (not caught half-way through bwrap's setup by the pause)
+        ready = await asyncio.gather(*(up(s) for s in waiting))
+        waiting = [s for s, ok in zip(waiting, ready, strict=True) if not ok]
+        if waiting:
+            await asyncio.sleep(0.1)
     started = time.perf_counter() - t0
     t0 = time.perf_counter()
     await asyncio.gather(*(t.call(api.PauseRequest(run_id=RUN, sandbox_id=s)) for s in ids))
     paused = time.perf_counter() - t0
-    await asyncio.sleep(0.5)
     pids = [p for s in ids for p in backend.sandboxes[s].cgroup.pids()]
     pss = sum(pss_kb(p) for p in pids) / 1024
     cg = sum(backend.sandboxes[s].cgroup.memory_bytes() for s in ids) / MB
