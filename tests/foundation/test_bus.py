@@ -129,7 +129,11 @@ async def test_poison_message_is_terminated_after_max_deliver(nats_url):
         assert letter.deliveries == catalog.ECHO_IN.max_deliver
         assert "poison pill" in letter.reason and letter.error_type == "RuntimeError"
         assert (await asyncio.wait_for(h.replies.get(), 10)).text == "after"
-        info = await h.js.consumer_info("ECHO", f"echo-{RUN}")
+        for _ in range(50):  # the ack follows the reply; let it land
+            info = await h.js.consumer_info("ECHO", f"echo-{RUN}")
+            if info.num_ack_pending == 0:
+                break
+            await asyncio.sleep(0.1)
         assert info.num_ack_pending == 0 and info.num_pending == 0
 
 

@@ -33,8 +33,10 @@ def sample_value(tp, depth=0):
 
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if origin is typing.Annotated:
+        return sample_value(args[0], depth)
     if tp is int:
-        return 7
+        return 64
     if tp is float:
         return 1.5
     if tp is str:
