@@ -81,6 +81,9 @@ class TorchEngineConfig:
     """transformers attention backend (``sdpa`` or ``eager``)."""
     stats_window_s: float = 10.0
     """Window of the tokens/s figure in :meth:`TorchEngine.stats`."""
+    seed: int | None = None
+    """Seed of the generator shared by unseeded requests; ``None`` draws a fresh one (engines must
+    not share it, or their samples would be correlated)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -181,6 +184,10 @@ class TorchEngine:
         self._max_positions: int | None = None
         self._vocab_size = 0
         self._generator = torch.Generator(device=self._device)
+        if config.seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(config.seed)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer: Any | None,

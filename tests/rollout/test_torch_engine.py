@@ -405,3 +405,17 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(ti
         assert len((await engine.generate([5, 6, 7], params)).token_ids) == 5
     finally:
         await engine.stop()
+
+
+async def test_engine_seed_controls_unseeded_requests(tiny_model_dir):
+    async def sample(seed: int | None) -> list[int]:
+        engine = TorchEngine(TorchEngineConfig(model_dir=str(tiny_model_dir), seed=seed))
+        await engine.start()
+        try:
+            result = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=24, ignore_eos=True))
+        finally:
+            await engine.stop()
+        return result.token_ids
+
+    assert await sample(3) == await sample(3)
+    assert await sample(None) != await sample(None)  # fresh engines do not share a sample stream
