@@ -220,18 +220,26 @@ class PaddedBatchCache(Cache):
             return first
         return 0
 
-    def append(self, other: PaddedBatchCache) -> None:
-        """Append the rows of ``other`` (e.g. freshly prefilled newcomers) after this cache's rows."""
+    def append(self, other: PaddedBatchCache, rows: torch.Tensor | None = None) -> None:
+        """Append the rows of ``other`` (e.g. freshly prefilled newcomers) after this cache's rows.
+
+        ``rows`` (1-D long tensor) appends ``other``'s rows in that order instead, repeats
+        allowed: requests sharing a prompt are prefilled once and copied.
+        """
         if len(self.layers) != len(other.layers):
             raise CacheMergeError(f"cannot merge caches of {len(self.layers)} and {len(other.layers)} layers")
         for i, (mine, theirs) in enumerate(zip(self.layers, other.layers, strict=True)):
             if mine.is_initialized and (mine.kbuf.dtype != theirs.keys.dtype or mine.kbuf.device != theirs.keys.device):
                 raise CacheMergeError(f"layer {i}: cannot merge {mine.kbuf.dtype}/{mine.kbuf.device} with "
                                       f"{theirs.keys.dtype}/{theirs.keys.device}")
-            mine.append_rows(theirs.keys, theirs.values)
+            if rows is None:
+                mine.append_rows(theirs.keys, theirs.values)
+            else:
+                mine.append_rows(theirs.keys.index_select(0, rows), theirs.values.index_select(0, rows))
+        other_mask = other.pad_mask if rows is None else other.pad_mask.index_select(0, rows)
         length = max(self.seq_length, other.seq_length)
-        mask = other.pad_mask.new_zeros((self.batch_size + other.batch_size, length))
+        mask = other_mask.new_zeros((self.batch_size + other_mask.shape[0], length))
         if self.batch_size:
             mask[: self.batch_size, length - self.seq_length :] = self.pad_mask
-        mask[self.batch_size :, length - other.seq_length :] = other.pad_mask
+        mask[self.batch_size :, length - other.seq_length :] = other_mask
         self.pad_mask = mask

@@ -428,27 +428,37 @@ class TorchEngine:
 
     @torch.inference_mode()
     def _admit(self, newcomers: list[_Request]) -> None:
-        """Prefill ``newcomers`` together, sample their first token, merge them into the batch."""
+        """Prefill ``newcomers`` together, sample their first token, merge them into the batch.
+
+        Identical prompts (a GRPO group) are prefilled once and their cache rows copied.
+        """
         device = self._device
-        longest = max(len(r.prompt_ids) for r in newcomers)
-        ids = torch.zeros((len(newcomers), longest), dtype=torch.long)
-        valid = torch.zeros((len(newcomers), longest), dtype=torch.bool)
-        positions = torch.zeros((len(newcomers), longest), dtype=torch.long)
-        for i, request in enumerate(newcomers):
-            n = len(request.prompt_ids)
-            ids[i, longest - n:] = torch.tensor(request.prompt_ids, dtype=torch.long)
+        unique: dict[tuple[int, ...], int] = {}
+        row_of = [unique.setdefault(tuple(r.prompt_ids), len(unique)) for r in newcomers]
+        prompts = list(unique)
+        longest = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), longest), dtype=torch.long)
+        valid = torch.zeros((len(prompts), longest), dtype=torch.bool)
+        positions = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            n = len(prompt)
+            ids[i, longest - n:] = torch.tensor(prompt, dtype=torch.long)
             valid[i, longest - n:] = True
             positions[i, longest - n:] = torch.arange(n)
         cache = PaddedBatchCache(self._num_layers)
         mask = cache.extend(valid.to(device))
         logits = self._model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device),
                              cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        rows = None
+        if len(prompts) < len(newcomers):
+            rows = torch.tensor(row_of, dtype=torch.long, device=device)
+            logits = logits.index_select(0, rows)
         tokens, token_list, logprob_list = sample_tokens(logits, [r.params for r in newcomers],
                                                          [r.generator for r in newcomers], self._generator)
         next_positions = torch.tensor([len(r.prompt_ids) for r in newcomers], dtype=torch.long, device=device)
         if self._cache is None:
             self._cache = PaddedBatchCache(self._num_layers, batch_capacity=self.config.max_batch_size)
-        self._cache.append(cache)
+        self._cache.append(cache, rows)
         self._rows = self._rows + newcomers
         self._next_tokens = torch.cat([self._next_tokens, tokens])
         self._positions = torch.cat([self._positions, next_positions])

@@ -419,3 +419,21 @@ async def test_engine_seed_controls_unseeded_requests(tiny_model_dir):
 
     assert await sample(3) == await sample(3)
     assert await sample(None) != await sample(None)  # fresh engines do not share a sample stream
+
+
+async def test_a_group_sharing_a_prompt_is_prefilled_once(engine, tokenizer, reference_model):
+    loop = asyncio.get_running_loop()
+    started = asyncio.Event()
+    engine.hooks[1] = lambda: (signal(loop, started), engine.wait_until(lambda: len(engine._queue) >= 6))
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    blocker = asyncio.create_task(engine.generate(tokenizer.encode("wait"), greedy))
+    await started.wait()
+    prompts = [tokenizer.encode(p) for p in ("group", "group", "group", "other prompt", "other prompt", "x")]
+    results = await asyncio.gather(*(engine.generate(p, greedy) for p in prompts))
+    await blocker
+    assert len(engine.trace[1][0]) == 7  # all six joined the blocker in one step
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == greedy_reference(reference_model, prompt, 10)
+    sampled = await asyncio.gather(*(
+        engine.generate(prompts[0], SamplingParams(max_new_tokens=16, seed=s, ignore_eos=True)) for s in range(4)))
+    assert len({tuple(r.token_ids) for r in sampled}) == 4  # one prefill, still independent samples
