@@ -13,7 +13,7 @@ from typing import Literal
 
 import msgspec
 
-from proto import accounting, deadletter, echo, membership, metrics, prompts, rollouts, subjects, trajectories
+from proto import accounting, deadletter, echo, membership, metrics, prompts, rollouts, sandbox, subjects, trajectories
 from proto.codec import MAX_MESSAGE_BYTES
 
 DAY = 24 * 3600.0
@@ -27,13 +27,21 @@ class StreamDef(msgspec.Struct, kw_only=True, frozen=True):
     max_bytes: int = -1
     max_msgs: int = -1
     max_msg_size: int = MAX_MESSAGE_BYTES
-    duplicate_window_s: float = 120.0
+    #: retried publishes with the same Nats-Msg-Id within this window are stored once
+    duplicate_window_s: float = 1800.0
     storage: Literal["file", "memory"] = "file"
     description: str = ""
 
 
 class ConsumerDef(msgspec.Struct, kw_only=True, frozen=True):
-    """A durable pull consumer; its name and filter are formatted with the run id."""
+    """A durable pull consumer; its name and filter are formatted with the run id.
+
+    ``ack_wait_s`` is how long a silent handler holds a message before it is redelivered
+    (the consume loop sends ``in_progress`` every third of it while it works), so a dead
+    worker's messages come back after at most that long. ``backoff_s`` are the delays
+    of the consume loop's naks after failures (client side; the server's own backoff
+    would override ack_wait, so it is not used).
+    """
 
     stream: str
     durable: str  # e.g. "rollout-{run}"
@@ -82,25 +90,26 @@ METRICS = StreamDef(
 OUTCOMES = StreamDef(
     name="OUTCOMES", subjects=[subjects.all_runs(accounting.FAMILY)], description="what became of each trajectory"
 )
+SANDBOX_EVENTS = StreamDef(**sandbox.SANDBOX_EVENTS_STREAM)
 ECHO = StreamDef(name="ECHO", subjects=[subjects.all_runs(echo.FAMILY, ">")], description="echo workload")
 
-STREAMS: dict[str, StreamDef] = {s.name: s for s in (PROMPTS, ROLLOUTS, TRAJECTORIES, OUTCOMES, DLQ, METRICS, ECHO)}
+STREAMS: dict[str, StreamDef] = {s.name: s for s in (PROMPTS, ROLLOUTS, TRAJECTORIES, OUTCOMES, DLQ, METRICS, SANDBOX_EVENTS, ECHO)}
 
 # --- consumers (formatted per run) ---------------------------------------------------------------
 
 ROLLOUT_PROMPTS = ConsumerDef(
     stream="PROMPTS", durable="rollout-{run}", filter_subject="rlbus.{run}.prompts",
-    ack_wait_s=120.0, max_deliver=5, backoff_s=[5.0, 15.0, 60.0], max_ack_pending=1024,
+    ack_wait_s=30.0, max_deliver=5, backoff_s=[5.0, 15.0, 60.0], max_ack_pending=1024,
     description="rollout workers share this consumer: each ticket goes to one worker",
 )
 JUDGE_ROLLOUTS = ConsumerDef(
     stream="ROLLOUTS", durable="judge-{run}", filter_subject="rlbus.{run}.rollouts",
-    ack_wait_s=60.0, max_deliver=5, backoff_s=[2.0, 10.0, 30.0], max_ack_pending=1024,
+    ack_wait_s=30.0, max_deliver=5, backoff_s=[2.0, 10.0, 30.0], max_ack_pending=1024,
     description="judges share this consumer (queue group)",
 )
 TRAINER_TRAJECTORIES = ConsumerDef(
     stream="TRAJECTORIES", durable="trainer-{run}", filter_subject="rlbus.{run}.trajectories",
-    ack_wait_s=600.0, max_deliver=1000, max_ack_pending=100_000,
+    ack_wait_s=30.0, max_deliver=1000, max_ack_pending=100_000,
     description="the trainer acks only once the step that used a trajectory is durable",
 )
 ECHO_IN = ConsumerDef(

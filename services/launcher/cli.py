@@ -215,6 +215,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"[rlbus] final model: {final.get('final_model')}", file=sys.stderr)
     if png:
         print(f"[rlbus] reward curve: {png}; metrics: {sup.run_dir / 'metrics.jsonl'}", file=sys.stderr)
+    if sup.gang_failed:
+        print("[rlbus] run failed: its gang was not admitted (see the service logs for the missing roles)",
+              file=sys.stderr)
+        return 1
     return 0 if final.get("state") in ("finished", None) else 1
 
 

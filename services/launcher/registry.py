@@ -38,7 +38,14 @@ def _judge() -> Spec:
     return config.JudgeConfig, service.build
 
 
+def _sandbox() -> Spec:
+    from services.sandbox import config, main
+
+    return config.SandboxConfig, main.build
+
+
 _BUILTIN: dict[str, Callable[[], Spec]] = {
+    "sandbox": _sandbox,
     "echo": _echo,
     "trainer": _trainer,
     "rollout": _rollout,

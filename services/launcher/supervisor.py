@@ -8,6 +8,7 @@ that keeps crashing (``max_restarts`` within the window) is reported and left do
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from typing import Any
 import msgspec
 
 from services.runtime.config import ConfigError, RunSection, convert, load_tree
+from services.runtime.gang import GANG_FAILED_EXIT, GangSection
 from services.runtime.natsd import EmbeddedNats, die_with_parent
 
 log = logging.getLogger("rlbus.launcher")
@@ -81,6 +83,8 @@ class Supervisor:
         self.stopping = threading.Event()
         self.quiet = quiet
         self.events: list[dict[str, Any]] = []
+        self.gang = convert(self.tree.get("gang"), GangSection, "gang")
+        self.gang_failed = False
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -94,6 +98,8 @@ class Supervisor:
         resolved["nats"] = {**resolved.get("nats", {}), "url": self.nats_url}
         (self.run_dir / "config.resolved.json").write_text(json.dumps(resolved, indent=2, default=str))
         self._say(f"nats {self.nats_url} (data {self.run_dir / 'nats'})")
+        if self.gang.roles:
+            asyncio.run(self._reset_gang())
         for name, count in self.launcher.services.items():
             for i in range(count):
                 argv = [sys.executable, "-m", "services.launcher.cli", "service", name,
@@ -105,6 +111,19 @@ class Supervisor:
                 self.children.append(Child(name, i, argv, self.run_dir / "logs" / f"{name}-{i}.log"))
         for c in self.children:
             self._spawn(c)
+
+    async def _reset_gang(self) -> None:
+        from services.runtime import bus, gang
+        from services.runtime.config import NatsSection
+
+        nats_cfg = convert(self.tree.get("nats"), NatsSection, "nats")
+        nats_cfg.url = self.nats_url
+        nc = await bus.connect(nats_cfg, "rlbus-launcher", first_attempts=10)
+        try:
+            await bus.provision_all(nc.jetstream())
+            await gang.reset(nc.jetstream(), self.run.id)
+        finally:
+            await nc.close()
 
     def _spawn(self, c: Child) -> None:
         with open(c.log_path, "ab") as logf:
@@ -135,6 +154,11 @@ class Supervisor:
             if code == 0:
                 c.given_up = True  # finished its work (e.g. the trainer at the end of a run)
                 self._say(f"{c.label} finished")
+                continue
+            if code == GANG_FAILED_EXIT:
+                c.given_up = True
+                self.gang_failed = True
+                self._say(f"{c.label}: the run's gang was not admitted in time; see {c.log_path}")
                 continue
             if not self.launcher.restart or self.stopping.is_set():
                 continue

@@ -99,7 +99,6 @@ def consumer_config(d: catalog.ConsumerDef) -> api.ConsumerConfig:
         deliver_policy=api.DeliverPolicy.ALL,
         ack_wait=d.ack_wait_s,
         max_deliver=d.max_deliver,
-        backoff=list(d.backoff_s) or None,
         max_ack_pending=d.max_ack_pending,
         max_waiting=512,
     )
@@ -157,7 +156,36 @@ def headers_for(msg: Any) -> dict[str, str]:
     return headers
 
 
-async def publish(js: JetStreamContext, subject: str, msg: msgspec.Struct, timeout: float = 10.0) -> api.PubAck:
-    """Publish to a stream with ``Nats-Msg-Id`` (de-duplicated retries) and the trace context."""
+_RETRYABLE = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+    nats.js.errors.ServiceUnavailableError,
+    asyncio.TimeoutError,
+)
+
+
+async def publish(js: JetStreamContext, subject: str, msg: msgspec.Struct, timeout: float = 10.0,
+                  retry_for_s: float = 120.0) -> api.PubAck:
+    """Publish to a stream with ``Nats-Msg-Id`` and the trace context.
+
+    While the server is unreachable (restarting, reconnecting) the publish is retried
+    with backoff for up to ``retry_for_s`` seconds; the message id makes the retries
+    safe (JetStream stores the message once).
+    """
+    data = codec.encode(msg)
+    headers = headers_for(msg)
+    deadline = asyncio.get_running_loop().time() + retry_for_s
+    delay = 0.2
     with tracing.span(f"publish {subject}", kind="producer"):
-        return await js.publish(subject, codec.encode(msg), headers=headers_for(msg), timeout=timeout)
+        while True:
+            try:
+                return await js.publish(subject, data, headers=headers, timeout=timeout)
+            except _RETRYABLE as e:
+                if asyncio.get_running_loop().time() + delay > deadline:
+                    raise BusError(f"publish to {subject} failed for {retry_for_s:.0f}s: {e!r}") from e
+                log.warning("publish to %s failed (%r); retrying in %.1fs", subject, e, delay)
+                await asyncio.sleep(delay)  # backoff while the server comes back
+                delay = min(delay * 2, 5.0)

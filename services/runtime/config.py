@@ -158,6 +158,7 @@ class Loaded(msgspec.Struct, kw_only=True):
     common: CommonSection
     service: Any
     tree: dict[str, Any]
+    gang: Any = None  # services.runtime.gang.GangSection
 
 
 def load_service_config(
@@ -167,6 +168,8 @@ def load_service_config(
     env: Mapping[str, str] | None = None,
     overrides: Sequence[str] = (),
 ) -> Loaded:
+    from services.runtime.gang import GangSection
+
     tree = load_tree(path, env, overrides)
     services = tree.get("services", {})
     if not isinstance(services, dict):
@@ -177,4 +180,5 @@ def load_service_config(
         common=convert(tree.get("common"), CommonSection, "common"),
         service=convert(services.get(service), cls, f"services.{service}"),
         tree=tree,
+        gang=convert(tree.get("gang"), GangSection, "gang"),
     )

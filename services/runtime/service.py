@@ -24,7 +24,7 @@ from nats.aio.client import Client
 from proto import catalog, membership, subjects
 from proto.membership import Heartbeat
 from proto.metrics import MetricsReport
-from services.runtime import bus, tracing
+from services.runtime import bus, gang, tracing
 from services.runtime.config import Loaded
 from services.runtime.consume import Consumer, DeadLetterSink, Handler
 
@@ -94,6 +94,16 @@ class ServiceContext:
         )
 
 
+class _Stopped(Exception):
+    """Stopped by a signal before the service started working."""
+
+
+async def _publish_heartbeat_now(ctx: ServiceContext) -> None:
+    kv = await bus.ensure_kv(ctx.js, catalog.MEMBERS)
+    data = bus.codec.encode(ctx.heartbeat())
+    await kv.put(membership.member_key(ctx.run_id, ctx.name, ctx.instance), data)
+
+
 async def _heartbeats(ctx: ServiceContext, period: float) -> None:
     kv = await bus.ensure_kv(ctx.js, catalog.MEMBERS)
     key = membership.member_key(ctx.run_id, ctx.name, ctx.instance)
@@ -148,10 +158,26 @@ async def serve(name: str, service_factory: Callable[[Loaded], Service], loaded:
     code = 0
     try:
         await bus.provision_all(ctx.js)
+        if loaded.gang is not None and loaded.gang.roles:
+            ctx.state = "waiting"
+            await _publish_heartbeat_now(ctx)
+            barrier = asyncio.create_task(gang.barrier(ctx.js, ctx.run_id, loaded.gang), name=f"{name}-gang")
+            stop_wait = asyncio.create_task(ctx.stop.wait(), name=f"{name}-gang-stop")
+            done, _ = await asyncio.wait({barrier, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            stop_wait.cancel()
+            if barrier not in done:
+                barrier.cancel()
+                raise _Stopped()
+            barrier.result()
         service = service_factory(loaded)
         ctx.state = "running"
         log.info("%s: running (run %s, instance %s, nats %s)", name, ctx.run_id, instance, loaded.nats.url)
         await service.run(ctx)
+    except _Stopped:
+        code = 0
+    except gang.GangFailed as e:
+        log.error("%s: %s", name, e)
+        code = gang.GANG_FAILED_EXIT
     except Exception:
         log.exception("%s: crashed", name)
         code = 1
