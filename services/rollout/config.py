@@ -43,5 +43,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     initial_weights_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 600.0
     #: seconds a ticket waits for the engine to reach the ticket's admission version
     version_wait_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    #: seconds without an announcement after which the latest version is re-read (missed announcements)
+    weights_recheck_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     #: weight store (must match the trainer's)
     store: StoreConfig = msgspec.field(default_factory=ObjStoreConfig)

@@ -36,6 +36,7 @@ class RolloutService:
         self.weight_updates = 0
         self.first_weights = asyncio.Event()
         self.version_changed = asyncio.Condition()
+        self.refused_version: int | None = None
 
     def _engine(self) -> Any:
         from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
@@ -71,27 +72,49 @@ class RolloutService:
             await self.engine.stop()
 
     async def _follow_weights(self, ctx: ServiceContext) -> None:
+        """Apply each newer announced version; survive server restarts (the watch is re-made,
+        and the latest version is re-read now and then in case an announcement was missed)."""
+        while True:
+            try:
+                watch = self.subscriber.watch()
+                while True:
+                    try:
+                        ann = await asyncio.wait_for(anext(watch), timeout=self.cfg.weights_recheck_s)
+                        manifest = ann.manifest
+                    except TimeoutError:
+                        manifest = await self.subscriber.latest()
+                    if manifest is not None:
+                        await self._apply(ctx, manifest)
+            except (StopAsyncIteration, asyncio.CancelledError) as e:
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+            except Exception as e:
+                log.warning("weight watch interrupted (%s); re-subscribing", e)
+                await asyncio.sleep(1.0)  # the server is likely restarting
+
+    async def _apply(self, ctx: ServiceContext, manifest: Any) -> None:
         from services.weightsync.blobs import WeightIntegrityError
 
-        async for ann in self.subscriber.watch():
-            if ann.manifest.version <= self.engine.version and self.first_weights.is_set():
-                continue
-            t0 = time.perf_counter()
-            try:
-                state = await self.subscriber.fetch(ann.manifest)
-            except WeightIntegrityError as e:
+        if manifest.version <= self.engine.version and self.first_weights.is_set():
+            return
+        t0 = time.perf_counter()
+        try:
+            state = await self.subscriber.fetch(manifest)
+        except WeightIntegrityError as e:
+            if self.refused_version != manifest.version:
+                self.refused_version = manifest.version
                 self.weight_errors += 1
-                log.error("refused weight version %d: %s (keeping version %d)", ann.manifest.version, e,
+                log.error("refused weight version %d: %s (keeping version %d)", manifest.version, e,
                           self.engine.version)
-                ctx.gauges["rollout/weight_errors"] = float(self.weight_errors)
-                continue
-            await self.engine.update_weights(state, ann.manifest.version)
-            async with self.version_changed:
-                self.version_changed.notify_all()
-            self.weight_updates += 1
-            ctx.gauges["rollout/weight_version"] = float(ann.manifest.version)
-            ctx.gauges["rollout/weight_apply_s"] = time.perf_counter() - t0
-            self.first_weights.set()
+            ctx.gauges["rollout/weight_errors"] = float(self.weight_errors)
+            return
+        await self.engine.update_weights(state, manifest.version)
+        async with self.version_changed:
+            self.version_changed.notify_all()
+        self.weight_updates += 1
+        ctx.gauges["rollout/weight_version"] = float(manifest.version)
+        ctx.gauges["rollout/weight_apply_s"] = time.perf_counter() - t0
+        self.first_weights.set()
 
     async def _report(self, ctx: ServiceContext) -> None:
         while True:

@@ -37,11 +37,20 @@ log = logging.getLogger("rlbus.trainer")
 
 
 class RunState(msgspec.Struct, kw_only=True):
-    """Value of KV ``rlbus_runs`` key ``<run>.state``."""
+    """Value of KV ``rlbus_runs`` key ``<run>.state``, written after every step.
+
+    With the published weights of ``version`` it is the trainer's durable state:
+    a restarted trainer takes model weights from the store and this bookkeeping
+    from here, and only the optimiser moments and RNG from its last checkpoint.
+    """
 
     state: str  # "running" | "finished" | "failed"
     step: int = 0
     version: int = 0
+    data_position: int = 0
+    in_flight: dict[str, int] = {}
+    counters: dict[str, int] = {}
+    eval_history: list[tuple[int, float]] = []
     final_model: str = ""
     reason: str = ""
     updated_at: float = msgspec.field(default_factory=time.time)
@@ -222,16 +231,8 @@ class TrainerService:
             encoding=EncodingConfig(anchor_every=self.cfg.weights.anchor_every, dtype=self.cfg.weights.dtype))
         await self.publisher.ensure()
         runs_kv = await bus.ensure_kv(ctx.js, catalog.RUNS)
-        announced = await self.publisher.index.latest()
-        if announced is not None and announced.manifest.version >= self.version:
-            # versions published after the last checkpoint belong to a lost timeline: the
-            # checkpoint's weights go out under a newer number so every engine takes them
-            self.version = announced.manifest.version + 1
-        if self.resumed_from is not None:
-            log.info("resumed from %s: step %d, now version %d", self.resumed_from, self.step, self.version)
-        await self._publish_version(ctx)
-        await runs_kv.put(f"{ctx.run_id}.state", codec.encode(RunState(state="running", step=self.step,
-                                                                        version=self.version)))
+        await self._resume_from_bus(ctx, runs_kv)
+        await self._save_state(runs_kv)
         consumer = asyncio.create_task(
             ctx.consume(catalog.TRAINER_TRAJECTORIES, ScoredTrajectory, lambda t, d: self.handle(ctx, t, d),
                         concurrency=self.cfg.max_groups_in_flight * self.cfg.group_size + 2 * len(self.eval_set) + 64),
@@ -241,6 +242,47 @@ class TrainerService:
         finally:
             ctx.stop.set()
             await consumer
+
+    async def _resume_from_bus(self, ctx: ServiceContext, runs_kv: Any) -> None:
+        """Continue from the newest durable state: published weights + the KV run state."""
+        from services.weightsync.client import WeightSubscriber
+
+        try:
+            entry = await runs_kv.get(f"{ctx.run_id}.state")
+            state = codec.decode(entry.value, RunState, max_bytes=None)
+        except Exception:
+            state = None
+        announced = await self.publisher.index.latest()
+        if state is not None and state.state == "running" and state.step > self.step and announced is not None \
+                and announced.manifest.version == state.version:
+            try:
+                sub = WeightSubscriber(ctx.nc, ctx.run_id, self.publisher.store)
+                weights = await sub.fetch(announced.manifest)
+                self.learner.model.load_state_dict(weights, strict=False)
+                self.step, self.version, self.data_position = state.step, state.version, state.data_position
+                self.admission.restore(state.in_flight)
+                self.counters.update(state.counters)
+                self.eval_history = [tuple(x) for x in state.eval_history]
+                self.train_stream = self.task.train_prompts(self.loaded.run.seed, start=self.data_position)
+                log.info("resumed at step %d from published version %d (optimiser from %s)", self.step,
+                         self.version, self.resumed_from or "scratch")
+                return
+            except Exception as e:
+                log.warning("could not resume from published version %d (%s); using the checkpoint",
+                            state.version, e)
+        if announced is not None and announced.manifest.version >= self.version:
+            # versions published after the last checkpoint belong to a lost timeline: the
+            # checkpoint's weights go out under a newer number so every engine takes them
+            self.version = announced.manifest.version + 1
+        if self.resumed_from is not None:
+            log.info("resumed from %s: step %d, now version %d", self.resumed_from, self.step, self.version)
+        await self._publish_version(ctx)
+
+    async def _save_state(self, runs_kv: Any, state: str = "running", final_model: str = "") -> None:
+        await runs_kv.put(f"{self.loaded.run.id}.state", codec.encode(RunState(
+            state=state, step=self.step, version=self.version, data_position=self.data_position,
+            in_flight=self.admission.state(), counters=self.counters, eval_history=self.eval_history,
+            final_model=final_model)))
 
     async def _publish_version(self, ctx: ServiceContext) -> None:
         t0 = time.perf_counter()
@@ -273,6 +315,7 @@ class TrainerService:
             self.step += 1
             self.version += 1
             await self._publish_version(ctx)  # durable before anything is acked
+            await self._save_state(runs_kv)
             for s in samples:
                 await self._outcome(ctx, s, "trained")
             for g in groups:
@@ -309,8 +352,7 @@ class TrainerService:
         summary = {"step": self.step, "version": self.version, "eval_history": self.eval_history,
                    "counters": self.counters, "wall_s": time.time() - self.started, "final_model": str(final)}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        await runs_kv.put(f"{ctx.run_id}.state", codec.encode(RunState(
-            state="finished", step=self.step, version=self.version, final_model=str(final))))
+        await self._save_state(runs_kv, "finished", str(final))
         log.info("finished: %d steps, final model in %s", self.step, final)
 
 
