@@ -156,6 +156,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     timer: threading.Timer | None = None
     try:
         sup.start()
+        sup.start_heartbeat_monitor()
         if args.duration:
             timer = threading.Timer(args.duration, sup.stopping.set)
             timer.start()
@@ -180,6 +181,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     final: dict = {}
     try:
         sup.start()
+        sup.start_heartbeat_monitor()
         threading.Thread(target=sup.wait, name="supervisor", daemon=True).start()
 
         async def main() -> dict:

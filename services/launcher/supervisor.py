@@ -31,6 +31,15 @@ from services.runtime.natsd import EmbeddedNats, die_with_parent
 log = logging.getLogger("rlbus.launcher")
 
 
+def _instance_of(data: bytes) -> str:
+    try:
+        import msgspec as _m
+
+        return str(_m.msgpack.decode(data).get("instance", "?"))
+    except Exception:
+        return "?"
+
+
 class LauncherSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: instances to start per service, e.g. { trainer = 1, rollout = 2 }
     services: dict[str, int] = {}
@@ -45,6 +54,8 @@ class LauncherSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     restart_window_s: float = 300.0
     #: seconds services get to drain on stop before SIGKILL
     stop_timeout_s: float = 20.0
+    #: a running service silent (no heartbeat) this long is killed and restarted (0: off)
+    heartbeat_timeout_s: float = 30.0
 
 
 @dataclass
@@ -55,6 +66,7 @@ class Child:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     restarts: list[float] = field(default_factory=list)
+    started_at: float = 0.0
     next_start: float = 0.0
     given_up: bool = False
 
@@ -85,6 +97,8 @@ class Supervisor:
         self.events: list[dict[str, Any]] = []
         self.gang = convert(self.tree.get("gang"), GangSection, "gang")
         self.gang_failed = False
+        self.last_seen: dict[str, float] = {}  # "<service>/<instance>" -> monotonic time of its last heartbeat
+        self.monitor_connected_since: float | None = None  # None: heartbeats are not being watched
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -130,6 +144,7 @@ class Supervisor:
             # own session: a terminal Ctrl-C reaches only the supervisor, which stops children in order
             c.proc = subprocess.Popen(c.argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
                                       env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent)
+        c.started_at = time.monotonic()
         self._say(f"started {c.label} (pid {c.proc.pid}, log {c.log_path})")
 
     def _say(self, text: str) -> None:
@@ -139,8 +154,9 @@ class Supervisor:
             print(f"[rlbus] {text}", file=sys.stderr, flush=True)
 
     def poll(self) -> None:
-        """Restart children that exited (with backoff); give up on crash loops."""
+        """Restart children that exited (with backoff) or went silent; give up on crash loops."""
         now = time.monotonic()
+        self._check_heartbeats(now)
         for c in self.children:
             if c.given_up or c.proc is None:
                 if c.proc is None and not c.given_up and now >= c.next_start and not self.stopping.is_set():
@@ -171,6 +187,48 @@ class Supervisor:
             delay = min(2.0 ** (len(c.restarts) - 1), 30.0)
             c.next_start = now + delay
             self._say(f"{c.label} exited with code {code}; restarting in {delay:.0f}s")
+
+    # --- heartbeat monitor -----------------------------------------------------------------------
+
+    def start_heartbeat_monitor(self) -> None:
+        """Watch the run's heartbeats from a thread of its own (its own event loop)."""
+        threading.Thread(target=lambda: asyncio.run(self._monitor()), name="heartbeat-monitor", daemon=True).start()
+
+    async def _monitor(self) -> None:
+        from services.runtime import bus
+        from services.runtime.config import NatsSection
+
+        nats_cfg = convert(self.tree.get("nats"), NatsSection, "nats")
+        nats_cfg.url = self.nats_url
+        nc = await bus.connect(nats_cfg, "rlbus-launcher-monitor")
+        self.monitor_connected_since = time.monotonic()
+
+        async def on_hb(m: Any) -> None:
+            self.last_seen[m.subject.rsplit(".", 1)[-1] + "/" + _instance_of(m.data)] = time.monotonic()
+
+        await nc.subscribe(f"rlbus.{self.run.id}.heartbeat.>", cb=on_hb)
+        while not self.stopping.is_set():
+            if not nc.is_connected:
+                self.monitor_connected_since = None
+            elif self.monitor_connected_since is None:
+                self.monitor_connected_since = time.monotonic()
+            await asyncio.sleep(1.0)  # connection-state sampling period
+        await nc.close()
+
+    def _check_heartbeats(self, now: float) -> None:
+        timeout = self.launcher.heartbeat_timeout_s
+        if not timeout or self.monitor_connected_since is None or now - self.monitor_connected_since < timeout:
+            return  # the monitor itself has not been listening long enough to judge
+        if not any(now - t < timeout / 2 for t in self.last_seen.values()):
+            return  # nobody is heard: a bus problem, not a hung service
+        for c in self.children:
+            if c.proc is None or c.proc.poll() is not None or now - c.started_at < timeout:
+                continue
+            seen = self.last_seen.get(f"{c.service}/{c.service}-{c.index}")
+            if seen is None or now - seen > timeout:
+                self._say(f"{c.label}: no heartbeat for {timeout:.0f}s; killing it for a restart")
+                self.events.append({"event": "hung", "child": c.label, "t": time.time()})
+                c.proc.kill()
 
     def kill_child(self, label: str, sig: int = signal.SIGKILL) -> int | None:
         for c in self.children:
