@@ -166,7 +166,8 @@ def grpo_loss(
     Returns:
         ``(loss, metrics)``: a scalar tensor to call ``backward()`` on, and floats named
         ``losses/policy``, ``losses/kl``, ``losses/total``, ``policy/clip_frac``,
-        ``policy/approx_kl``, ``policy/is_weight_mean``, ``policy/is_truncated_frac``,
+        ``policy/approx_kl``, ``policy/is_weight_mean``, ``policy/is_truncated_frac`` (tokens whose
+        raw weight exceeded ``is_cap``: truncated for tis, dropped for decoupled),
         ``policy/entropy`` (sampled-token estimate ``mean(-log pi_theta)``, exact in
         expectation for on-policy samples) and ``policy/advantage_abs_mean``.
     """

@@ -17,10 +17,13 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger("rlbus.trainer.model_io")
 
@@ -45,7 +48,7 @@ def load_policy(
     model_dir: str | os.PathLike[str],
     dtype: DType | torch.dtype = "float32",
     device: str | torch.device = "cpu",
-):
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``(model, tokenizer)`` from a local Hugging Face directory.
 
     Args:
@@ -69,7 +72,9 @@ def load_policy(
     return model, tokenizer
 
 
-def save_policy(model: nn.Module, tokenizer, out_dir: str | os.PathLike[str]) -> Path:
+def save_policy(
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | os.PathLike[str]
+) -> Path:
     """Save model (safetensors + config + generation config) and tokenizer to ``out_dir``.
 
     The directory is written next to its destination and renamed into place, so
