@@ -1,0 +1,336 @@
+"""The sandbox service: the backend's verbs as NATS request/reply, its lifecycle events on JetStream.
+
+Subjects (see :mod:`proto.sandbox`): ``create_subject`` in queue group ``QUEUE_GROUP`` (one instance
+of the run takes each create), ``instance_subject(run, <this instance>)`` (every verb on a sandbox or
+snapshot this instance owns) and ``list_subject`` (scatter/gather: every instance answers). Requests
+are core NATS requests; each is answered with its reply Struct or an :class:`proto.sandbox.ErrorReply`.
+
+* Each request runs in its own task; at most ``max_in_flight`` at once (the subscription waits for a slot).
+* A payload that does not decode, belongs to another run, or was sent to the wrong subject gets an
+  ``invalid`` ErrorReply *and* a dead letter; the service carries on.
+* Every backend event is queued by the backend's ``on_event`` callback and published, in order, by one
+  task to ``event_subject(run, sandbox_id)`` (stream SANDBOX_EVENTS), carrying the trace context of the
+  request that caused it. Nothing is dropped; a publish that keeps failing is retried.
+* Shutdown (``ctx.stop``): unsubscribe, give in-flight requests ``drain_timeout_s`` (the rest are
+  cancelled and answered ``unavailable``), ``backend.close()`` (destroys every sandbox, reason
+  ``shutdown``), then flush the queued events within ``drain_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
+
+from proto import codec, subjects
+from proto import sandbox as api
+from services.runtime import tracing
+from services.runtime.bus import BusError
+from services.runtime.config import Loaded
+from services.runtime.service import ServiceContext
+from services.sandbox.backend import (
+    BackendUnavailable,
+    SandboxBackend,
+    SandboxError,
+    create_backend,
+    dispatch,
+)
+from services.sandbox.config import SandboxConfig
+
+log = logging.getLogger("rlbus.sandbox")
+
+#: Every request type; a payload is decoded as this union, then checked against its subject.
+AnyRequest = (
+    api.CreateRequest
+    | api.ExecRequest
+    | api.WriteFilesRequest
+    | api.ReadFilesRequest
+    | api.PauseRequest
+    | api.ResumeRequest
+    | api.SnapshotRequest
+    | api.ForkRequest
+    | api.DestroyRequest
+    | api.ListRequest
+    | api.RenewLeaseRequest
+)
+
+INSTANCE_TYPES: tuple[type, ...] = (
+    api.ExecRequest, api.WriteFilesRequest, api.ReadFilesRequest, api.PauseRequest, api.ResumeRequest,
+    api.SnapshotRequest, api.ForkRequest, api.DestroyRequest, api.RenewLeaseRequest,
+)
+
+#: What each subscription accepts, and how a client reaches it (for the error of a misrouted request).
+_ROLES: dict[str, tuple[tuple[type, ...], str]] = {
+    "create": ((api.CreateRequest,), "the create subject (queue group)"),
+    "instance": (INSTANCE_TYPES, "the owning instance's subject (instance_subject(run, instance_of(id)))"),
+    "list": ((api.ListRequest,), "the list subject"),
+}
+
+
+def _belongs_on(req: object) -> str:
+    return next(where for accepted, where in _ROLES.values() if isinstance(req, accepted))
+
+
+#: Requests handled at once by one instance (further ones wait in the subscription's queue).
+DEFAULT_MAX_IN_FLIGHT = 2048
+
+
+class SandboxUnavailableError(RuntimeError):
+    """The configured backend cannot run on this host; the service exits non-zero."""
+
+
+class EventPublisher:
+    """Publishes backend events in the order they were emitted, from one task.
+
+    ``put`` is the backend's ``on_event`` sink: it never blocks and never drops. Each event
+    keeps the trace context current when it was emitted (the request that caused it).
+    """
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self.queue: asyncio.Queue[tuple[api.SandboxEvent, otel_context.Context]] = asyncio.Queue()
+        self.published = 0
+        self.failed = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def put(self, event: api.SandboxEvent) -> None:
+        self.queue.put_nowait((event, otel_context.get_current()))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="sandbox-event-publisher")
+
+    def subject(self, event: api.SandboxEvent) -> str:
+        try:
+            run = subjects.check_run_id(event.run_id)
+        except subjects.InvalidRunId:  # a reaped orphan of an unreadable run: file it under ours
+            run = self.ctx.run_id
+        return api.event_subject(run, event.sandbox_id)
+
+    async def _run(self) -> None:
+        while True:
+            event, trace_ctx = await self.queue.get()
+            token = otel_context.attach(trace_ctx)
+            try:
+                await self._publish(event)
+            finally:
+                otel_context.detach(token)
+                self.queue.task_done()
+            self.ctx.gauges["sandbox/events_pending"] = float(self.queue.qsize())
+
+    async def _publish(self, event: api.SandboxEvent) -> None:
+        subject = self.subject(event)
+        while True:
+            try:
+                await self.ctx.publish(subject, event)
+                self.published += 1
+                return
+            except BusError as e:  # the server stayed away for a whole retry window: keep the event, go on trying
+                log.error("sandbox events cannot be published (%s); %d waiting, retrying", e, self.queue.qsize() + 1)
+            except Exception:  # not a transport failure (e.g. rejected by the server): it can never succeed
+                self.failed += 1
+                log.exception("dropping sandbox event %s of %s: the server rejected it", event.kind, event.sandbox_id)
+                return
+
+    async def close(self, timeout_s: float) -> None:
+        """Publish what is queued (within ``timeout_s``), then stop the task."""
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(self.queue.join(), timeout_s)
+        except TimeoutError:
+            log.error("%d sandbox events were not published within %.1fs of shutdown (bus unreachable?)",
+                      self.queue.qsize(), timeout_s)
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+
+
+class SandboxService:
+    """Serves one backend instance over the bus (see the module docstring)."""
+
+    def __init__(self, config: SandboxConfig, *, drain_timeout_s: float = 10.0,
+                 max_message_bytes: int = codec.MAX_MESSAGE_BYTES, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+        self.cfg = config
+        self.drain_timeout_s = drain_timeout_s
+        self.max_message_bytes = max_message_bytes
+        self.max_in_flight = max_in_flight
+        self.backend: SandboxBackend | None = None
+        self.reaped: list[str] = []
+        self._live: set[str] = set()
+        self._paused: set[str] = set()
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._requests = 0
+        self._errors = 0
+
+    @classmethod
+    def from_loaded(cls, loaded: Loaded) -> SandboxService:
+        return cls(loaded.service, drain_timeout_s=loaded.common.drain_timeout_s,
+                   max_message_bytes=loaded.common.max_message_bytes)
+
+    @property
+    def instance_id(self) -> str:
+        """The backend's instance id (what sandbox ids embed and the instance subject names)."""
+        if self.backend is None:
+            raise SandboxUnavailableError("the sandbox service has not started its backend yet")
+        return self.backend.instance_id
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def run(self, ctx: ServiceContext) -> None:
+        events = EventPublisher(ctx)
+        events.start()
+
+        def on_event(event: api.SandboxEvent) -> None:
+            self._count(ctx, event)
+            events.put(event)
+
+        backend = create_backend(self.cfg, on_event)
+        try:
+            try:
+                self.reaped = await backend.start()
+            except BackendUnavailable as e:
+                log.error("the %s sandbox backend cannot run here: %s", self.cfg.type, e)
+                raise SandboxUnavailableError(
+                    f"sandbox backend {self.cfg.type!r} unavailable: {e} (install what is missing, run as root, "
+                    "or set services.sandbox.type = \"unsafe-process\" for development without isolation)"
+                ) from None
+            self.backend = backend
+            if self.reaped:
+                log.warning("reaped %d orphaned sandboxes left by dead instances: %s", len(self.reaped),
+                            ", ".join(self.reaped))
+            ctx.gauges["sandbox/orphans_reaped"] = float(len(self.reaped))
+            await self._serve(ctx, backend)
+        finally:
+            await events.close(self.drain_timeout_s)
+            ctx.gauges["sandbox/events_published"] = float(events.published)
+
+    async def _serve(self, ctx: ServiceContext, backend: SandboxBackend) -> None:
+        slots = asyncio.Semaphore(self.max_in_flight)
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._in_flight.discard(task)
+            slots.release()
+            ctx.gauges["sandbox/requests_in_flight"] = float(len(self._in_flight))
+
+        def handler(role: str):  # type: ignore[no-untyped-def]
+            async def cb(msg: Msg) -> None:
+                await slots.acquire()  # back-pressure: the subscription waits while every slot is busy
+                task = asyncio.create_task(self._handle(ctx, backend, msg, role), name=f"sandbox-{role}-request")
+                self._in_flight.add(task)
+                task.add_done_callback(done)
+
+            return cb
+
+        run = ctx.run_id
+        subs = [
+            await ctx.nc.subscribe(api.create_subject(run), queue=api.QUEUE_GROUP, cb=handler("create")),
+            await ctx.nc.subscribe(api.instance_subject(run, backend.instance_id), cb=handler("instance")),
+            await ctx.nc.subscribe(api.list_subject(run), cb=handler("list")),
+        ]
+        await ctx.nc.flush()
+        log.info("sandbox instance %s serving run %s (%s backend)", backend.instance_id, run, self.cfg.type)
+        try:
+            await ctx.stop.wait()
+        finally:
+            for sub in subs:  # stop accepting: new creates go to the other instances of the group
+                try:
+                    await sub.unsubscribe()
+                except Exception as e:  # the connection is gone: nothing more arrives anyway
+                    log.debug("unsubscribe failed: %s", e)
+            await self._drain_requests()
+            await backend.close()
+
+    async def _drain_requests(self) -> None:
+        pending = set(self._in_flight)
+        if not pending:
+            return
+        log.info("waiting up to %.1fs for %d in-flight sandbox requests", self.drain_timeout_s, len(pending))
+        _, late = await asyncio.wait(pending, timeout=self.drain_timeout_s)
+        if late:
+            log.warning("abandoning %d sandbox requests still running after %.1fs", len(late), self.drain_timeout_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+
+    def _count(self, ctx: ServiceContext, event: api.SandboxEvent) -> None:
+        """Keep the heartbeat gauges (live and paused sandboxes) in step with the events."""
+        kind, sid = event.kind, event.sandbox_id
+        if kind in ("created", "forked"):
+            self._live.add(sid)
+        elif kind == "paused":
+            self._paused.add(sid)
+        elif kind == "resumed":
+            self._paused.discard(sid)
+        elif kind == "destroyed":
+            self._live.discard(sid)
+            self._paused.discard(sid)
+        ctx.gauges["sandbox/live"] = float(len(self._live))
+        ctx.gauges["sandbox/paused"] = float(len(self._paused))
+
+    # --- one request -----------------------------------------------------------------------------
+
+    async def _handle(self, ctx: ServiceContext, backend: SandboxBackend, msg: Msg, role: str) -> None:
+        with tracing.span(f"sandbox {role}", kind="consumer", headers=msg.headers or {}) as span:
+            try:
+                reply = await self._answer(ctx, backend, msg, role)
+            except asyncio.CancelledError:
+                reply = api.ErrorReply(run_id=ctx.run_id, code="unavailable",
+                                       message="the sandbox instance shut down before the request finished")
+                await self._respond(ctx, msg, reply)
+                raise
+            if isinstance(reply, api.ErrorReply):
+                self._errors += 1
+                span.set_attribute("sandbox.error", reply.code)
+            await self._respond(ctx, msg, reply)
+        self._requests += 1
+        ctx.gauges["sandbox/requests"] = float(self._requests)
+        ctx.gauges["sandbox/request_errors"] = float(self._errors)
+
+    async def _answer(self, ctx: ServiceContext, backend: SandboxBackend, msg: Msg, role: str) -> Any:
+        try:
+            req = codec.decode(msg.data, AnyRequest, max_bytes=self.max_message_bytes)
+        except codec.DecodeError as e:
+            named = codec.DecodeError(f"sandbox request on {msg.subject}", e.reason, e.field)
+            return await self._reject(ctx, msg, str(named), "DecodeError")
+        if req.run_id != ctx.run_id:
+            return await self._reject(ctx, msg, f"request of run {req.run_id!r} sent to run {ctx.run_id!r}",
+                                      "WrongRun")
+        if not isinstance(req, _ROLES[role][0]):
+            return await self._reject(ctx, msg, f"{type(req).__name__} sent to {msg.subject}: it belongs on "
+                                      f"{_belongs_on(req)}", "WrongSubject")
+        try:
+            return await dispatch(backend, req)
+        except SandboxError as e:
+            return e.reply(ctx.run_id)
+        except Exception as e:  # a bug or host failure: answer it, keep serving
+            log.exception("sandbox %s failed", type(req).__name__)
+            return api.ErrorReply(run_id=ctx.run_id, code="internal", message=f"{type(e).__name__}: {e}",
+                                  sandbox_id=getattr(req, "sandbox_id", None))
+
+    async def _reject(self, ctx: ServiceContext, msg: Msg, reason: str, error_type: str) -> api.ErrorReply:
+        """Dead-letter a request that can never be served; the ErrorReply tells the sender why."""
+        # a core-NATS request's reply subject is an inbox, not a JetStream ack subject: the sink must not parse it
+        letter = Msg(_client=ctx.nc, subject=msg.subject, reply="", data=msg.data, headers=msg.headers)
+        await ctx.dead_letters.send(letter, reason, error_type)
+        return api.ErrorReply(run_id=ctx.run_id, code="invalid", message=reason)
+
+    async def _respond(self, ctx: ServiceContext, msg: Msg, reply: Any) -> None:
+        if not msg.reply:
+            return  # published without a reply subject: nobody is waiting
+        data = codec.encode(reply)
+        if len(data) > ctx.nc.max_payload:
+            reply = api.ErrorReply(
+                run_id=ctx.run_id, code="limit", sandbox_id=getattr(reply, "sandbox_id", None),
+                message=f"the {type(reply).__name__} of {len(data)} bytes exceeds the NATS server's max_payload "
+                f"({ctx.nc.max_payload} bytes): ask for less (max_output_bytes, max_bytes) or raise max_payload",
+            )
+            data = codec.encode(reply)
+        headers: dict[str, str] = {}
+        tracing.inject(headers)
+        try:
+            await ctx.nc.publish(msg.reply, data, headers=headers or None)
+        except Exception as e:  # disconnected: the requester times out
+            log.warning("could not send the reply to %s: %s", msg.subject, e)
