@@ -196,8 +196,8 @@ class BroadcastReady(Envelope, kw_only=True, tag="weight_broadcast"):
     published by the broadcast sender, consumed by broadcast receivers (engines),
     which then join the collective. The data section of the full layout (no
     safetensors header; ``tensors[i].offset`` relative to its start) is sent in
-    buckets of ``bucket_bytes``; ``state_sha256`` is its sha256 (empty when the
-    sender's tensors are on a GPU).
+    buckets of ``bucket_bytes``, followed by one 32-byte broadcast of its
+    sha256 (all zeros when the sender's tensors are on a GPU and were not hashed).
     """
 
     policy_version: int
@@ -205,7 +205,6 @@ class BroadcastReady(Envelope, kw_only=True, tag="weight_broadcast"):
     bucket_bytes: int
     tensors: list[TensorEntry]
     data_nbytes: int
-    state_sha256: str = ""
 
 
 def broadcast_group_key(run_id: str) -> str:

@@ -7,10 +7,11 @@ atomic KV create and joins. The process group is private to this transport
 (it never touches torch.distributed's default group, which the trainer may
 use for its own ranks).
 
-Per version the sender records a :class:`BroadcastReady` (layout, size,
-sha256) in KV and on the subject, then broadcasts the data section of the full
-layout in ``bucket_bytes`` buckets (a bounded staging buffer on the sender;
-receivers write straight into their destination buffer). Gloo carries CPU
+Per version the sender records a :class:`BroadcastReady` (layout, size) in KV
+and on the subject, then broadcasts the data section of the full layout in
+``bucket_bytes`` buckets (a bounded staging buffer on the sender; receivers
+write straight into their destination buffer), then its 32-byte sha256, which
+both sides compute bucket by bucket while the next bucket is on the wire. Gloo carries CPU
 tensors; NCCL carries CUDA tensors (``backend="auto"`` picks NCCL when CUDA is
 available). Every join and collective is bounded by ``timeout_s`` and fails
 with :class:`BroadcastError` — never a silent hang. Receivers must be inside
@@ -49,7 +50,8 @@ from services.weightsync.index import VersionIndex
 
 log = logging.getLogger("rlbus.weightsync.broadcast")
 
-_SLACK_S = 5.0  # extra wall time over the collective's own timeout before we give up on its thread
+_SLACK_S = 5.0
+_DIGEST_BYTES = 32  # extra wall time over the collective's own timeout before we give up on its thread
 
 
 class BroadcastError(RuntimeError):
@@ -171,8 +173,8 @@ class BroadcastSender:
         )
         entries, nbytes = layout(sd)
         device = _device(self.backend)
-        on_cpu = all(not t.is_cuda for t in sd.values())
-        digest = await asyncio.to_thread(self._sha256, sd, entries) if on_cpu else ""
+        # sha256 of the data, computed bucket by bucket while each bucket is on the wire (CPU tensors only)
+        h = hashlib.sha256() if all(not t.is_cuda for t in sd.values()) else None
         ready = BroadcastReady(
             run_id=self.run_id,
             policy_version=version,
@@ -180,13 +182,19 @@ class BroadcastSender:
             bucket_bytes=self.config.bucket_bytes,
             tensors=entries,
             data_nbytes=nbytes,
-            state_sha256=digest,
         )
         data = encode(ready)
         kv = await self.index.kv()
         await kv.put(broadcast_ready_key(self.run_id), data)
         await self.nc.publish(broadcast_subject(self.run_id, self.config.scope), data)
         await self.nc.flush()
+
+        async def flush(view: torch.Tensor) -> None:
+            if h is None:
+                await self.group.bcast(view)
+            else:
+                await asyncio.gather(self.group.bcast(view), asyncio.to_thread(h.update, view.numpy()))
+
         # pack tensors into a bounded bucket, broadcast it whenever it fills
         bucket = torch.empty(min(self.config.bucket_bytes, max(nbytes, 1)), dtype=torch.uint8, device=device)
         fill = 0
@@ -199,19 +207,15 @@ class BroadcastSender:
                 fill += n
                 pos += n
                 if fill == bucket.numel():
-                    await self.group.bcast(bucket)
+                    await flush(bucket)
                     fill = 0
         if fill:
-            await self.group.bcast(bucket[:fill])
+            await flush(bucket[:fill])
+        trailer = torch.zeros(_DIGEST_BYTES, dtype=torch.uint8, device=device)
+        if h is not None:
+            trailer.copy_(torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8))
+        await self.group.bcast(trailer)
         log.info("broadcast v%d: %d bytes to %d engines", version, nbytes, self.config.world_size - 1)
-
-    @staticmethod
-    def _sha256(sd: Mapping[str, torch.Tensor], entries) -> str:
-        h = hashlib.sha256()
-        for e in entries:
-            if e.nbytes:
-                h.update(_raw(sd[e.name]).numpy())
-        return h.hexdigest()
 
     async def close(self) -> None:
         """Withdraw the group from the bus and drop the process group."""
@@ -296,15 +300,26 @@ class BroadcastReceiver:
             if self._version is None or ready.policy_version > self._version:
                 break
         flat = torch.empty(ready.data_nbytes, dtype=torch.uint8, device=_device(info.backend))
+        h = None if flat.is_cuda else hashlib.sha256()
+        hashing = None  # hash bucket i while bucket i + 1 arrives
         for off in range(0, ready.data_nbytes, ready.bucket_bytes):
-            await group.bcast(flat[off : off + ready.bucket_bytes])
-        if ready.state_sha256 and not flat.is_cuda:
-            got = await asyncio.to_thread(lambda: hashlib.sha256(flat.numpy()).hexdigest())
-            if got != ready.state_sha256:
-                raise WeightIntegrityError(
-                    f"broadcast v{ready.policy_version} arrived with sha256 {got}, expected {ready.state_sha256}",
-                    version=ready.policy_version,
-                )
+            view = flat[off : off + ready.bucket_bytes]
+            if hashing is None:
+                await group.bcast(view)
+            else:
+                await asyncio.gather(group.bcast(view), hashing)
+            hashing = asyncio.to_thread(h.update, view.numpy()) if h is not None else None
+        if hashing is not None:
+            await hashing
+        trailer = torch.empty(_DIGEST_BYTES, dtype=torch.uint8, device=flat.device)
+        await group.bcast(trailer)
+        expected = bytes(trailer.cpu().numpy())
+        if h is not None and any(expected) and h.digest() != expected:
+            raise WeightIntegrityError(
+                f"broadcast v{ready.policy_version} arrived with sha256 {h.hexdigest()}, expected {expected.hex()}; "
+                "refused, keep the current weights",
+                version=ready.policy_version,
+            )
         tensors = {
             e.name: flat[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
             for e in ready.tensors

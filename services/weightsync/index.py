@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from nats.aio.client import Client as NATS
 from nats.js import api
-from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, NoKeysError
+from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from proto.codec import decode, encode
@@ -81,14 +81,19 @@ class VersionIndex:
         return None if data is None else decode(data, WeightManifest, max_bytes=_MAX_MANIFEST_BYTES)
 
     async def versions(self) -> list[int]:
-        """Every version with a stored manifest, ascending."""
-        await self.ensure()
+        """Every version with a stored manifest, ascending (a watch on ``<run>.v.>``, headers only)."""
+        kv = await self.kv()
         prefix = version_key_prefix(self.run_id)
+        found: set[int] = set()
+        watcher = await kv.watch(f"{prefix}>", meta_only=True, ignore_deletes=True)
         try:
-            keys = await self._kv.keys(filters=[prefix])
-        except NoKeysError:
-            return []
-        return sorted(int(k[len(prefix) :]) for k in keys if k.startswith(prefix))
+            async for entry in watcher:
+                if entry is None:  # the end of what is stored now
+                    break
+                found.add(int(entry.key[len(prefix) :]))
+        finally:
+            await watcher.stop()
+        return sorted(found)
 
     async def delete_manifest(self, version: int) -> None:
         await self.ensure()
