@@ -249,11 +249,12 @@ def rlbus_bin() -> list[str]:
 
 
 def run_rlbus(label: str, run_dir: Path, overrides: Mapping[str, object], *, example: Path = EXAMPLE,
-              timeout_s: float = 1800.0) -> RunResult:
+              timeout_s: float = 1800.0, env: Mapping[str, str] | None = None) -> RunResult:
     """Run ``rlbus run example`` to completion in ``run_dir`` (wiped first) and read its metrics.
 
     ``overrides`` are config keys (``services.trainer.total_steps``...) set with ``--set``;
-    ``run.dir`` and ``run.id`` are set here. The CLI's output goes to ``<run_dir>.log``.
+    ``run.dir`` and ``run.id`` are set here; ``env`` adds environment variables (the services
+    inherit them). The CLI's output goes to ``<run_dir>.log``.
 
     Raises:
         BenchRunError: the run failed, timed out or left no evaluation.
@@ -269,7 +270,8 @@ def run_rlbus(label: str, run_dir: Path, overrides: Mapping[str, object], *, exa
     t0 = time.monotonic()
     with open(log_path, "w") as out:
         try:
-            rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, timeout=timeout_s).returncode
+            rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, timeout=timeout_s,
+                                env={**os.environ, **(env or {})}).returncode
         except subprocess.TimeoutExpired as e:
             raise BenchRunError(f"{label}: rlbus run did not finish within {timeout_s:.0f}s; see {log_path}") from e
     launch_s = time.monotonic() - t0

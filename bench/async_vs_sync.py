@@ -2,9 +2,14 @@
 
 Both runs use the same seed, model and sample budget (total_steps x groups_per_step
 x group_size trained completions) and evaluate the same held-out prompts at the
-same steps. The synchronous run is not handicapped: its trainer and rollout
-alternate, so each gets both cores (2 torch threads each); the asynchronous run
-keeps the example's 1 thread each, since its trainer and rollout run at once.
+same steps. The asynchronous run keeps the example's 1 torch thread each for
+trainer and rollout engine, since they run at once. The synchronous run gets its
+best measured thread setting: its trainer and rollout alternate, so 2 threads
+each looked right, but on the shared 2-core machine 2 threads made a sync step
+5-9x slower (OpenMP workers spin-waiting against each other and other tenants)
+and 2 threads with OMP_WAIT_POLICY=PASSIVE were no faster than 1 (a 1 M-parameter
+model gains nothing from intra-op parallelism). So the default is 1 thread each;
+``--sync-threads 2`` (optionally with ``--sync-omp-passive``) measures the other.
 
 Figure: the wall time (trainer clock, see bench/_rlbus_runs.py) each run takes to
 first reach the target eval reward (default: the lower of the two final rewards),
@@ -44,15 +49,18 @@ log = logging.getLogger("rlbus.bench.async_vs_sync")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a few steps and fewer eval prompts (under about a minute)")
-    p.add_argument("--steps", type=int, default=None, help="trainer steps per run (default 120; quick 8)")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps per run (default 200; quick 8)")
     p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default 10; quick 4)")
     p.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts per eval (default 200; quick 50)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", type=float, default=None,
                    help="eval reward to reach (0..1); default: the lower of the two final rewards")
     p.add_argument("--async-staleness", type=int, default=1, help="max_staleness of the async run (example: 1)")
-    p.add_argument("--sync-threads", type=int, default=2,
-                   help="torch threads of the sync run's trainer and of its rollout engine (each; default 2)")
+    p.add_argument("--sync-threads", type=int, default=1,
+                   help="torch threads of the sync run's trainer and of its rollout engine (each; default 1, "
+                   "measured best here)")
+    p.add_argument("--sync-omp-passive", action="store_true",
+                   help="run the sync side with OMP_WAIT_POLICY=PASSIVE (matters with --sync-threads > 1)")
     p.add_argument("--async-threads", type=int, default=1,
                    help="torch threads of the async run's trainer and of its rollout engine (each; default 1)")
     p.add_argument("--order", choices=["sync-first", "async-first"], default="sync-first")
@@ -84,20 +92,20 @@ def side_json(r: RunResult) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    args.steps = args.steps or (8 if args.quick else 120)
+    args.steps = args.steps or (8 if args.quick else 200)
     args.eval_every = args.eval_every or (4 if args.quick else 10)
     args.eval_prompts = args.eval_prompts or (50 if args.quick else 200)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="rlbus-async-vs-sync-"))
     sides = {
-        "sync": (0, args.sync_threads),
-        "async": (args.async_staleness, args.async_threads),
+        "sync": (0, args.sync_threads, {"OMP_WAIT_POLICY": "PASSIVE"} if args.sync_omp_passive else {}),
+        "async": (args.async_staleness, args.async_threads, {}),
     }
     order = ["sync", "async"] if args.order == "sync-first" else ["async", "sync"]
     results: dict[str, RunResult] = {}
     try:
         for name in order:
-            staleness, threads = sides[name]
-            results[name] = run_rlbus(name, work / name, overrides(args, staleness, threads))
+            staleness, threads, env = sides[name]
+            results[name] = run_rlbus(name, work / name, overrides(args, staleness, threads), env=env)
     except BenchRunError as e:
         print(f"async_vs_sync: {e}", file=sys.stderr)
         return 1
@@ -113,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         "target": figures["target"],
         "sync_final_reward": sync.final_reward,
         "async_final_reward": asyn.final_reward,
+        # wall time of the whole sample budget (no reward involved): the throughput ratio
+        "budget_time_ratio": ratio(sync.stats.get("last_step_s"), asyn.stats.get("last_step_s")),
         "sync_steps_to_target": figures["sync_steps"],
         "async_steps_to_target": figures["async_steps"],
         "steps": args.steps,
@@ -121,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         "eval_every": args.eval_every,
         "eval_prompts": args.eval_prompts,
         "seed": args.seed,
-        "settings": {"sync": {"max_staleness": 0, "threads_each": args.sync_threads},
+        "settings": {"sync": {"max_staleness": 0, "threads_each": args.sync_threads,
+                              "omp_passive": args.sync_omp_passive},
                      "async": {"max_staleness": args.async_staleness, "threads_each": args.async_threads},
                      "order": order},
         "sync": side_json(sync),
