@@ -26,3 +26,11 @@ def nats_server(tmp_path):
 @pytest.fixture
 def nats_url(nats_server) -> str:
     return nats_server.url
+
+
+@pytest.fixture(scope="session")
+def loop_model_dir(tmp_path_factory):
+    """The default example's tiny model with a short warm-up (built once per test session)."""
+    from services.tasks.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model(tmp_path_factory.mktemp("loop-model-cache"), seed=0, warmup_steps=60)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ class Admission:
             raise AdmissionError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.max_in_flight = max_in_flight
         self.in_flight: dict[str, int] = {}  # group id -> version at admission
+        self.admitted_at: dict[str, float] = {}  # group id -> monotonic time of admission (or restore)
         self.peak = 0
 
     def room(self) -> int:
@@ -41,17 +43,26 @@ class Admission:
         if self.room() <= 0:
             raise AdmissionError(f"admitting {group_id} would exceed {self.max_in_flight} groups in flight")
         self.in_flight[group_id] = version
+        self.admitted_at[group_id] = time.monotonic()
         self.peak = max(self.peak, len(self.in_flight))
 
     def finish(self, group_id: str) -> None:
         """The group was trained on or dropped: its slot is free."""
         self.in_flight.pop(group_id, None)
+        self.admitted_at.pop(group_id, None)
+
+    def overdue(self, timeout_s: float, now: float | None = None) -> list[str]:
+        """Groups in flight for longer than ``timeout_s`` (lost work: their slots should be freed)."""
+        now = time.monotonic() if now is None else now
+        return [g for g, t in self.admitted_at.items() if now - t > timeout_s]
 
     def state(self) -> dict[str, int]:
         return dict(self.in_flight)
 
     def restore(self, in_flight: dict[str, int]) -> None:
         self.in_flight = dict(in_flight)
+        now = time.monotonic()
+        self.admitted_at = {g: now for g in in_flight}
 
 
 @dataclass

@@ -52,6 +52,10 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: at most (max_staleness + 1) * groups_per_step groups are in flight. 0 = synchronous on-policy
     max_staleness: NonNeg = 1
 
+    #: a group admitted this many seconds ago and still incomplete is given up (its slot freed,
+    #: what arrived of it dropped with the reason); covers work lost with a crashed worker
+    group_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 300.0
+
     # --- objective ---
     normalize_std: bool = True
     clip_low: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.2

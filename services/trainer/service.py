@@ -189,6 +189,8 @@ class TrainerService:
             dropped = self.buffer.drop_group(r.group_id)
             self.admission.finish(r.group_id)
             await self._drop(ctx, [sample, *dropped], reason)
+            async with self.ready:
+                self.ready.notify_all()  # a slot is free: admit more
             return
         sample.token = asyncio.get_running_loop().create_future()
         displaced = self.buffer.add(sample, r.group_size)
@@ -284,9 +286,38 @@ class TrainerService:
             in_flight=self.admission.state(), counters=self.counters, eval_history=self.eval_history,
             final_model=final_model)))
 
+    async def _expire(self, ctx: ServiceContext) -> None:
+        """Drop groups that went stale while waiting, and free slots of groups that never came back."""
+        cfg = self.cfg
+        for gid in self.buffer.stale_groups(self.version, cfg.max_staleness):
+            samples = self.buffer.drop_group(gid)
+            self.admission.finish(gid)
+            await self._drop(ctx, samples, f"stale: waited past max_staleness {cfg.max_staleness} "
+                                           f"(trainer at version {self.version})")
+        for gid in self.admission.overdue(cfg.group_timeout_s):
+            samples = self.buffer.drop_group(gid)
+            self.admission.finish(gid)
+            log.warning("group %s did not complete within %.0fs; its slot is freed", gid, cfg.group_timeout_s)
+            await self._drop(ctx, samples, f"stale: group incomplete after {cfg.group_timeout_s:.0f}s")
+
     async def _publish_version(self, ctx: ServiceContext) -> None:
+        """Store and announce the current weights; retried while the bus is away (the version is the key)."""
+        from services.weightsync.blobs import WeightIntegrityError
+
         t0 = time.perf_counter()
-        await self.publisher.publish(self.learner.state_dict(), self.version)
+        delay = 0.5
+        while True:
+            try:
+                await self.publisher.publish(self.learner.state_dict(), self.version)
+                break
+            except (WeightIntegrityError, ValueError):
+                raise
+            except Exception as e:
+                if time.perf_counter() - t0 > 300:
+                    raise
+                log.warning("publishing version %d failed (%s); retrying in %.1fs", self.version, e, delay)
+                await asyncio.sleep(delay)  # the server is restarting
+                delay = min(delay * 2, 10.0)
         self.last_publish_s = time.perf_counter() - t0
 
     async def _train(self, ctx: ServiceContext, runs_kv: Any) -> None:
@@ -296,16 +327,19 @@ class TrainerService:
             if cfg.max_wall_s and time.time() - self.started > cfg.max_wall_s:
                 log.info("wall-clock budget of %.0fs reached at step %d", cfg.max_wall_s, self.step)
                 break
-            await self._top_up(ctx)
-            # drop groups that went stale while waiting
-            for gid in self.buffer.stale_groups(self.version, cfg.max_staleness):
-                samples = self.buffer.drop_group(gid)
-                self.admission.finish(gid)
-                await self._drop(ctx, samples, f"stale: waited past max_staleness {cfg.max_staleness} "
-                                                f"(trainer at version {self.version})")
-            async with self.ready:
-                await self.ready.wait_for(
-                    lambda: len(self.buffer.complete_groups()) >= cfg.groups_per_step or ctx.stop.is_set())
+            # top up admission, drop what went stale or never came back, until a batch is complete
+            while not ctx.stop.is_set():
+                await self._top_up(ctx)
+                await self._expire(ctx)
+                if len(self.buffer.complete_groups()) >= cfg.groups_per_step:
+                    break
+                async with self.ready:
+                    try:
+                        await asyncio.wait_for(self.ready.wait_for(
+                            lambda: len(self.buffer.complete_groups()) >= cfg.groups_per_step
+                            or self.admission.room() > 0 or ctx.stop.is_set()), timeout=5.0)
+                    except TimeoutError:
+                        pass  # re-check staleness and group timeouts
             if ctx.stop.is_set():
                 break
             groups = self.buffer.take(cfg.groups_per_step)

@@ -66,3 +66,13 @@ def test_stale_groups_are_found_and_dropped():
     dropped = b.drop_group("old")
     assert [s.key for s in dropped] == ["old-0"]
     assert "old" in b.dropped_groups and b.pending_samples() == 1
+
+
+def test_overdue_groups_are_reported():
+    a = Admission(max_in_flight=2)
+    a.admit("g0", version=0)
+    a.admitted_at["g0"] -= 100.0
+    a.admit("g1", version=0)
+    assert a.overdue(50.0) == ["g0"]
+    a.finish("g0")
+    assert a.overdue(50.0) == []

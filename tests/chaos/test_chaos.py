@@ -1,0 +1,164 @@
+"""Chaos: a tiny run with every service its own process; random SIGKILLs (trainer and NATS included).
+
+Asserts that steps keep advancing after each recovery, that the accounting identity
+holds (every trajectory trained, dropped with a reason, evaluated, or still pending;
+none lost) and that the final model loads. Writes its figures to
+``$RLBUS_FIGURES_DIR/chaos.json`` when that is set (BENCHMARKS.md quotes them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import nats
+import pytest
+
+from services.launcher.accounting import accounting
+from services.launcher.supervisor import Supervisor
+from services.runtime.natsd import free_port
+
+pytestmark = pytest.mark.slow
+
+CHAOS_S = float(os.environ.get("RLBUS_CHAOS_S", "100"))
+
+
+def last_step(metrics: Path) -> tuple[int, float]:
+    step, t = 0, 0.0
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written
+            if "trainer/version" in rec:
+                step, t = max(step, rec["step"]), rec["time"]
+    return step, t
+
+
+def first_step_after(metrics: Path, step: int, since: float) -> float | None:
+    for line in metrics.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "trainer/version" in rec and rec["step"] > step and rec["time"] > since:
+            return rec["time"]
+    return None
+
+
+def test_chaos_kills_every_role_and_nothing_is_lost(tmp_path, loop_model_dir):
+    run_dir = tmp_path / "run"
+    cfg = tmp_path / "chaos.toml"
+    cfg.write_text(f"""
+[run]
+id = "chaos"
+dir = "{run_dir}"
+[launcher]
+services = {{ trainer = 1, rollout = 1, judge = 1 }}
+nats_port = {free_port()}
+max_restarts = 50
+heartbeat_timeout_s = 40
+[common]
+heartbeat_s = 1.0
+drain_timeout_s = 3.0
+[services.trainer]
+model = "{loop_model_dir}"
+groups_per_step = 4
+group_size = 4
+max_new_tokens = 6
+total_steps = 100000
+max_staleness = 1
+eval_every = 0
+eval_prompts = 16
+checkpoint_every = 5
+num_threads = 1
+[services.rollout]
+model = "{loop_model_dir}"
+max_tickets = 16
+engine = {{ type = "torch", num_threads = 1 }}
+""")
+    sup = Supervisor(str(cfg), quiet=True)
+    metrics = run_dir / "metrics.jsonl"
+    rng = random.Random(20261202)
+    kills: list[dict] = []
+    try:
+        sup.start()
+        sup.start_heartbeat_monitor()
+        threading.Thread(target=sup.wait, name="supervisor", daemon=True).start()
+        deadline = time.monotonic() + 300
+        while last_step(metrics)[0] < 3:  # the run is going
+            assert time.monotonic() < deadline, "the run never started"
+            time.sleep(1.0)  # waiting on child processes
+        # every role dies at least once, the rest at random, at random times
+        victims = ["trainer", "nats", "rollout", "judge"]
+        rng.shuffle(victims)
+        chaos_end = time.monotonic() + CHAOS_S
+        while time.monotonic() < chaos_end or victims:
+            time.sleep(rng.uniform(6.0, 12.0))
+            victim = victims.pop() if victims else rng.choice(["trainer", "nats", "rollout", "judge"])
+            step, _ = last_step(metrics)
+            t_kill = time.time()
+            if victim == "nats":
+                sup.nats.kill()
+                time.sleep(rng.uniform(0.5, 3.0))
+                sup.nats.start()
+            else:
+                assert sup.kill_child(f"{victim}-0") is not None, f"{victim} was not running"
+            kills.append({"role": victim, "time": t_kill, "step_before": step})
+            # the run must make progress again before the next kill
+            wait_until = time.monotonic() + 240
+            while (recovered := first_step_after(metrics, step, t_kill)) is None:
+                assert time.monotonic() < wait_until, f"no progress after killing {victim} at step {step}"
+                time.sleep(0.5)  # waiting on child processes
+            kills[-1]["recovery_s"] = recovered - t_kill
+
+        # end the run: stop the trainer's admission by finishing at the next steps
+        final_step, _ = last_step(metrics)
+    finally:
+        sup.stop()
+
+    async def check():
+        sup2 = Supervisor(str(cfg), quiet=True)
+        from services.runtime.natsd import EmbeddedNats
+
+        with EmbeddedNats(run_dir / "nats", port=None) as server:
+            nc = await nats.connect(server.url)
+            acc = await accounting(nc.jetstream(), "chaos")
+            await nc.close()
+        del sup2
+        return acc
+
+    acc = asyncio.run(check())
+    assert acc["lost"] == 0, acc
+    assert acc["outcomes_without_trajectory"] == 0, acc
+    assert acc["trained"] >= final_step * 4 * 4 * 0.9, acc  # (a restart may retrain a batch whose KV write was lost)
+    assert acc["published"] == acc["trained"] + acc["dropped"] + acc["eval"] + acc["pending"] - acc["multiple_outcomes"]
+    assert all(r in ("stale", "group already dropped for staleness") for r in acc["dropped_reasons"]), acc
+
+    # the newest checkpoint is a model that loads
+    from transformers import AutoModelForCausalLM
+
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True)
+
+    per_role: dict[str, list[float]] = {}
+    for k in kills:
+        per_role.setdefault(k["role"], []).append(k["recovery_s"])
+    figures = {
+        "kills": len(kills),
+        "kills_survived_per_role": {r: len(v) for r, v in per_role.items()},
+        "recovery_s_median_per_role": {r: round(statistics.median(v), 1) for r, v in per_role.items()},
+        "final_step": final_step,
+        "trajectories": {k: acc[k] for k in ("published", "trained", "dropped", "eval", "pending", "lost")},
+    }
+    print(json.dumps(figures))
+    if os.environ.get("RLBUS_FIGURES_DIR"):
+        Path(os.environ["RLBUS_FIGURES_DIR"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["RLBUS_FIGURES_DIR"]) / "chaos.json").write_text(json.dumps(figures, indent=2))
