@@ -13,16 +13,23 @@ Figures (direct = against the backend in this process, no bus):
   cgroups' own memory accounting (page cache and kernel memory included). ``--quick`` measures
   ``paused_n`` = 200 sandboxes and scales to 1,000.
 
-Usage: ``sudo python bench/sandbox.py [--quick] [--root DIR]`` (root: overlay mounts and cgroups).
-The machine may be shared: ``loadavg_1m`` is reported with the figures. The last stdout line is a JSON
-object of the figures. ``--bus URL`` (the same figures through the NATS API) is reserved for the bus
-service and not implemented here yet.
+Through the bus (``bus_`` prefix; skipped with ``--direct-only``): the same create/exec/destroy,
+fork and burst figures measured with :class:`services.sandbox.client.SandboxClient` against
+``rlbus service sandbox`` running as its own process (uvloop) on an embedded nats-server (or the
+server at ``--bus URL``); every lifecycle event is published to JetStream as in production.
+Direct and bus iterations alternate so both see the same machine load; ``ratio_*`` = bus / direct.
+``bus_renew_lease_ms_p50`` vs ``renew_lease_ms_p50`` is one request/reply round trip with next to no work.
+
+Usage: ``sudo python bench/sandbox.py [--quick] [--root DIR] [--bus URL | --direct-only]`` (root: overlay
+mounts and cgroups). The machine may be shared: ``loadavg_1m`` is reported with the figures. The last
+stdout line is a JSON object of the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -30,7 +37,9 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,28 +48,81 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proto import sandbox as api  # noqa: E402
 from services.sandbox.backend import SandboxBackend, dispatch  # noqa: E402
 from services.sandbox.bwrap import BwrapBackend  # noqa: E402
+from services.sandbox.client import SandboxClient  # noqa: E402
 from services.sandbox.config import SandboxConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 RUN = "bench"
 MB = 1 << 20
 
 
 class Target(Protocol):
-    """Where requests go: the backend directly, or (later) the bus API."""
+    """Where requests go: the backend directly, or the bus API."""
 
-    name: str
+    #: prefix of this target's figures ("" direct, "bus_" through the bus)
+    prefix: str
 
     async def call(self, req: Any) -> Any: ...
 
 
 class Direct:
-    name = "direct"
+    prefix = ""
 
     def __init__(self, backend: SandboxBackend) -> None:
         self.backend = backend
 
     async def call(self, req: Any) -> Any:
         return await dispatch(self.backend, req)
+
+
+class Bus:
+    prefix = "bus_"
+
+    def __init__(self, client: SandboxClient) -> None:
+        self.client = client
+
+    async def call(self, req: Any) -> Any:
+        return await self.client.call(req)
+
+
+@contextlib.asynccontextmanager
+async def bus_target(url: str | None, root: str) -> AsyncIterator[Bus]:
+    """``rlbus service sandbox`` as a child process on ``url`` (None: an embedded nats-server)."""
+    import nats
+
+    from services.runtime.natsd import EmbeddedNats
+
+    with tempfile.TemporaryDirectory(prefix="rlbus-bench-bus-") as tmp:
+        server = None
+        if url is None:
+            server = EmbeddedNats(Path(tmp) / "nats", port=None)
+            server.start()
+            url = server.url
+        cfg = Path(tmp) / "run.toml"
+        cfg.write_text(f'[run]\nid = "{RUN}"\n[nats]\nurl = "{url}"\n[common]\nlog_level = "WARNING"\n'
+                       f'[services.sandbox]\nroot_dir = "{root}"\nmax_sandboxes = 5000\ndefault_lease_ttl_s = 3600\n')
+        log_path = Path(tmp) / "service.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "service", "sandbox",
+                                     "--config", str(cfg)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        nc = await nats.connect(url, pending_size=256 * MB)
+        try:
+            client = SandboxClient(nc, RUN, timeout_s=120.0)
+            ready = asyncio.create_task(client.wait_ready(timeout_s=60.0), name="bench-bus-ready")
+            exited = asyncio.create_task(asyncio.to_thread(proc.wait), name="bench-bus-service-exit")
+            await asyncio.wait({ready, exited}, return_when=asyncio.FIRST_COMPLETED)
+            if not ready.done():
+                ready.cancel()
+                raise SystemExit(f"the sandbox service exited ({proc.returncode}):\n{log_path.read_text()[-2000:]}")
+            await ready
+            yield Bus(client)
+        finally:
+            proc.terminate()
+            proc.wait(120)
+            await nc.close()
+            if server is not None:
+                server.stop()
 
 
 def pct(values: list[float], q: float) -> float:
@@ -88,68 +150,104 @@ async def raw_bwrap_ms() -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-async def bench_create_exec_destroy(t: Target, n: int) -> dict[str, float]:
-    total, c_ms, e_ms, d_ms, raw = [], [], [], [], []
+async def create_exec_destroy(t: Target) -> tuple[float, float, float, float]:
+    """One create → exec ``true`` → destroy; the ms of (all, create, exec, destroy)."""
+    t0 = time.perf_counter()
+    sid = await create(t)
+    t1 = time.perf_counter()
+    r = await t.call(api.ExecRequest(run_id=RUN, sandbox_id=sid, command=api.Argv(args=["true"])))
+    t2 = time.perf_counter()
+    await t.call(api.DestroyRequest(run_id=RUN, sandbox_id=sid))
+    t3 = time.perf_counter()
+    if r.exit_code != 0:
+        raise RuntimeError(f"`true` exited {r.exit_code}: {r.stderr!r}")
+    return (t3 - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
+
+
+async def bench_create_exec_destroy(targets: list[Target], n: int) -> dict[str, float]:
+    samples: dict[str, list[tuple[float, float, float, float]]] = {t.prefix: [] for t in targets}
+    renew: dict[str, list[float]] = {t.prefix: [] for t in targets}
+    raw = []
     for i in range(n + 5):
-        raw.append(await raw_bwrap_ms())  # interleaved, so both see the same machine load
-        t0 = time.perf_counter()
-        sid = await create(t)
-        t1 = time.perf_counter()
-        r = await t.call(api.ExecRequest(run_id=RUN, sandbox_id=sid, command=api.Argv(args=["true"])))
-        t2 = time.perf_counter()
-        await t.call(api.DestroyRequest(run_id=RUN, sandbox_id=sid))
-        t3 = time.perf_counter()
-        if r.exit_code != 0:
-            raise RuntimeError(f"`true` exited {r.exit_code}: {r.stderr!r}")
-        if i >= 5:  # warm-up
-            total.append((t3 - t0) * 1e3)
-            c_ms.append((t1 - t0) * 1e3)
-            e_ms.append((t2 - t1) * 1e3)
-            d_ms.append((t3 - t2) * 1e3)
-    return {
-        "create_exec_destroy_ms_p50": statistics.median(total),
-        "create_exec_destroy_ms_p99": pct(total, 0.99),
-        "create_ms_p50": statistics.median(c_ms),
-        "exec_true_ms_p50": statistics.median(e_ms),
-        "destroy_ms_p50": statistics.median(d_ms),
-        "bare_bwrap_true_ms_p50": statistics.median(raw[5:]),
-    }
+        raw.append(await raw_bwrap_ms())  # interleaved, so every target sees the same machine load
+        for t in targets:
+            one = await create_exec_destroy(t)
+            if i >= 5:  # warm-up
+                samples[t.prefix].append(one)
+        if i % 5 == 0:  # a round trip with next to no work: the request/reply overhead itself
+            for t in targets:
+                sid = await create(t)
+                for _ in range(5):
+                    r0 = time.perf_counter()
+                    await t.call(api.RenewLeaseRequest(run_id=RUN, sandbox_id=sid))
+                    renew[t.prefix].append((time.perf_counter() - r0) * 1e3)
+                await t.call(api.DestroyRequest(run_id=RUN, sandbox_id=sid))
+    out = {"bare_bwrap_true_ms_p50": statistics.median(raw[5:])}
+    for p, rows in samples.items():
+        total, c_ms, e_ms, d_ms = (list(col) for col in zip(*rows, strict=True))
+        out.update({
+            f"{p}create_exec_destroy_ms_p50": statistics.median(total),
+            f"{p}create_exec_destroy_ms_p99": pct(total, 0.99),
+            f"{p}create_ms_p50": statistics.median(c_ms),
+            f"{p}exec_true_ms_p50": statistics.median(e_ms),
+            f"{p}destroy_ms_p50": statistics.median(d_ms),
+            f"{p}renew_lease_ms_p50": statistics.median(renew[p]),
+        })
+    return out
 
 
-async def bench_fork(t: Target, backend: BwrapBackend, n: int) -> dict[str, float]:
-    fork_ms, baseline = [], []
+async def fork_100mb(t: Target, backend: BwrapBackend | None) -> tuple[float, list[float]]:
+    """Fork a sandbox with 100 MB written since its last snapshot; the fork's ms (and, given the
+    backend, 3 × the ms of ``cp -a`` of the same layer)."""
+    baseline: list[float] = []
+    sid = await create(t)
+    w = await t.call(api.ExecRequest(run_id=RUN, sandbox_id=sid, timeout_s=120,
+                                     command=api.Shell(script="head -c 104857600 /dev/urandom > big")))
+    if w.exit_code != 0:
+        raise RuntimeError(f"writing 100 MB failed: {w.stderr!r}")
+    t0 = time.perf_counter()
+    child = (await t.call(api.ForkRequest(run_id=RUN, source=api.FromSandbox(sandbox_id=sid)))).sandbox_id
+    fork_ms = (time.perf_counter() - t0) * 1e3
+    check = await t.call(api.ExecRequest(run_id=RUN, sandbox_id=child, command=api.Shell(script="stat -c %s big")))
+    if check.stdout.strip() != b"104857600":
+        raise RuntimeError(f"the fork does not see the 100 MB file: {check.stdout!r} {check.stderr!r}")
+    if backend is not None:  # what a copying fork costs: cp -a of the same directory
+        layer = backend.layers.path(backend.sandboxes[sid].tree.layers[0])
+        dst = os.path.join(backend.state_dir, "copy-baseline")
+        for _ in range(3):
+            c0 = time.perf_counter()
+            subprocess.run(["cp", "-a", layer, dst], check=True)
+            baseline.append((time.perf_counter() - c0) * 1e3)
+            shutil.rmtree(dst)
+    for x in (child, sid):
+        await t.call(api.DestroyRequest(run_id=RUN, sandbox_id=x))
+    return fork_ms, baseline
+
+
+async def bench_fork(targets: list[Target], backend: BwrapBackend, n: int) -> dict[str, float]:
+    fork_ms: dict[str, list[float]] = {t.prefix: [] for t in targets}
+    baseline: list[float] = []
     for i in range(n):
-        sid = await create(t)
-        w = await t.call(api.ExecRequest(run_id=RUN, sandbox_id=sid, timeout_s=120,
-                                         command=api.Shell(script="head -c 104857600 /dev/urandom > big")))
-        if w.exit_code != 0:
-            raise RuntimeError(f"writing 100 MB failed: {w.stderr!r}")
+        for t in targets:
+            ms, base = await fork_100mb(t, backend if i == 0 and isinstance(t, Direct) else None)
+            fork_ms[t.prefix].append(ms)
+            baseline += base
+    out = {f"{p}fork_ms_p50": statistics.median(v) for p, v in fork_ms.items()}
+    out["fork_copy_baseline_ms"] = statistics.median(baseline)
+    return out
+
+
+async def bench_burst(targets: list[Target], n: int) -> dict[str, float]:
+    out = {}
+    for t in targets:
         t0 = time.perf_counter()
-        child = (await t.call(api.ForkRequest(run_id=RUN, source=api.FromSandbox(sandbox_id=sid)))).sandbox_id
-        fork_ms.append((time.perf_counter() - t0) * 1e3)
-        check = await t.call(api.ExecRequest(run_id=RUN, sandbox_id=child, command=api.Shell(script="stat -c %s big")))
-        if check.stdout.strip() != b"104857600":
-            raise RuntimeError(f"the fork does not see the 100 MB file: {check.stdout!r} {check.stderr!r}")
-        if i == 0:  # what a copying fork costs: cp -a of the same directory
-            layer = backend.layers.path(backend.sandboxes[sid].tree.layers[0])
-            dst = os.path.join(backend.state_dir, "copy-baseline")
-            for _ in range(3):
-                c0 = time.perf_counter()
-                subprocess.run(["cp", "-a", layer, dst], check=True)
-                baseline.append((time.perf_counter() - c0) * 1e3)
-                shutil.rmtree(dst)
-        for x in (child, sid):
-            await t.call(api.DestroyRequest(run_id=RUN, sandbox_id=x))
-    return {"fork_ms_p50": statistics.median(fork_ms), "fork_copy_baseline_ms": statistics.median(baseline)}
-
-
-async def bench_burst(t: Target, n: int) -> dict[str, float]:
-    t0 = time.perf_counter()
-    ids = await asyncio.gather(*(create(t) for _ in range(n)))
-    created = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    await asyncio.gather(*(t.call(api.DestroyRequest(run_id=RUN, sandbox_id=s)) for s in ids))
-    return {"burst_1000_create_s": created * 1000 / n, "burst_1000_destroy_s": (time.perf_counter() - t0) * 1000 / n}
+        ids = await asyncio.gather(*(create(t) for _ in range(n)))
+        created = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        await asyncio.gather(*(t.call(api.DestroyRequest(run_id=RUN, sandbox_id=s)) for s in ids))
+        out[f"{t.prefix}burst_1000_create_s"] = created * 1000 / n
+        out[f"{t.prefix}burst_1000_destroy_s"] = (time.perf_counter() - t0) * 1000 / n
+    return out
 
 
 def pss_kb(pid: int) -> int:
@@ -206,21 +304,33 @@ async def bench_paused(t: Target, backend: BwrapBackend, n: int, concurrency: in
     }
 
 
+#: figure → its bus/direct ratio key
+RATIOS = {
+    "create_exec_destroy_ms_p50": "ratio_create_exec_destroy_p50",
+    "create_exec_destroy_ms_p99": "ratio_create_exec_destroy_p99",
+    "fork_ms_p50": "ratio_fork_p50",
+    "burst_1000_create_s": "ratio_burst_1000_create",
+    "renew_lease_ms_p50": "ratio_renew_lease_p50",
+}
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    if args.bus:
-        raise SystemExit("--bus is not implemented yet: it needs the sandbox bus service (services/sandbox/main.py)")
     cfg = SandboxConfig(root_dir=args.root, max_sandboxes=5000, default_lease_ttl_s=3600)
     backend = BwrapBackend(cfg, lambda e: None)
     await backend.start()
-    target = Direct(backend)
-    figures: dict[str, Any] = {"mode": target.name, "quick": args.quick}
-    try:
+    direct = Direct(backend)
+    figures: dict[str, Any] = {"mode": "direct" if args.direct_only else "direct+bus", "quick": args.quick}
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(backend.close)
+        targets: list[Target] = [direct]
+        if not args.direct_only:
+            targets.append(await stack.enter_async_context(bus_target(args.bus, args.root)))
         q = args.quick
         steps = [
-            ("create/exec/destroy", bench_create_exec_destroy(target, 100 if q else 500)),
-            ("fork with 100 MB", bench_fork(target, backend, 5 if q else 15)),
-            ("burst of 1000 creates", bench_burst(target, 1000)),
-            ("paused sandboxes", bench_paused(target, backend, 200 if q else 1000)),
+            ("create/exec/destroy", bench_create_exec_destroy(targets, 100 if q else 500)),
+            ("fork with 100 MB", bench_fork(targets, backend, 5 if q else 15)),
+            ("burst of 1000 creates", bench_burst(targets, 1000)),
+            ("paused sandboxes (direct)", bench_paused(direct, backend, 200 if q else 1000)),
         ]
         for name, coro in steps:
             t0 = time.perf_counter()
@@ -228,8 +338,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             figures.update(out)
             print(f"{name}: {json.dumps({k: round(v, 2) for k, v in out.items()})} ({time.perf_counter() - t0:.1f} s)",
                   file=sys.stderr)
-    finally:
-        await backend.close()
+    for key, ratio in RATIOS.items():
+        if f"bus_{key}" in figures:
+            figures[ratio] = figures[f"bus_{key}"] / figures[key]
     figures["loadavg_1m"] = os.getloadavg()[0]
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in figures.items()}
 
@@ -238,7 +349,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, 200 paused sandboxes (< 1 minute)")
     parser.add_argument("--root", default="/var/tmp/rlbus-bench-sandbox", help="state directory (root_dir)")
-    parser.add_argument("--bus", metavar="URL", help="measure through the NATS API at URL (not implemented yet)")
+    parser.add_argument("--bus", metavar="URL", nargs="?", const=None,
+                        help="NATS server for the bus figures (default, or --bus alone: an embedded one)")
+    parser.add_argument("--direct-only", action="store_true", help="skip the figures through the bus")
     parser.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -192,11 +193,8 @@ class SandboxService:
             try:
                 self.reaped = await backend.start()
             except BackendUnavailable as e:
-                log.error("the %s sandbox backend cannot run here: %s", self.cfg.type, e)
-                raise SandboxUnavailableError(
-                    f"sandbox backend {self.cfg.type!r} unavailable: {e} (install what is missing, run as root, "
-                    "or set services.sandbox.type = \"unsafe-process\" for development without isolation)"
-                ) from None
+                log.error("refusing to start: %s", e)  # the backend's message names what is missing and the way out
+                raise SandboxUnavailableError(f"sandbox backend {self.cfg.type!r} unavailable: {e}") from None
             self.backend = backend
             if self.reaped:
                 log.warning("reaped %d orphaned sandboxes left by dead instances: %s", len(self.reaped),
@@ -215,7 +213,7 @@ class SandboxService:
             slots.release()
             ctx.gauges["sandbox/requests_in_flight"] = float(len(self._in_flight))
 
-        def handler(role: str):  # type: ignore[no-untyped-def]
+        def handler(role: str) -> Callable[[Msg], Awaitable[None]]:
             async def cb(msg: Msg) -> None:
                 await slots.acquire()  # back-pressure: the subscription waits while every slot is busy
                 task = asyncio.create_task(self._handle(ctx, backend, msg, role), name=f"sandbox-{role}-request")

@@ -63,10 +63,13 @@ async def test_create_exec_read_back(bus):
 async def test_requests_run_concurrently_and_continue_the_trace(bus):
     c = bus.client
     sid = (await c.create()).sandbox_id
-    slow = asyncio.create_task(c.exec(sid, "sleep 2; echo slow"))
-    other = (await c.create()).sandbox_id  # answered while the slow exec still runs
+    # an exec that cannot finish before the test writes `go`: were requests served one at a time,
+    # the create and exec below would wait behind it for ever
+    slow = asyncio.create_task(c.exec(sid, "while [ ! -e go ]; do sleep 0.02; done; echo slow", timeout_s=30))
+    other = (await c.create()).sandbox_id
     assert (await c.exec(other, "echo quick")).stdout == b"quick\n"
     assert not slow.done()
+    await c.write_files(sid, {"go": b""})
     assert (await slow).stdout == b"slow\n"
     # the service answers inside a span parented on the request's trace context
     tracing.setup("sandbox-test")
@@ -239,6 +242,30 @@ async def test_shutdown_finishes_in_flight_requests_then_destroys(bus):
     with pytest.raises(SandboxClientError) as err:
         await c.create()
     assert err.value.code == "unavailable"
+
+
+async def test_requests_past_the_drain_bound_are_answered_unavailable(nats_url, state_root):
+    async with BusHarness(nats_url, state_root) as h:
+        inst = await h.start(drain_timeout_s=0.5)
+        sid = (await h.client.create()).sandbox_id
+        stuck = asyncio.create_task(h.client.exec(sid, "sleep 60", timeout_s=60))
+        sub = await h.js.subscribe(api.event_subject(RUN, sid), ordered_consumer=True)
+        while codec.decode((await sub.next_msg(timeout=10)).data, api.SandboxEvent).kind != "exec_started":
+            pass
+        await sub.unsubscribe()
+        await inst.stop()
+        with pytest.raises(SandboxClientError) as err:
+            await stuck
+        assert err.value.code == "unavailable" and "shut down" in str(err.value)
+        assert (await stored_events(h.js, sid))[-1].detail.reason == "shutdown"
+
+
+async def test_unsafe_process_backend_serves_when_chosen_explicitly(nats_url, state_root):
+    async with BusHarness(nats_url, state_root) as h:
+        await h.start(type="unsafe-process", bwrap_path="/nonexistent/bwrap")
+        sid = (await h.client.create(files={"a": b"unsafe"})).sandbox_id
+        assert (await h.client.exec(sid, "cat a")).stdout == b"unsafe"
+        assert [e.kind for e in await stored_events(h.js, sid, until="exec_finished")][0] == "created"
 
 
 async def test_rlbus_service_sandbox_restart_reaps_orphans(nats_url, state_root, tmp_path):
