@@ -18,7 +18,9 @@ fork and burst figures measured with :class:`services.sandbox.client.SandboxClie
 ``rlbus service sandbox`` running as its own process (uvloop) on an embedded nats-server (or the
 server at ``--bus URL``); every lifecycle event is published to JetStream as in production.
 Direct and bus iterations alternate so both see the same machine load; ``ratio_*`` = bus / direct.
-``bus_renew_lease_ms_p50`` vs ``renew_lease_ms_p50`` is one request/reply round trip with next to no work.
+``bus_burst_events_stored_s``: from the start of the bus burst until its 2,000 lifecycle events
+(created, destroyed) are stored in SANDBOX_EVENTS. ``bus_renew_lease_ms_p50`` is one request/reply round trip with next to no work (the floor of the bus
+overhead; ``renew_lease_ms_p50`` is the same call made directly).
 
 Usage: ``sudo python bench/sandbox.py [--quick] [--root DIR] [--bus URL | --direct-only]`` (root: overlay
 mounts and cgroups). The machine may be shared: ``loadavg_1m`` is reported with the figures. The last
@@ -237,16 +239,45 @@ async def bench_fork(targets: list[Target], backend: BwrapBackend, n: int) -> di
     return out
 
 
+class EventCounter:
+    """Counts this run's lifecycle events as the server routes them (a stored JetStream message is routed)."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.seen = 0
+        self.done = asyncio.Event()
+        self.sub: Any = None
+
+    @classmethod
+    async def start(cls, client: SandboxClient, expected: int) -> EventCounter:
+        counter = cls(expected)
+        counter.sub = await client.nc.subscribe(api.event_subject(RUN, "*"), cb=counter.on_event)
+        return counter
+
+    async def on_event(self, msg: Any) -> None:
+        self.seen += 1
+        if self.seen >= self.expected:
+            self.done.set()
+
+    async def wait(self, timeout: float) -> None:
+        await asyncio.wait_for(self.done.wait(), timeout)
+        await self.sub.unsubscribe()
+
+
 async def bench_burst(targets: list[Target], n: int) -> dict[str, float]:
     out = {}
     for t in targets:
-        t0 = time.perf_counter()
+        watch = await EventCounter.start(t.client, 2 * n) if isinstance(t, Bus) else None
+        start = t0 = time.perf_counter()
         ids = await asyncio.gather(*(create(t) for _ in range(n)))
         created = time.perf_counter() - t0
         t0 = time.perf_counter()
         await asyncio.gather(*(t.call(api.DestroyRequest(run_id=RUN, sandbox_id=s)) for s in ids))
         out[f"{t.prefix}burst_1000_create_s"] = created * 1000 / n
         out[f"{t.prefix}burst_1000_destroy_s"] = (time.perf_counter() - t0) * 1000 / n
+        if watch is not None:  # when the last of the burst's 2n events (created, destroyed) is stored
+            await watch.wait(120)
+            out[f"{t.prefix}burst_events_stored_s"] = time.perf_counter() - start
     return out
 
 
@@ -310,7 +341,6 @@ RATIOS = {
     "create_exec_destroy_ms_p99": "ratio_create_exec_destroy_p99",
     "fork_ms_p50": "ratio_fork_p50",
     "burst_1000_create_s": "ratio_burst_1000_create",
-    "renew_lease_ms_p50": "ratio_renew_lease_p50",
 }
 
 
