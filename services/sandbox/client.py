@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import re
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -50,7 +51,8 @@ class SandboxTimeout(SandboxClientError):
 
 
 def _verb(req: Any) -> str:
-    return type(req).__name__.removesuffix("Request").lower()
+    """``WriteFilesRequest`` → ``write_files``."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(req).__name__.removesuffix("Request")).lower()
 
 
 _REPLY_UNIONS: dict[type, Any] = {

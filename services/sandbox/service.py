@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -77,6 +78,14 @@ def _belongs_on(req: object) -> str:
 
 #: Requests handled at once by one instance (further ones wait in the subscription's queue).
 DEFAULT_MAX_IN_FLIGHT = 2048
+
+
+@dataclass(frozen=True)
+class _Rejection:
+    """Why a request can never be served (its ``invalid`` reply, and the dead letter sent after it)."""
+
+    reason: str
+    error_type: str
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -219,6 +228,7 @@ class SandboxService:
                 task = asyncio.create_task(self._handle(ctx, backend, msg, role), name=f"sandbox-{role}-request")
                 self._in_flight.add(task)
                 task.add_done_callback(done)
+                ctx.gauges["sandbox/requests_in_flight"] = float(len(self._in_flight))
 
             return cb
 
@@ -273,47 +283,50 @@ class SandboxService:
     async def _handle(self, ctx: ServiceContext, backend: SandboxBackend, msg: Msg, role: str) -> None:
         with tracing.span(f"sandbox {role}", kind="consumer", headers=msg.headers or {}) as span:
             try:
-                reply = await self._answer(ctx, backend, msg, role)
+                reply, rejection = await self._answer(ctx, backend, msg, role)
             except asyncio.CancelledError:
                 reply = api.ErrorReply(run_id=ctx.run_id, code="unavailable",
                                        message="the sandbox instance shut down before the request finished")
                 await self._respond(ctx, msg, reply)
                 raise
+            await self._respond(ctx, msg, reply)
+            if rejection is not None:  # answered first, then dead-lettered
+                span.set_attribute("sandbox.rejected", rejection.error_type)
+                # a core-NATS request's reply subject is an inbox, not a JetStream ack subject: hide it from the sink
+                letter = Msg(_client=ctx.nc, subject=msg.subject, reply="", data=msg.data, headers=msg.headers)
+                await ctx.dead_letters.send(letter, rejection.reason, rejection.error_type)
             if isinstance(reply, api.ErrorReply):
                 self._errors += 1
                 span.set_attribute("sandbox.error", reply.code)
-            await self._respond(ctx, msg, reply)
         self._requests += 1
         ctx.gauges["sandbox/requests"] = float(self._requests)
         ctx.gauges["sandbox/request_errors"] = float(self._errors)
 
-    async def _answer(self, ctx: ServiceContext, backend: SandboxBackend, msg: Msg, role: str) -> Any:
+    async def _answer(self, ctx: ServiceContext, backend: SandboxBackend, msg: Msg,
+                      role: str) -> tuple[Any, _Rejection | None]:
+        """The reply, and the rejection when the request can never be served (decode, run, subject)."""
+        rejection = None
         try:
             req = codec.decode(msg.data, AnyRequest, max_bytes=self.max_message_bytes)
         except codec.DecodeError as e:
             named = codec.DecodeError(f"sandbox request on {msg.subject}", e.reason, e.field)
-            return await self._reject(ctx, msg, str(named), "DecodeError")
-        if req.run_id != ctx.run_id:
-            return await self._reject(ctx, msg, f"request of run {req.run_id!r} sent to run {ctx.run_id!r}",
-                                      "WrongRun")
-        if not isinstance(req, _ROLES[role][0]):
-            return await self._reject(ctx, msg, f"{type(req).__name__} sent to {msg.subject}: it belongs on "
-                                      f"{_belongs_on(req)}", "WrongSubject")
+            rejection = _Rejection(str(named), "DecodeError")
+        else:
+            if req.run_id != ctx.run_id:
+                rejection = _Rejection(f"request of run {req.run_id!r} sent to run {ctx.run_id!r}", "WrongRun")
+            elif not isinstance(req, _ROLES[role][0]):
+                rejection = _Rejection(f"{type(req).__name__} sent to {msg.subject}: it belongs on "
+                                       f"{_belongs_on(req)}", "WrongSubject")
+        if rejection is not None:
+            return api.ErrorReply(run_id=ctx.run_id, code="invalid", message=rejection.reason), rejection
         try:
-            return await dispatch(backend, req)
+            return await dispatch(backend, req), None
         except SandboxError as e:
-            return e.reply(ctx.run_id)
+            return e.reply(ctx.run_id), None
         except Exception as e:  # a bug or host failure: answer it, keep serving
             log.exception("sandbox %s failed", type(req).__name__)
             return api.ErrorReply(run_id=ctx.run_id, code="internal", message=f"{type(e).__name__}: {e}",
-                                  sandbox_id=getattr(req, "sandbox_id", None))
-
-    async def _reject(self, ctx: ServiceContext, msg: Msg, reason: str, error_type: str) -> api.ErrorReply:
-        """Dead-letter a request that can never be served; the ErrorReply tells the sender why."""
-        # a core-NATS request's reply subject is an inbox, not a JetStream ack subject: the sink must not parse it
-        letter = Msg(_client=ctx.nc, subject=msg.subject, reply="", data=msg.data, headers=msg.headers)
-        await ctx.dead_letters.send(letter, reason, error_type)
-        return api.ErrorReply(run_id=ctx.run_id, code="invalid", message=reason)
+                                  sandbox_id=getattr(req, "sandbox_id", None)), None
 
     async def _respond(self, ctx: ServiceContext, msg: Msg, reply: Any) -> None:
         if not msg.reply:
