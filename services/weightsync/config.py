@@ -83,7 +83,7 @@ class EncodingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: dtype of published weights: bf16 casts floating tensors; native keeps the training dtype
     dtype: Literal["bf16", "native"] = "native"
     #: size of one stored chunk (each carries its own sha256)
-    chunk_bytes: Annotated[int, msgspec.Meta(ge=64 * 1024, le=4096 * MiB)] = 32 * MiB
+    chunk_bytes: Annotated[int, msgspec.Meta(ge=64 * 1024, le=4096 * MiB)] = 16 * MiB
     #: zstd level of delta blobs
     zstd_level: Annotated[int, msgspec.Meta(ge=1, le=19)] = 3
     #: publish a full anchor instead of a delta when the delta would exceed this fraction of it
