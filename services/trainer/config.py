@@ -80,6 +80,8 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     eval_every: NonNeg = 10
     #: held-out prompts per evaluation (0: all the task has)
     eval_prompts: NonNeg = 0
+    #: samples per held-out prompt (more: a less noisy eval reward)
+    eval_samples: Pos = 1
     eval_temperature: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
     #: save a resumable checkpoint every this many steps (0: only the final model)
     checkpoint_every: NonNeg = 20

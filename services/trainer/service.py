@@ -140,10 +140,10 @@ class TrainerService:
     async def _start_eval(self, ctx: ServiceContext) -> None:
         if self.version in self.evals or any(v == self.version for v, _ in self.eval_history):
             return
-        self.evals[self.version] = EvalRound(self.version, self.step, len(self.eval_set))
+        self.evals[self.version] = EvalRound(self.version, self.step, len(self.eval_set) * self.cfg.eval_samples)
         sampling = msgspec.structs.replace(self.sampling, temperature=self.cfg.eval_temperature)
         for i, prompt in enumerate(self.eval_set):
-            await self._ticket(ctx, prompt, f"eval-v{self.version:06d}-{i:04d}", 1, True, sampling)
+            await self._ticket(ctx, prompt, f"eval-v{self.version:06d}-{i:04d}", self.cfg.eval_samples, True, sampling)
 
     async def _outcome(self, ctx: ServiceContext, s: Sample, outcome: str, reason: str = "") -> None:
         t: ScoredTrajectory = s.item
@@ -175,7 +175,7 @@ class TrainerService:
         if r.is_eval:
             rnd = self.evals.get(r.policy_version)
             if rnd is not None:
-                rnd.rewards[r.group_id] = traj.reward
+                rnd.rewards[f"{r.group_id}/{r.sample_index}"] = traj.reward
                 if len(rnd.rewards) >= rnd.expected:
                     await self._finish_eval(ctx, rnd)
             await self._outcome(ctx, sample, "eval")
@@ -205,7 +205,7 @@ class TrainerService:
         self.evals.pop(rnd.version, None)
         reward = sum(rnd.rewards.values()) / max(len(rnd.rewards), 1)
         self.eval_history.append((rnd.version, reward))
-        log.info("eval at version %d (step %d): reward %.3f over %d prompts", rnd.version, rnd.step, reward,
+        log.info("eval at version %d (step %d): reward %.3f over %d samples", rnd.version, rnd.step, reward,
                  len(rnd.rewards))
         await self._metrics(ctx, {"eval/reward": reward, "eval/version": float(rnd.version)}, step=rnd.step)
         async with self.ready:
