@@ -44,7 +44,14 @@ def _sandbox() -> Spec:
     return config.SandboxConfig, main.build
 
 
+def _weightsync() -> Spec:
+    from services.weightsync import config, main
+
+    return config.WeightsyncConfig, main.build
+
+
 _BUILTIN: dict[str, Callable[[], Spec]] = {
+    "weightsync": _weightsync,
     "sandbox": _sandbox,
     "echo": _echo,
     "trainer": _trainer,
