@@ -77,14 +77,18 @@ async def tap(nc: Any, target: str, run_id: str, *, from_start: bool = False, si
         filters = expand_target(target, run_id)
     stored = from_start or since is not None
     if stream_name is None and stored:
+        kept = []
         for f in filters:
             try:
-                stream_name = await js.find_stream_name_by_subject(f.removesuffix(".>") if f.endswith(".>") else f)
-                break
+                found = await js.find_stream_name_by_subject(f)
             except Exception:
-                continue
+                continue  # no stream stores this filter
+            if stream_name in (None, found):
+                stream_name = found
+                kept.append(f)
         if stream_name is None:
             raise SystemExit(f"tap: no stream stores {target!r}; drop --from-start/--since to watch it live")
+        filters = kept
 
     if stream_name is not None:
         if from_start:

@@ -82,7 +82,7 @@ class DeadLetterSink:
             run = subjects.check_run_id(run)
         except subjects.InvalidRunId:
             run = self.run_id
-        md = raw.metadata if raw.reply else None
+        md = raw.metadata if raw.reply and raw.reply.startswith("$JS.") else None
         letter = DeadLetter(
             run_id=run,
             service=self.service,
