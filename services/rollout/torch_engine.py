@@ -411,9 +411,16 @@ class TorchEngine:
         self._positions = self._positions[:0]
 
     def _apply_update(self, update: _WeightUpdate) -> None:
-        with torch.no_grad():
-            for name, tensor in update.tensors.items():
-                self._targets[name].copy_(tensor)
+        try:
+            with torch.no_grad():
+                for name, tensor in update.tensors.items():
+                    self._targets[name].copy_(tensor)
+        except (RuntimeError, TypeError) as exc:  # the update's caller hears of it; generation goes on
+            log.exception("weight update to version %d failed", update.version)
+            _post(update.loop, update.future, error=WeightUpdateError(
+                f"copying version {update.version} failed ({exc!r}); the model may hold a mix of versions "
+                f"{self._version} and {update.version}: send a full state dict again"))
+            return
         self._version = update.version
         log.info("applied weights version %d (%d tensors, %d rows running)",
                  update.version, len(update.tensors), len(self._rows))
