@@ -41,6 +41,7 @@ from bench._rlbus_runs import (  # noqa: E402
     default_target,
     ratio,
     run_rlbus,
+    smooth_curve,
 )
 
 log = logging.getLogger("rlbus.bench.async_vs_sync")
@@ -53,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default 10; quick 4)")
     p.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts per eval (default 200; quick 50)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smooth", type=int, default=1,
+                   help="compare trailing means over this many evaluations (default 1: raw evaluations)")
     p.add_argument("--target", type=float, default=None,
                    help="eval reward to reach (0..1); default: the lower of the two final rewards")
     p.add_argument("--async-staleness", type=int, default=1, help="max_staleness of the async run (example: 1)")
@@ -110,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"async_vs_sync: {e}", file=sys.stderr)
         return 1
     sync, asyn = results["sync"], results["async"]
-    target = args.target if args.target is not None else default_target(sync.curve, asyn.curve)
-    figures = compare({"sync": sync.curve, "async": asyn.curve}, target)
+    curves = {"sync": smooth_curve(sync.curve, args.smooth), "async": smooth_curve(asyn.curve, args.smooth)}
+    target = args.target if args.target is not None else default_target(*curves.values())
+    figures = compare(curves, target)
     out = {
         "bench": "async_vs_sync",
         "quick": args.quick,
@@ -119,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         "sync_s": figures["sync_s"],
         "async_s": figures["async_s"],
         "target": figures["target"],
+        "target_trivial": figures["target_trivial"],
+        "smooth": args.smooth,
         "sync_final_reward": sync.final_reward,
         "async_final_reward": asyn.final_reward,
         # wall time of the whole sample budget (no reward involved): the throughput ratio

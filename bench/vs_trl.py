@@ -60,6 +60,7 @@ from bench._rlbus_runs import (  # noqa: E402
     final_reward,
     ratio,
     run_rlbus,
+    smooth_curve,
 )
 
 log = logging.getLogger("rlbus.bench.vs_trl")
@@ -85,12 +86,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default 10; quick 4)")
     p.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts per eval (default 200; quick 50)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smooth", type=int, default=1,
+                   help="compare trailing means over this many evaluations (default 1: raw evaluations)")
     p.add_argument("--target", type=float, default=None,
                    help="eval reward to reach (0..1); default: the lower of the two final rewards")
     p.add_argument("--trl-threads", type=int, default=1,
                    help="torch threads of the TRL run (default 1, measured best here; OMP_WAIT_POLICY=PASSIVE "
                    "in the environment helps when > 1)")
     p.add_argument("--only", choices=["trl", "rlbus"], default=None, help="run one side only (no ratio)")
+    p.add_argument("--order", choices=["trl-first", "rlbus-first"], default="trl-first")
     p.add_argument("--work-dir", type=Path, default=None, help="where outputs go (default: a temp dir)")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="model cache (default: the one rlbus uses, $RLBUS_CACHE or ~/.cache/rlbus)")
@@ -250,21 +254,29 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model("tiny-addition", str(args.cache_dir or default_cache_dir()), seed=args.seed)
     curves: dict[str, list[EvalPoint]] = {}
     sides: dict[str, dict[str, Any]] = {}
+    def trl_side() -> None:
+        t0 = time.monotonic()
+        curves["trl"], stats = run_trl(args, model_dir, work / "trl")
+        sides["trl"] = {"final_reward": final_reward(curves["trl"]), "curve": curve_json(curves["trl"]),
+                        "launch_s": round(time.monotonic() - t0, 1), **stats}
+
+    def rlbus_side() -> None:
+        extra = {f"services.{svc}.cache_dir": str(args.cache_dir) for svc in ("trainer", "rollout")} \
+            if args.cache_dir else {}
+        r = run_rlbus("rlbus", work / "rlbus", {**rlbus_overrides(args), **extra})
+        curves["rlbus"] = r.curve
+        sides["rlbus"] = {"final_reward": r.final_reward, "curve": curve_json(r.curve),
+                          "launch_s": round(r.launch_s, 1), **r.stats}
+
+    order = [trl_side, rlbus_side] if args.order == "trl-first" else [rlbus_side, trl_side]
     try:
-        if args.only != "rlbus":
-            t0 = time.monotonic()
-            curves["trl"], stats = run_trl(args, model_dir, work / "trl")
-            sides["trl"] = {"final_reward": final_reward(curves["trl"]), "curve": curve_json(curves["trl"]),
-                            "launch_s": round(time.monotonic() - t0, 1), **stats}
-        if args.only != "trl":
-            extra = {"services.trainer.cache_dir": str(args.cache_dir)} if args.cache_dir else {}
-            r = run_rlbus("rlbus", work / "rlbus", {**rlbus_overrides(args), **extra})
-            curves["rlbus"] = r.curve
-            sides["rlbus"] = {"final_reward": r.final_reward, "curve": curve_json(r.curve),
-                              "launch_s": round(r.launch_s, 1), **r.stats}
+        for side in order:
+            if args.only is None or side.__name__ == f"{args.only}_side":
+                side()
     except (TrlUnavailable, BenchRunError) as e:
         print(f"vs_trl: {e}", file=sys.stderr)
         return 1
+    curves = {name: smooth_curve(c, args.smooth) for name, c in curves.items()}
     target = args.target if args.target is not None else default_target(*curves.values())
     figures = compare(curves, target)
     out: dict[str, Any] = {
@@ -276,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         "budget_time_ratio": ratio(sides.get("trl", {}).get("last_step_s"), sides.get("rlbus", {}).get("last_step_s")),
         "trl_final_reward": sides.get("trl", {}).get("final_reward"),
         "rlbus_final_reward": sides.get("rlbus", {}).get("final_reward"),
+        "smooth": args.smooth,
+        "order": args.order,
+        "trl_threads": args.trl_threads,
         "steps": args.steps,
         "samples_per_step": GROUPS_PER_STEP * GROUP_SIZE,
         "sample_budget": args.steps * GROUPS_PER_STEP * GROUP_SIZE,

@@ -20,6 +20,7 @@ from bench._rlbus_runs import (
     reward_at,
     run_stats,
     set_args,
+    smooth_curve,
     step_to_reward,
     time_to_reward,
     toml_value,
@@ -100,6 +101,24 @@ def test_compare_reports_rewards_at_equal_time_when_one_side_misses() -> None:
     assert figures["equal_time_s"] == 15.0
     assert figures["fast_reward_at_equal_time"] == 0.5
     assert figures["slow_reward_at_equal_time"] == 0.3
+
+
+def test_compare_flags_a_target_every_run_met_at_the_start() -> None:
+    a = [EvalPoint(0, 0, 0.3, 0.0, 0.0), EvalPoint(4, 4, 0.25, 2.0, 2.0)]
+    b = [EvalPoint(0, 0, 0.28, 0.0, 0.0), EvalPoint(4, 4, 0.26, 3.0, 3.0)]
+    trivial = compare({"a": a, "b": b}, default_target(a, b))
+    assert trivial["target_trivial"] is True and trivial["a_s"] == 0.0 and trivial["b_s"] == 0.0
+    assert compare({"a": a, "b": b}, 0.29)["target_trivial"] is False
+
+
+def test_smooth_curve_is_a_trailing_mean_that_keeps_times() -> None:
+    curve = eval_curve(METRICS)  # rewards 0.20, 0.30, 0.25
+    smoothed = smooth_curve(curve, 2)
+    assert [round(p.reward, 6) for p in smoothed] == [0.2, 0.25, 0.275]
+    assert [p.t for p in smoothed] == [p.t for p in curve]
+    assert smooth_curve(curve, 1) == curve
+    with pytest.raises(ValueError):
+        smooth_curve(curve, 0)
 
 
 def test_ratio() -> None:
