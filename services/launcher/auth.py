@@ -119,6 +119,10 @@ def _harness(role: str, s: Scope) -> list[Grant]:
             f"rlbus.{s.run}.metrics.{role}",
         )),
         Grant(why="dead letters with the reason", publish=(f"rlbus.{s.run}.dlq.>",)),
+        _stream_read(f"KV_{membership.MEMBERS_BUCKET}", "gang start: read the run's members"),
+        _stream_read(f"KV_{catalog.RUNS.bucket}", "gang start: read the run's gang decision"),
+        _publish("gang start: admit the run or mark it failed (atomic create of <run>.gang)",
+                 f"$KV.{catalog.RUNS.bucket}.{s.run}.gang"),
     ]
 
 
@@ -204,7 +208,6 @@ def _trainer(s: Scope) -> list[Grant]:
         _publish("prompt tickets and trajectory outcomes", f"rlbus.{s.run}.prompts", f"rlbus.{s.run}.outcomes"),
         _durable(catalog.TRAINER_TRAJECTORIES, s),
         _publish("run state", f"$KV.{catalog.RUNS.bucket}.{s.run}.>"),
-        _stream_read(f"KV_{catalog.RUNS.bucket}", "run state: read back on resume"),
         *_weights_write(weights.MAIN_SCOPE, s),
     ]
 

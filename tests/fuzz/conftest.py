@@ -1,4 +1,4 @@
-"""Fuzz figures: counted by the fuzz tests, printed at the end and written to
+"""Fuzz figures: counted by the fuzz tests, printed in the terminal summary and written to
 ``$RLBUS_FIGURES_DIR/fuzz.json`` when that variable is set (for BENCHMARKS.md)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import json
 import os
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,19 +21,28 @@ class Figures:
     def add(self, key: str, n: int = 1) -> None:
         self.counts[key] += n
 
+    def summary(self) -> dict[str, int]:
+        out = dict(sorted(self.counts.items()))
+        out.setdefault("decoder/crashes", 0)
+        out.setdefault("bus/crashes", 0)
+        return out
+
+
+FIGURES = Figures()
+
 
 @pytest.fixture(scope="session")
-def fuzz_figures(request: pytest.FixtureRequest):
-    figures = Figures()
-    yield figures
-    out = dict(sorted(figures.counts.items()))
-    out.setdefault("decoder/crashes", 0)
-    out.setdefault("bus/crashes", 0)
-    line = "fuzz figures: " + json.dumps(out)
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(line)
+def fuzz_figures() -> Figures:
+    return FIGURES
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     target = os.environ.get("RLBUS_FIGURES_DIR")
-    if target:
+    if target and FIGURES.counts:
         Path(target).mkdir(parents=True, exist_ok=True)
-        (Path(target) / "fuzz.json").write_text(json.dumps(out, indent=2) + "\n")
+        (Path(target) / "fuzz.json").write_text(json.dumps(FIGURES.summary(), indent=2) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if FIGURES.counts:
+        terminalreporter.write_line("fuzz figures: " + json.dumps(FIGURES.summary()))

@@ -41,8 +41,8 @@ def message_types() -> list[Any]:
                 found[f"{m.__name__}.{name}"] = obj
     for family in FAMILIES:
         typ = registry.type_for_subject(f"rlbus.x.{family}")
-        if typ is not None:
-            found.setdefault(f"family:{family}", typ)
+        if typ is not None and typ not in found.values():
+            found[f"family:{family}"] = typ
     return list(found.values())
 
 

@@ -23,8 +23,9 @@ from proto.membership import Heartbeat
 from proto.prompts import PromptTicket
 from proto.rollouts import Rollout, Turn
 from proto.trajectories import ScoredTrajectory
-from services.runtime import bus, service
+from services.runtime import bus, gang, service
 from services.runtime.config import CommonSection, Loaded, NatsSection, RunSection
+from services.runtime.gang import GangSection
 from services.runtime.natsd import EmbeddedNats
 from services.runtime.service import ServiceContext
 from tests.security.conftest import RELAY, RUN, Login
@@ -104,6 +105,9 @@ async def test_the_work_loop_runs_under_its_permissions(login, server):
                 asyncio.create_task(jctx.consume(catalog.JUDGE_ROLLOUTS, Rollout, on_rollout)),
                 asyncio.create_task(tctx.consume(catalog.TRAINER_TRAJECTORIES, ScoredTrajectory, on_trajectory)),
             ]
+            section = GangSection(roles={"trainer": 1, "rollout": 1, "judge": 1}, timeout_s=30.0)
+            states = await asyncio.gather(*(gang.barrier(c.js, RUN, section, poll_s=0.1) for c in (tctx, rctx, jctx)))
+            assert {s.state for s in states} == {"admitted"}  # gang start works under the permissions too
             runs = await bus.ensure_kv(tctx.js, catalog.RUNS)
             await runs.put(f"{RUN}.state", b"running")
             await tctx.js.publish(tctx.subject("prompts"), b"\xc1 not msgpack")  # poison: the rollout dead-letters it
@@ -215,6 +219,11 @@ async def test_admin_reads_status_and_taps(login, server):
             st = await collect(ac.nc, RUN)
             assert any(m["service"] == "trainer" for m in st["members"])
             assert st["streams"]["PROMPTS"]["messages"] == 1
+            runs = await bus.ensure_kv(tctx.js, catalog.RUNS)
+            await runs.put(f"{RUN}.state", b"running")
+            watcher = await (await bus.ensure_kv(ac.js, catalog.RUNS)).watch(f"{RUN}.state")  # rlbus run's progress
+            assert (await watcher.updates(timeout=10)).value == b"running"
+            await watcher.stop()
             out = io.StringIO()
             assert await tap(ac.nc, "prompts", RUN, from_start=True, count=1, out=out) == 1
             assert msgspec.json.decode(out.getvalue())["data"]["prompt_id"] == "p"
