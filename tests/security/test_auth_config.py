@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from proto.subjects import InvalidRunId
-from services.launcher import auth
+from services.launcher import auth, permissions
 from services.runtime.config import NatsSection, load_tree
 from services.runtime.natsd import find_nats_server
 
@@ -33,8 +33,8 @@ def matches(pattern: str, subject: str) -> bool:
 def who_may(kind: str, subject: str, run: str = "r1") -> set[str]:
     """The roles whose generated permissions allow ``kind`` (publish/subscribe) on ``subject``."""
     out = set()
-    for role in auth.ROLES:
-        perms = auth.permissions(auth.grants_for(role, run, relay_scopes=("node-a",)))
+    for role in permissions.ROLES:
+        perms = permissions.flatten(permissions.grants_for(role, run, relay_scopes=("node-a",)))
         if any(matches(p, subject) for p in getattr(perms, kind)):
             out.add(role)
     return out
@@ -96,10 +96,10 @@ def test_overrides_give_a_service_its_login(tmp_path):
 
 
 def test_every_service_subject_is_pinned_to_the_run():
-    for role in auth.ROLES:
-        if role in auth.ALWAYS:
+    for role in permissions.ROLES:
+        if role in permissions.ALWAYS:
             continue
-        perms = auth.permissions(auth.grants_for(role, "r1", relay_scopes=("node-a",)))
+        perms = permissions.flatten(permissions.grants_for(role, "r1", relay_scopes=("node-a",)))
         for subj in perms.publish + perms.subscribe:
             tokens = subj.split(".")
             if tokens[0] == "rlbus":
@@ -145,5 +145,5 @@ def test_deploy_example_is_generated_from_the_table_and_valid(tmp_path):
     (tmp_path / EXAMPLE.name).write_text(EXAMPLE.read_text())
     wrapper = tmp_path / "server.conf"
     wrapper.write_text(f'include "{EXAMPLE.name}"\n')  # include paths are relative to the including file
-    check_config(wrapper, {f"RLBUS_{role.upper()}_PASSWORD": f"pw-{role}" for role in auth.ROLES})
+    check_config(wrapper, {f"RLBUS_{role.upper()}_PASSWORD": f"pw-{role}" for role in permissions.ROLES})
     assert "tls {" in EXAMPLE.read_text()
