@@ -49,6 +49,8 @@ class Rollout(Envelope, kw_only=True, tag="rollout"):
     sandbox_id: str | None = None
     error: str | None = None
     worker: str = ""
+    #: the prompt as text (the ticket's ``prompt_text``), for judges that read it (LLM-as-judge)
+    prompt_text: str = ""
 
     def completion_ids(self) -> list[int]:
         return [t for turn in self.turns for t in turn.token_ids]

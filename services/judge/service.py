@@ -1,9 +1,13 @@
 """The judge service: finished rollouts in, scored trajectories out (a queue group).
 
-The reward comes from the task's reward function(s); every grader's score and
-explanation travel with the trajectory, so ``rlbus tap trajectories`` shows why a
-rollout got its reward. A rollout that failed upstream is scored 0 with the error
-recorded (it still reaches the trainer's accounting).
+Each task's graders (``[services.judge.graders.<task>]``, see ``config.py``; default: the task's reward
+function) score a rollout concurrently; the reward is their weighted mean and every grader's score and
+explanation travel with the trajectory, so ``rlbus tap trajectories`` shows why a rollout got its reward.
+A rollout that failed upstream is scored 0 with the error recorded (it still reaches the trainer's accounting).
+
+**Sandbox ownership.** An agent rollout arrives with its sandbox handed over (paused, lease extended): the
+judge forks it for hidden tests and, once the trajectory is published, destroys it. Publishing first means a
+judge that dies mid-way leaves the sandbox for the redelivered rollout; the lease reclaims it otherwise.
 """
 
 from __future__ import annotations
@@ -24,8 +28,20 @@ log = logging.getLogger("rlbus.judge")
 
 class JudgeService:
     def __init__(self, loaded: Loaded) -> None:
+        from services.judge.graders import GraderFactory, JudgeCache
+
         self.cfg: JudgeConfig = loaded.service
+        self.seed = loaded.run.seed
         self.tasks: dict[str, Any] = {}
+        self.graders: dict[str, list[Any]] = {}
+        self.cache = JudgeCache(self.cfg.judge_cache_entries)
+        self.factory = GraderFactory(None, self.cache, seed=self.seed)
+        self.sandboxes: Any = None
+
+    def attach(self, sandboxes: Any) -> None:
+        """Use ``sandboxes`` (a SandboxClient) for sandbox graders and for destroying handed-over sandboxes."""
+        self.sandboxes = sandboxes
+        self.factory.sandboxes = sandboxes
 
     def task(self, name: str) -> Any:
         from services.tasks import UnknownTaskError, get_task
@@ -37,27 +53,47 @@ class JudgeService:
                 raise Poison(str(e)) from e
         return self.tasks[name]
 
-    def score(self, rollout: Rollout) -> tuple[float, list[GraderScore]]:
-        from services.tasks.base import Prompt
+    def graders_for(self, task: str) -> list[Any]:
+        if task not in self.graders:
+            self.graders[task] = self.factory.build(task, self.cfg.graders.get(task, []))
+        return self.graders[task]
+
+    async def score(self, rollout: Rollout) -> tuple[float, list[GraderScore]]:
+        from services.judge.graders import grade_all
 
         if rollout.error is not None:
             return 0.0, [GraderScore(grader="rollout", score=0.0, error=rollout.error,
-                                     explanation="the rollout failed before finishing")]
+                                     explanation=f"the rollout failed before finishing ({rollout.finish_reason})")]
         task = self.task(rollout.task)
-        prompt = Prompt(id=rollout.prompt_id, metadata=dict(rollout.metadata))
-        r = task.reward(prompt, rollout.text())
-        return float(r.value), [GraderScore(grader=f"{rollout.task}.reward", score=float(r.value),
-                                            explanation=r.explanation)]
+        return await grade_all(self.graders_for(rollout.task), rollout, task)
 
     async def handle(self, ctx: ServiceContext, rollout: Rollout, d: Delivery[Rollout]) -> None:
-        reward, scores = self.score(rollout)
+        reward, scores = await self.score(rollout)
         traj = ScoredTrajectory(run_id=ctx.run_id, rollout=rollout, reward=reward, scores=scores, judge=ctx.instance,
                                 msg_id=f"{rollout.msg_id}-scored")
         await ctx.publish(ctx.subject("trajectories"), traj)
+        if rollout.sandbox_id is not None and self.cfg.destroy_sandboxes and self.sandboxes is not None:
+            await self._destroy(rollout.sandbox_id)
+        ctx.gauges["judge/llm_cache_hits"] = float(self.cache.hits)
+        ctx.gauges["judge/llm_cache_misses"] = float(self.cache.misses)
+
+    async def _destroy(self, sandbox_id: str) -> None:
+        from services.sandbox.client import SandboxClientError
+
+        try:
+            await self.sandboxes.destroy(sandbox_id)
+        except SandboxClientError as e:  # already gone (failed rollout, expired lease, redelivery)
+            log.debug("sandbox %s not destroyed: %s", sandbox_id, e)
 
     async def run(self, ctx: ServiceContext) -> None:
-        await ctx.consume(catalog.JUDGE_ROLLOUTS, Rollout, lambda r, d: self.handle(ctx, r, d),
-                          concurrency=self.cfg.concurrency)
+        from services.sandbox.client import SandboxClient
+
+        self.attach(SandboxClient(ctx.nc, ctx.run_id, timeout_s=self.cfg.sandbox_timeout_s))
+        try:
+            await ctx.consume(catalog.JUDGE_ROLLOUTS, Rollout, lambda r, d: self.handle(ctx, r, d),
+                              concurrency=self.cfg.concurrency)
+        finally:
+            await self.factory.close()
 
 
 def build(loaded: Loaded) -> JudgeService:

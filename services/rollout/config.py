@@ -28,6 +28,43 @@ class TorchEngineSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
 EngineSection = TorchEngineSection
 
 
+class SandboxSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The sandbox each agent loop creates (see ``proto.sandbox.CreateRequest``); None = the service default."""
+
+    #: ``"host"`` or an image name configured in the sandbox service
+    base: str = "host"
+    memory_mb: Annotated[int, msgspec.Meta(ge=16)] | None = None
+    pids: Annotated[int, msgspec.Meta(ge=4)] | None = None
+    cpus: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    #: ``host:port`` entries the sandbox may reach (empty: no network)
+    egress: list[str] = []
+
+
+class AgentSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Budgets of the multi-turn agent loop (tasks with tools; see services/rollout/agent.py)."""
+
+    #: most assistant turns; a rollout still calling tools after the last one ends with ``turn_limit``
+    max_turns: Pos = 4
+    #: most completion tokens (assistant + tool) per rollout; the next turn's generation is capped by what is left
+    max_total_tokens: Pos = 1024
+    #: wall-clock limit of one rollout in seconds (inference, tools, sandbox calls); past it: ``wall_time``
+    wall_time_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    #: wall-time limit of one tool call inside the sandbox (a timed-out call is an observation, not an error)
+    exec_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    #: seconds to wait for the sandbox service's reply to anything but an exec (create, pause, resume, ...)
+    sandbox_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    #: characters of stdout and of stderr kept in an observation (the rest is cut, and the cut is said)
+    max_observation_chars: Pos = 2000
+    #: chat role of observation messages (``user`` fits every chat template; ``tool`` where the template has it)
+    observation_role: str = "user"
+    #: hand the finished sandbox (paused, lease extended) to the judge, which destroys it after grading;
+    #: false: the rollout destroys it itself
+    handoff: bool = True
+    #: lease the judge gets on a handed-off sandbox (seconds); an unclaimed sandbox goes when it expires
+    handoff_lease_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    sandbox: SandboxSection = msgspec.field(default_factory=SandboxSection)
+
+
 class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: builtin model (tiny-addition, smollm2) or a Hugging Face directory (must match the trainer's)
     model: str = "tiny-addition"
@@ -47,3 +84,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weights_recheck_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     #: weight store (must match the trainer's)
     store: StoreConfig = msgspec.field(default_factory=ObjStoreConfig)
+    #: options per task name, passed to the task factory (must match the trainer's)
+    task_options: dict[str, dict[str, int | float | str | bool]] = {}
+    #: budgets of agent loops (tasks with tools); single-turn tasks ignore it
+    agent: AgentSection = msgspec.field(default_factory=AgentSection)

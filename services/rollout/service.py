@@ -2,7 +2,8 @@
 
 Each ticket runs ``group_size`` agent loops concurrently; every loop's requests
 go to one shared engine that batches them dynamically, so hundreds of loops
-share one forward pass per decode step.
+share one forward pass per decode step. Tasks with tools (:func:`services.rollout.agent.is_agent_task`)
+run multi-turn loops in sandboxes (:class:`services.rollout.agent.AgentLoop`); others one generation each.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from proto.prompts import PromptTicket
 from proto.rollouts import Rollout, Turn
 from services.rollout.config import RolloutConfig
 from services.runtime.config import Loaded
-from services.runtime.consume import Delivery, Retry
+from services.runtime.consume import Delivery, Poison, Retry
 from services.runtime.service import ServiceContext
 
 log = logging.getLogger("rlbus.rollout")
@@ -26,6 +27,15 @@ log = logging.getLogger("rlbus.rollout")
 def rollout_msg_id(run_id: str, group_id: str, index: int) -> str:
     """Deterministic: a redelivered ticket's rollouts are de-duplicated by JetStream."""
     return f"{run_id}-{group_id}-s{index}"
+
+
+def _rollout_fields(ctx: ServiceContext, ticket: PromptTicket, index: int) -> dict[str, Any]:
+    """What every rollout of a ticket copies from it."""
+    return dict(run_id=ctx.run_id, task=ticket.task, group_id=ticket.group_id, prompt_id=ticket.prompt_id,
+                sample_index=index, group_size=ticket.group_size, prompt_ids=ticket.prompt_ids,
+                policy_version=ticket.policy_version, metadata=ticket.metadata, is_eval=ticket.is_eval,
+                worker=ctx.instance, msg_id=rollout_msg_id(ctx.run_id, ticket.group_id, index),
+                prompt_text=ticket.prompt_text)
 
 
 class RolloutService:
@@ -37,6 +47,8 @@ class RolloutService:
         self.first_weights = asyncio.Event()
         self.version_changed = asyncio.Condition()
         self.refused_version: int | None = None
+        self.tasks: dict[str, Any] = {}
+        self.agents: Any = None  # services.rollout.agent.AgentLoop once attached
 
     def _engine(self) -> Any:
         from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
@@ -49,11 +61,15 @@ class RolloutService:
             num_threads=e.num_threads or None, weight_update_mode=e.weight_update_mode))
 
     async def run(self, ctx: ServiceContext) -> None:
+        from services.sandbox.client import SandboxClient
         from services.weightsync.client import WeightSubscriber
         from services.weightsync.store import open_store
 
-        self.engine = await asyncio.to_thread(self._engine)
-        await self.engine.start()
+        engine = await asyncio.to_thread(self._engine)
+        await engine.start()
+        self.attach(engine, engine.tokenizer, SandboxClient(
+            ctx.nc, ctx.run_id, timeout_s=self.cfg.agent.sandbox_timeout_s,
+            default_exec_timeout_s=self.cfg.agent.exec_timeout_s))
         self.subscriber = WeightSubscriber(ctx.nc, ctx.run_id, open_store(self.cfg.store, ctx.nc))
         weights = asyncio.create_task(self._follow_weights(ctx), name="rollout-weights")
         reports = asyncio.create_task(self._report(ctx), name="rollout-metrics")
@@ -70,6 +86,25 @@ class RolloutService:
             weights.cancel()
             reports.cancel()
             await self.engine.stop()
+
+    def attach(self, engine: Any, tokenizer: Any, sandboxes: Any) -> None:
+        """Serve with ``engine`` (an Engine); agent loops use ``tokenizer`` and ``sandboxes`` (a SandboxClient)."""
+        from services.rollout.agent import AgentLoop
+
+        self.engine = engine
+        self.agents = AgentLoop(engine, tokenizer, sandboxes, self.cfg.agent) if tokenizer is not None else None
+
+    def task(self, name: str) -> Any:
+        """The registered task ``name`` (built once), or None when this process does not know it."""
+        from services.tasks import TaskRegistrationError, UnknownTaskError, get_task
+
+        if name not in self.tasks:
+            try:
+                self.tasks[name] = get_task(name, **self.cfg.task_options.get(name, {}))
+            except (UnknownTaskError, TaskRegistrationError) as e:
+                log.warning("task %r is not known to this rollout process (%s); its tickets run single-turn", name, e)
+                self.tasks[name] = None
+        return self.tasks[name]
 
     async def _follow_weights(self, ctx: ServiceContext) -> None:
         """Apply each newer announced version; survive server restarts (the watch is re-made,
@@ -124,9 +159,14 @@ class RolloutService:
                 "rollout/pending_requests": float(st.pending), "rollout/running": float(st.running),
                 "rollout/tokens_per_s": float(st.tokens_per_s), "rollout/tokens_total": float(st.total_generated_tokens),
                 "rollout/weight_version": float(st.version), "rollout/weight_errors": float(self.weight_errors),
+                **({} if self.agents is None else {
+                    "rollout/agent_loops": float(self.agents.active),
+                    "rollout/agent_tool_calls": float(self.agents.counters["tool_calls"]),
+                    "rollout/agent_errors": float(self.agents.counters["errors"])}),
             })
 
     async def handle(self, ctx: ServiceContext, ticket: PromptTicket, d: Delivery[PromptTicket]) -> None:
+        from services.rollout.agent import is_agent_task
         from services.rollout.engine import EngineOverloadedError, SamplingParams
 
         # a ticket admitted at version v is generated by weights no older than v: otherwise the
@@ -142,6 +182,10 @@ class RolloutService:
         s = ticket.sampling
         params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                 stop=list(s.stop))
+        task = self.task(ticket.task)
+        if task is not None and is_agent_task(task):
+            await self._handle_agent(ctx, ticket, task, params)
+            return
         try:
             results = await asyncio.gather(*(self.engine.generate(ticket.prompt_ids, params)
                                              for _ in range(ticket.group_size)), return_exceptions=True)
@@ -151,10 +195,7 @@ class RolloutService:
         for i, res in enumerate(results):
             if isinstance(res, EngineOverloadedError):
                 raise Retry(str(res), delay_s=2.0)
-            common = dict(run_id=ctx.run_id, task=ticket.task, group_id=ticket.group_id, prompt_id=ticket.prompt_id,
-                          sample_index=i, group_size=ticket.group_size, prompt_ids=ticket.prompt_ids,
-                          policy_version=ticket.policy_version, metadata=ticket.metadata, is_eval=ticket.is_eval,
-                          worker=ctx.instance, msg_id=rollout_msg_id(ctx.run_id, ticket.group_id, i))
+            common = _rollout_fields(ctx, ticket, i)
             if isinstance(res, BaseException):
                 log.warning("generation failed for %s/%d: %s", ticket.group_id, i, res)
                 rollout = Rollout(**common, turns=[], finish_reason="error", error=f"{type(res).__name__}: {res}")
@@ -163,6 +204,31 @@ class RolloutService:
                             text=res.text)
                 rollout = Rollout(**common, turns=[turn], finish_reason=res.finish_reason)
             await ctx.publish(subject, rollout)
+
+    async def _handle_agent(self, ctx: ServiceContext, ticket: PromptTicket, task: Any, params: Any) -> None:
+        """``group_size`` agent loops in sandboxes; each rollout is published, failed ones with their error."""
+        from services.tasks.base import Prompt
+
+        if self.agents is None:
+            raise Poison(f"task {ticket.task!r} runs agent loops, which need a tokenizer; the engine has none")
+        prompt = Prompt(id=ticket.prompt_id, text=ticket.prompt_text, metadata=dict(ticket.metadata))
+        outcomes = await asyncio.gather(*(
+            self.agents.run(task, prompt, ticket.prompt_ids, params, labels={
+                "task": ticket.task, "group": ticket.group_id, "sample": str(i), "prompt": ticket.prompt_id})
+            for i in range(ticket.group_size)), return_exceptions=True)
+        subject = ctx.subject("rollouts")
+        for i, out in enumerate(outcomes):
+            common = _rollout_fields(ctx, ticket, i)
+            if isinstance(out, BaseException):
+                log.warning("agent loop failed for %s/%d: %s", ticket.group_id, i, out)
+                rollout = Rollout(**common, turns=[], finish_reason="error", error=f"{type(out).__name__}: {out}")
+            else:
+                rollout = Rollout(**common, turns=out.turns, finish_reason=out.finish_reason,
+                                  sandbox_id=out.sandbox_id, error=out.error)
+            ack = await ctx.publish(subject, rollout)
+            if ack.duplicate and not isinstance(out, BaseException) and out.handed_off and out.sandbox_id:
+                # a redelivered ticket: the judge already has the first copy of this rollout, not this sandbox
+                await self.agents.destroy_quietly(out.sandbox_id)
 
 
 def build(loaded: Loaded) -> RolloutService:
