@@ -433,16 +433,8 @@ class TorchEngine:
                 self._n_pending -= len(cancelled)
             self._remove_rows(cancelled)
 
-    @torch.inference_mode()
-    def _admit(self, newcomers: list[_Request]) -> None:
-        """Prefill ``newcomers`` together, sample their first token, merge them into the batch.
-
-        Identical prompts (a GRPO group) are prefilled once and their cache rows copied.
-        """
-        device = self._device
-        unique: dict[tuple[int, ...], int] = {}
-        row_of = [unique.setdefault(tuple(r.prompt_ids), len(unique)) for r in newcomers]
-        prompts = list(unique)
+    def _prefill(self, prompts: list[tuple[int, ...]]) -> tuple[PaddedBatchCache, torch.Tensor]:
+        """Left-padded forward pass over ``prompts``: their cache and last-position logits."""
         longest = max(len(p) for p in prompts)
         ids = torch.zeros((len(prompts), longest), dtype=torch.long)
         valid = torch.zeros((len(prompts), longest), dtype=torch.bool)
@@ -453,23 +445,53 @@ class TorchEngine:
             valid[i, longest - n:] = True
             positions[i, longest - n:] = torch.arange(n)
         cache = PaddedBatchCache(self._num_layers)
-        mask = cache.extend(valid.to(device))
-        logits = self._model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device),
-                             cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        rows = None
-        if len(prompts) < len(newcomers):
-            rows = torch.tensor(row_of, dtype=torch.long, device=device)
-            logits = logits.index_select(0, rows)
-        tokens, token_list, logprob_list = sample_tokens(logits, [r.params for r in newcomers],
-                                                         [r.generator for r in newcomers], self._generator)
-        next_positions = torch.tensor([len(r.prompt_ids) for r in newcomers], dtype=torch.long, device=device)
+        mask = cache.extend(valid.to(self._device))
+        logits = self._model(input_ids=ids.to(self._device), attention_mask=mask,
+                             position_ids=positions.to(self._device), cache=cache, use_cache=True,
+                             logits_to_keep=1).logits[:, -1]
+        return cache, logits
+
+    @torch.inference_mode()
+    def _admit(self, newcomers: list[_Request]) -> None:
+        """Prefill ``newcomers``, sample their first token, append them to the running batch.
+
+        Identical prompts (a GRPO group) are prefilled once and their cache rows
+        copied. Distinct prompts are prefilled longest first, in chunks of similar
+        length (each at least 3/4 of its chunk's longest), so little padding is computed.
+        """
+        device = self._device
+        groups: dict[tuple[int, ...], list[_Request]] = {}
+        for request in newcomers:
+            groups.setdefault(tuple(request.prompt_ids), []).append(request)
+        prompts = sorted(groups, key=len, reverse=True)
+        chunks: list[list[tuple[int, ...]]] = []
+        for prompt in prompts:
+            if chunks and 4 * len(prompt) >= 3 * len(chunks[-1][0]):
+                chunks[-1].append(prompt)
+            else:
+                chunks.append([prompt])
         if self._cache is None:
             self._cache = PaddedBatchCache(self._num_layers, batch_capacity=self.config.max_batch_size)
-        self._cache.append(cache, rows)
-        self._rows = self._rows + newcomers
+        admitted: list[_Request] = []
+        all_logits: list[torch.Tensor] = []
+        for chunk in chunks:
+            cache, logits = self._prefill(chunk)
+            copies = [i for i, prompt in enumerate(chunk) for _ in groups[prompt]]
+            rows = None
+            if len(copies) > len(chunk):
+                rows = torch.tensor(copies, dtype=torch.long, device=device)
+                logits = logits.index_select(0, rows)
+            self._cache.append(cache, rows)
+            admitted += [r for prompt in chunk for r in groups[prompt]]
+            all_logits.append(logits)
+        logits = torch.cat(all_logits) if len(all_logits) > 1 else all_logits[0]
+        tokens, token_list, logprob_list = sample_tokens(logits, [r.params for r in admitted],
+                                                         [r.generator for r in admitted], self._generator)
+        next_positions = torch.tensor([len(r.prompt_ids) for r in admitted], dtype=torch.long, device=device)
+        self._rows = self._rows + admitted
         self._next_tokens = torch.cat([self._next_tokens, tokens])
         self._positions = torch.cat([self._positions, next_positions])
-        offset = len(self._rows) - len(newcomers)
+        offset = len(self._rows) - len(admitted)
         self._record(range(offset, len(self._rows)), token_list, logprob_list)
 
     @torch.inference_mode()
