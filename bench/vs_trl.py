@@ -1,13 +1,19 @@
 """Beats the usual tool: TRL's GRPOTrainer vs rlbus on the addition example, one after the other.
 
-Both sides train the same warm-started tiny model (``tiny-addition`` for the
-run's seed) on the same task (2-digit addition, exact-match reward through
-``AdditionTask.reward``), with the same group size, completion length,
-temperature, learning rate, clipping (0.2 / 0.28), no KL, one optimiser step
-per batch, per-sequence loss averaging (TRL ``loss_type="grpo"`` = rlbus
-``seq_mean_token_mean``) and the same sample budget (steps x prompts x group).
-Both evaluate the same held-out prompts the same way (one sample each at the
-eval temperature, exact match) every ``eval_every`` steps.
+Every matched setting comes from the example's ``[services.trainer]``
+(examples/addition.toml, defaults of ``TrainerConfig`` filled in): the same
+warm-started tiny model (``tiny-addition`` for the run's seed), task (2-digit
+addition, exact-match reward through ``AdditionTask.reward``), group size
+(``num_generations``), completion length (``max_completion_length``),
+temperature, learning rate and schedule, clipping (``epsilon`` /
+``epsilon_high`` = ``clip_low`` / ``clip_high``), KL coefficient (``beta``),
+gradient clipping, group std normalisation, one optimiser step per batch,
+per-sequence loss averaging (TRL ``loss_type="grpo"`` = rlbus
+``seq_mean_token_mean``), the same training prompts in the same order, and the
+same sample budget (steps x groups_per_step x group_size). Both evaluate the
+same held-out prompts the same way (``eval_samples`` samples each at
+``eval_temperature``, exact match) every ``eval_every`` steps; TRL through
+``services.tasks.evaluate.evaluate_task`` in a ``TrainerCallback``.
 
 Clocks: rlbus's is the trainer's (see bench/_rlbus_runs.py), where an
 evaluation counts at the moment its weight version existed; TRL's starts when
@@ -19,9 +25,9 @@ checkpointing (TRL's default is on; a 1 M model needs no memory saving), no
 checkpoints, no logging integrations, and 1 torch thread (``--trl-threads``):
 measured on the shared 2-core machine, 2 threads made a TRL step ~9x slower
 (OpenMP workers spin-waiting against other tenants) and 2 threads with
-OMP_WAIT_POLICY=PASSIVE were no faster than 1 on this 1 M-parameter model. rlbus runs the
-example as shipped (async, max_staleness 1, 1 thread each for trainer and
-rollout), checkpoints off as on the TRL side.
+OMP_WAIT_POLICY=PASSIVE were no faster than 1 on this 1 M-parameter model.
+rlbus runs the example as shipped (async, max_staleness 1, 1 thread each for
+trainer and rollout engine), checkpoints off as on the TRL side.
 
 Figure: wall time each takes to first reach the target eval reward (default:
 the lower of the two final rewards) and ``ratio`` = TRL / rlbus (goal >= 2);
@@ -52,6 +58,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._rlbus_runs import (  # noqa: E402
+    EXAMPLE,
     BenchRunError,
     EvalPoint,
     compare,
@@ -65,14 +72,8 @@ from bench._rlbus_runs import (  # noqa: E402
 
 log = logging.getLogger("rlbus.bench.vs_trl")
 
-#: the example's settings both sides share (examples/addition.toml)
-GROUPS_PER_STEP = 16
-GROUP_SIZE = 8
-MAX_NEW_TOKENS = 6
-TEMPERATURE = 1.0
-LR = 1e-4
-CLIP_LOW, CLIP_HIGH = 0.2, 0.28
-MAX_GRAD_NORM = 1.0
+#: rlbus aggregation -> the TRL loss_type that averages the same way
+TRL_LOSS_TYPE = {"seq_mean_token_mean": "grpo", "token_mean": "dapo"}
 
 
 class TrlUnavailable(RuntimeError):
@@ -101,6 +102,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def example_trainer_config(example: Path = EXAMPLE) -> Any:
+    """The example's ``[services.trainer]`` as a ``TrainerConfig`` (defaults filled in).
+
+    Both sides take every matched setting from here, so the comparison follows the example.
+
+    Raises:
+        TrlUnavailable: a setting has no TRL counterpart (the comparison would not be like for like).
+    """
+    import tomllib
+
+    import msgspec
+
+    from services.trainer.config import TrainerConfig
+
+    tree = tomllib.loads(example.read_text())
+    cfg = msgspec.convert(tree.get("services", {}).get("trainer", {}), TrainerConfig)
+    if cfg.task != "addition" or cfg.model != "tiny-addition":
+        raise TrlUnavailable(f"{example}: this bench compares on task addition with model tiny-addition, "
+                             f"the example has {cfg.task!r} / {cfg.model!r}")
+    if cfg.aggregation not in TRL_LOSS_TYPE:
+        raise TrlUnavailable(f"{example}: aggregation {cfg.aggregation!r} has no TRL loss_type counterpart")
+    return cfg
+
+
 # --- TRL side -----------------------------------------------------------------------------------
 
 
@@ -119,8 +144,10 @@ def prompt_text(tokenizer: Any, task: Any, prompt: Any) -> str:
     return text
 
 
-def run_trl(args: argparse.Namespace, model_dir: Path, out_dir: Path) -> tuple[list[EvalPoint], dict[str, Any]]:
-    """Train with TRL's GRPOTrainer; return the eval curve on TRL's train clock and loop stats."""
+def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
+            out_dir: Path) -> tuple[list[EvalPoint], dict[str, Any]]:
+    """Train with TRL's GRPOTrainer on ``cfg``'s settings (a ``TrainerConfig``); return the eval
+    curve on TRL's train clock and loop stats."""
     try:
         import torch
         from datasets import Dataset
@@ -135,12 +162,13 @@ def run_trl(args: argparse.Namespace, model_dir: Path, out_dir: Path) -> tuple[l
 
     torch.set_num_threads(args.trl_threads)
     torch.manual_seed(args.seed)
-    task = get_task("addition")
+    task = get_task(cfg.task, **cfg.task_options)
+    max_new_tokens = cfg.max_new_tokens or task.max_new_tokens
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     eval_set = task.eval_prompts()[: args.eval_prompts]
     # the prompts rlbus's trainer admits, in the same order (its stream for this seed)
-    train = list(islice(task.train_prompts(args.seed), args.steps * GROUPS_PER_STEP))
+    train = list(islice(task.train_prompts(args.seed), args.steps * cfg.groups_per_step))
     dataset = Dataset.from_list([{"prompt": prompt_text(tokenizer, task, p), "answer": p.metadata["answer"],
                                   "prompt_id": p.id} for p in train])
 
@@ -150,11 +178,13 @@ def run_trl(args: argparse.Namespace, model_dir: Path, out_dir: Path) -> tuple[l
 
     config = GRPOConfig(
         output_dir=str(out_dir), use_cpu=True, bf16=False, report_to="none", seed=args.seed,
-        max_steps=args.steps, per_device_train_batch_size=GROUPS_PER_STEP * GROUP_SIZE,
-        gradient_accumulation_steps=1, num_generations=GROUP_SIZE, max_completion_length=MAX_NEW_TOKENS,
-        temperature=TEMPERATURE, top_p=1.0, top_k=0, learning_rate=LR, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, beta=0.0, num_iterations=1,
-        epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH, loss_type="grpo", scale_rewards="group",
+        max_steps=args.steps, per_device_train_batch_size=cfg.groups_per_step * cfg.group_size,
+        gradient_accumulation_steps=1, num_generations=cfg.group_size, max_completion_length=max_new_tokens,
+        temperature=cfg.temperature, top_p=cfg.top_p, top_k=0, learning_rate=cfg.lr,
+        lr_scheduler_type=cfg.lr_schedule, warmup_steps=cfg.lr_warmup_steps, weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm, beta=cfg.kl_coef, num_iterations=1,
+        epsilon=cfg.clip_low, epsilon_high=cfg.clip_high, loss_type=TRL_LOSS_TYPE[cfg.aggregation],
+        scale_rewards="group" if cfg.normalize_std else "none",
         shuffle_dataset=False, save_strategy="no", logging_steps=1, disable_tqdm=True,
         dataloader_num_workers=0, log_completions=False, gradient_checkpointing=False,  # 1 M params: memory is no issue
     )
@@ -175,8 +205,8 @@ def run_trl(args: argparse.Namespace, model_dir: Path, out_dir: Path) -> tuple[l
         def evaluate(self, model: Any, step: int) -> None:
             t = self.now()
             started = time.monotonic()
-            reward = evaluate_task(model, tokenizer, task, eval_set, temperature=TEMPERATURE,
-                                   max_new_tokens=MAX_NEW_TOKENS)
+            reward = evaluate_task(model, tokenizer, task, eval_set, samples_per_prompt=cfg.eval_samples,
+                                   temperature=cfg.eval_temperature, max_new_tokens=max_new_tokens)
             self.eval_s += time.monotonic() - started
             self.curve.append(EvalPoint(version=step, step=step, reward=reward, t=t, reported_s=t))
             log.info("trl: eval at step %d (%.1fs): reward %.3f", step, t, reward)
@@ -217,24 +247,11 @@ def run_trl(args: argparse.Namespace, model_dir: Path, out_dir: Path) -> tuple[l
 
 
 def rlbus_overrides(args: argparse.Namespace) -> dict[str, object]:
-    """The example as shipped, with the bench's budget and eval schedule."""
+    """The example as shipped (TRL took its settings from it), with the bench's budget and eval schedule."""
     return {
         "run.seed": args.seed,
         "services.trainer.total_steps": args.steps,
-        "services.trainer.max_wall_s": 0.0,
-        "services.trainer.groups_per_step": GROUPS_PER_STEP,
-        "services.trainer.group_size": GROUP_SIZE,
-        "services.trainer.max_new_tokens": MAX_NEW_TOKENS,
-        "services.trainer.temperature": TEMPERATURE,
-        "services.trainer.eval_temperature": TEMPERATURE,
-        "services.trainer.lr": LR,
-        "services.trainer.clip_low": CLIP_LOW,
-        "services.trainer.clip_high": CLIP_HIGH,
-        "services.trainer.kl_coef": 0.0,
-        "services.trainer.max_grad_norm": MAX_GRAD_NORM,
-        "services.trainer.lr_schedule": "constant",
-        "services.trainer.aggregation": "seq_mean_token_mean",
-        "services.trainer.normalize_std": True,
+        "services.trainer.max_wall_s": 0.0,  # the sample budget ends the run, as on the TRL side
         "services.trainer.eval_every": args.eval_every,
         "services.trainer.eval_prompts": args.eval_prompts,
         "services.trainer.checkpoint_every": 0,  # TRL saves nothing either
@@ -251,12 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="rlbus-vs-trl-"))
     from services.tasks.models import default_cache_dir, resolve_model
 
-    model_dir = resolve_model("tiny-addition", str(args.cache_dir or default_cache_dir()), seed=args.seed)
+    try:
+        cfg = example_trainer_config()
+    except TrlUnavailable as e:
+        print(f"vs_trl: {e}", file=sys.stderr)
+        return 1
+    model_dir = resolve_model(cfg.model, str(args.cache_dir or default_cache_dir()), seed=args.seed)
     curves: dict[str, list[EvalPoint]] = {}
     sides: dict[str, dict[str, Any]] = {}
     def trl_side() -> None:
         t0 = time.monotonic()
-        curves["trl"], stats = run_trl(args, model_dir, work / "trl")
+        curves["trl"], stats = run_trl(args, cfg, model_dir, work / "trl")
         sides["trl"] = {"final_reward": final_reward(curves["trl"]), "curve": curve_json(curves["trl"]),
                         "launch_s": round(time.monotonic() - t0, 1), **stats}
 
@@ -292,11 +314,13 @@ def main(argv: list[str] | None = None) -> int:
         "order": args.order,
         "trl_threads": args.trl_threads,
         "steps": args.steps,
-        "samples_per_step": GROUPS_PER_STEP * GROUP_SIZE,
-        "sample_budget": args.steps * GROUPS_PER_STEP * GROUP_SIZE,
-        "group_size": GROUP_SIZE,
-        "max_new_tokens": MAX_NEW_TOKENS,
-        "lr": LR,
+        "samples_per_step": cfg.groups_per_step * cfg.group_size,
+        "sample_budget": args.steps * cfg.groups_per_step * cfg.group_size,
+        "group_size": cfg.group_size,
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "lr": cfg.lr,
+        "eval_samples": cfg.eval_samples,
         "eval_every": args.eval_every,
         "eval_prompts": args.eval_prompts,
         "seed": args.seed,
