@@ -13,7 +13,18 @@ from typing import Literal
 
 import msgspec
 
-from proto import accounting, deadletter, echo, membership, metrics, prompts, rollouts, sandbox, subjects, trajectories
+from proto import (
+    accounting,
+    deadletter,
+    echo,
+    membership,
+    metrics,
+    prompts,
+    rollouts,
+    sandbox,
+    subjects,
+    trajectories,
+)
 from proto.codec import MAX_MESSAGE_BYTES
 
 DAY = 24 * 3600.0

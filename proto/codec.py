@@ -10,6 +10,17 @@ T = TypeVar("T")
 
 #: Largest message a service accepts by default (tensors never travel inside messages).
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Longest error text kept from the decoder (msgspec quotes offending values in full)
+MAX_REASON_CHARS = 300
+
+
+def _short(text: str) -> str:
+    """``text`` with control characters escaped and cut to MAX_REASON_CHARS (it ends up in logs and dead letters)."""
+    if not text.isprintable():
+        text = text.encode("unicode_escape").decode("ascii")
+    if len(text) > MAX_REASON_CHARS:
+        text = f"{text[:MAX_REASON_CHARS]}... ({len(text)} characters)"
+    return text
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -47,9 +58,11 @@ def decode(data: bytes, type: type[T], *, max_bytes: int | None = MAX_MESSAGE_BY
         if " - at `" in text:
             text, _, rest = text.partition(" - at `")
             field = rest.rstrip("`")
-        raise DecodeError(name, text, field) from None
+        raise DecodeError(name, _short(text), _short(field) if field else None) from None
     except msgspec.DecodeError as e:
-        raise DecodeError(name, f"not valid msgpack ({e})") from None
+        raise DecodeError(name, _short(f"not valid msgpack ({e})")) from None
+    except RecursionError:
+        raise DecodeError(name, "nested too deeply") from None
 
 
 def to_builtins(msg: Any) -> Any:

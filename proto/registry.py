@@ -54,3 +54,5 @@ def decode_any(subject: str, data: bytes) -> Any:
         return msgspec.msgpack.decode(data)
     except msgspec.DecodeError as e:
         raise DecodeError("message", f"not msgpack ({e})") from None
+    except RecursionError:
+        raise DecodeError("message", "nested too deeply") from None

@@ -127,6 +127,14 @@ async def _with_connection(args: argparse.Namespace, fn):
 
     run, nats_cfg = _bus_sections(args)
     nats_cfg.max_reconnect_attempts = 3
+    if nats_cfg.user is None and nats_cfg.creds_file is None:
+        from services.launcher.auth import AuthError, load_auth
+
+        try:  # a run started by `rlbus up` / `rlbus run`: read-only admin login from its run directory
+            admin = load_auth(run.dir).for_role("admin")
+            nats_cfg.user, nats_cfg.password = admin.user, admin.password
+        except AuthError:
+            pass  # an open server, or credentials given some other way
     nc = await bus.connect(nats_cfg, "rlbus-cli", first_attempts=1)
     try:
         return await fn(nc, run.id)
@@ -202,7 +210,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             watcher = asyncio.create_task(watch_children(), name="run-watch-children")
             try:
-                return await follow(sup.nats_url, sup.run.id, total, stop)
+                url = sup.auth.for_role("launcher").url(sup.nats_url) if sup.auth is not None else sup.nats_url
+                return await follow(url, sup.run.id, total, stop)
             finally:
                 watcher.cancel()
 

@@ -56,6 +56,9 @@ class LauncherSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_timeout_s: float = 20.0
     #: a running service silent (no heartbeat) this long is killed and restarted (0: off)
     heartbeat_timeout_s: float = 30.0
+    #: embedded server: one NATS user per service with minimal permissions and generated passwords
+    #: (services/launcher/auth.py; credentials under <run dir>/auth); false: an open server
+    auth: bool = True
 
 
 @dataclass
@@ -99,21 +102,30 @@ class Supervisor:
         self.gang_failed = False
         self.last_seen: dict[str, float] = {}  # "<service>/<instance>" -> monotonic time of its last heartbeat
         self.monitor_connected_since: float | None = None  # None: heartbeats are not being watched
+        self.auth: Any = None  # services.launcher.auth.AuthBundle when the embedded server has users
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         if self.launcher.embedded_nats:
-            self.nats = EmbeddedNats(self.run_dir / "nats", port=self.launcher.nats_port)
+            config_file = None
+            if self.launcher.auth:
+                from services.launcher.auth import generate_auth
+
+                relay = self.tree.get("services", {}).get("weightsync", {}).get("relay") or {}
+                self.auth = generate_auth(self.run_dir, self.launcher.services, run_id=self.run.id,
+                                          relay_scopes=[relay["scope"]] if "scope" in relay else [],
+                                          max_payload=8 * 1024 * 1024)
+                config_file = self.auth.server_config
+            self.nats = EmbeddedNats(self.run_dir / "nats", port=self.launcher.nats_port, config_file=config_file)
             self.nats.start()
             self.nats_url = self.nats.url
         resolved = dict(self.tree)
         resolved["nats"] = {**resolved.get("nats", {}), "url": self.nats_url}
         (self.run_dir / "config.resolved.json").write_text(json.dumps(resolved, indent=2, default=str))
         self._say(f"nats {self.nats_url} (data {self.run_dir / 'nats'})")
-        if self.gang.roles:
-            asyncio.run(self._reset_gang())
+        asyncio.run(self._provision())
         for name, count in self.launcher.services.items():
             for i in range(count):
                 argv = [sys.executable, "-m", "services.launcher.cli", "service", name,
@@ -122,20 +134,33 @@ class Supervisor:
                     argv += ["--config", self.config_path]
                 for o in self.overrides:
                     argv += ["--set", o]
+                if self.auth is not None:  # after the user's overrides: the generated login wins
+                    for o in self.auth.for_role(name).nats_overrides():
+                        argv += ["--set", o]
                 self.children.append(Child(name, i, argv, self.run_dir / "logs" / f"{name}-{i}.log"))
         for c in self.children:
             self._spawn(c)
 
-    async def _reset_gang(self) -> None:
-        from services.runtime import bus, gang
+    def nats_section(self, role: str = "launcher") -> Any:
+        """The [nats] section for the launcher's own connections (with its login when the server has users)."""
         from services.runtime.config import NatsSection
 
         nats_cfg = convert(self.tree.get("nats"), NatsSection, "nats")
         nats_cfg.url = self.nats_url
-        nc = await bus.connect(nats_cfg, "rlbus-launcher", first_attempts=10)
+        if self.auth is not None:
+            creds = self.auth.for_role(role)
+            nats_cfg.user, nats_cfg.password = creds.user, creds.password
+        return nats_cfg
+
+    async def _provision(self) -> None:
+        """Streams and buckets exist (and match the catalog) before any service starts; a fresh gang."""
+        from services.runtime import bus, gang
+
+        nc = await bus.connect(self.nats_section(), "rlbus-launcher", first_attempts=10)
         try:
             await bus.provision_all(nc.jetstream())
-            await gang.reset(nc.jetstream(), self.run.id)
+            if self.gang.roles:
+                await gang.reset(nc.jetstream(), self.run.id)
         finally:
             await nc.close()
 
@@ -196,11 +221,8 @@ class Supervisor:
 
     async def _monitor(self) -> None:
         from services.runtime import bus
-        from services.runtime.config import NatsSection
 
-        nats_cfg = convert(self.tree.get("nats"), NatsSection, "nats")
-        nats_cfg.url = self.nats_url
-        nc = await bus.connect(nats_cfg, "rlbus-launcher-monitor")
+        nc = await bus.connect(self.nats_section(), "rlbus-launcher-monitor")
         self.monitor_connected_since = time.monotonic()
 
         async def on_hb(m: Any) -> None:

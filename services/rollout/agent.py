@@ -66,6 +66,7 @@ _PYTHON = {"python", "python3", "py"}
 _SHELL = {"bash", "sh", "shell", "console"}
 _OPEN = re.compile(r"(?:^|\n)```([^\n`]*)\n")
 _CLOSE = re.compile(r"\n```[ \t]*(?:\n|$)")
+_FENCE_LINE = re.compile(r"(?:^|\n)```")
 _FILE_ARG = re.compile(r"(?:file|path)\s*=\s*[\"']?([^\s\"']+)")
 
 TOOL_FORMAT_DOC = """\
@@ -117,6 +118,11 @@ def parse_tool_call(text: str, tools: Sequence[str] = TOOLS) -> ToolCall | NotAT
     if language in _SHELL and "bash" in tools:
         return ToolCall(tool="bash", body=body)
     return NotATool(language=info or "(none)")
+
+
+def opens_block(text: str) -> bool:
+    """True when ``text`` ends inside a code block (an odd number of fence lines)."""
+    return len(_FENCE_LINE.findall(text)) % 2 == 1
 
 
 @runtime_checkable
@@ -295,23 +301,21 @@ class AgentLoop:
                 out.finish_reason = "token_budget"
                 return
             turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, budget), stop=stops)
-            res = await self._generate(context, turn_params)
-            text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
-            out.turns.append(Turn(role="assistant", token_ids=list(res.token_ids), logprobs=list(res.logprobs),
-                                  versions=list(res.versions), text=text))
-            out.assistant_texts.append(text)
-            context += res.token_ids
-            used += len(res.token_ids)
-            call = parse_tool_call(text, task.tools)
+            turn, finish = await self._assistant_turn(context, turn_params)
+            out.turns.append(turn)
+            out.assistant_texts.append(turn.text)
+            context += turn.token_ids
+            used += len(turn.token_ids)
+            call = parse_tool_call(turn.text, task.tools)
             if call is None:
-                out.finish_reason = res.finish_reason
+                out.finish_reason = finish
                 return
             if turn_index == cfg.max_turns - 1:
                 break  # no turn left to read the result
             observation = await self._tool(out.sandbox_id, call, written)
             out.tool_calls += 1
             self.counters["tool_calls"] += 1
-            ids, obs_text = self.frame.observation(res.token_ids, observation)
+            ids, obs_text = self.frame.observation(turn.token_ids, observation)
             if used + len(ids) >= cfg.max_total_tokens:
                 out.finish_reason = "token_budget"
                 return
@@ -319,6 +323,24 @@ class AgentLoop:
             context += ids
             used += len(ids)
         out.finish_reason = "turn_limit"
+
+    async def _assistant_turn(self, context: list[int], params: SamplingParams) -> tuple[Turn, FinishReason]:
+        """One assistant message. A bare opening fence (```` ``` ```` + newline) matches the same stop string as
+        a closing one: then the message goes on in a further request (same turn, same context), until the
+        block closes, the model stops otherwise, or the turn's token limit is reached."""
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        while True:
+            res = await self._generate(context + ids, dataclasses.replace(
+                params, max_new_tokens=params.max_new_tokens - len(ids)))
+            ids += res.token_ids
+            logprobs += res.logprobs
+            versions += res.versions
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            if res.finish_reason != "stop" or not opens_block(text) or len(ids) >= params.max_new_tokens:
+                return Turn(role="assistant", token_ids=ids, logprobs=logprobs, versions=versions, text=text), \
+                    res.finish_reason
 
     async def _generate(self, context: list[int], params: SamplingParams) -> GenerationResult:
         """Generate, waiting out an overloaded engine (the rollout's wall time bounds the wait)."""

@@ -39,7 +39,11 @@ async def connect(cfg: NatsSection, name: str, *, first_attempts: int = 0) -> Cl
     async def on_reconnect() -> None:
         log.warning("%s: reconnected to NATS", name)
 
+    auth_refused = asyncio.Event()
+
     async def on_error(e: Exception) -> None:
+        if "authorization violation" in str(e).lower():
+            auth_refused.set()
         log.warning("%s: NATS error: %s", name, e)
 
     opts: dict[str, Any] = dict(
@@ -56,13 +60,22 @@ async def connect(cfg: NatsSection, name: str, *, first_attempts: int = 0) -> Cl
         user=cfg.user,
         password=cfg.password,
         user_credentials=cfg.creds_file,
+        inbox_prefix=cfg.inbox_prefix,
         pending_size=64 * 1024 * 1024,
     )
     attempts = first_attempts or (1_000_000 if cfg.max_reconnect_attempts < 0 else 1)
     delay = cfg.reconnect_wait_s
     for attempt in range(1, attempts + 1):
         try:
-            return await nats.connect(**opts)
+            connecting = asyncio.create_task(nats.connect(**opts), name=f"{name}-connect")
+            refused = asyncio.create_task(auth_refused.wait(), name=f"{name}-auth-refused")
+            await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
+            refused.cancel()
+            if auth_refused.is_set():
+                connecting.cancel()
+                raise BusError(f"NATS at {cfg.url} refused the credentials of user {cfg.user or '(none)'} "
+                               "(Authorization Violation): check nats.user/nats.password or nats.creds_file")
+            return connecting.result()
         except (OSError, nats.errors.NoServersError, TimeoutError) as e:
             if attempt >= attempts:
                 raise BusError(f"cannot connect to NATS at {cfg.url}: {e}") from e

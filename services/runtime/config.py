@@ -57,6 +57,8 @@ class NatsSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: user / password (per-service users come from deploy/nats)
     user: str | None = None
     password: str | None = None
+    #: prefix of this client's reply subjects (per-service users get a private one: _INBOX_<service>)
+    inbox_prefix: str = "_INBOX"
     #: a .creds file (JWT auth) instead of user/password
     creds_file: str | None = None
     #: TLS: CA bundle, client certificate and key (enables TLS when set)

@@ -97,8 +97,11 @@ class EmbeddedNats:
     def start(self, timeout: float = 15.0) -> EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         args = [find_nats_server(), "-js", "-a", self.host, "-p", str(self.port), "-sd", str(self.store_dir)]
-        if self.config_file:
-            args += ["-c", str(self.config_file)]
+        config = self.config_file
+        if config is None:  # the payload cap has no command-line flag: a minimal config sets it
+            config = self.store_dir / "embedded.conf"
+            config.write_text(f"max_payload: {self.max_payload}\n")
+        args += ["-c", str(config)]
         args += self.extra_args
         logf = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._logf = logf

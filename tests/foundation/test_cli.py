@@ -49,7 +49,7 @@ def test_up_tap_status_and_ctrl_c(tmp_path):
         url = f"nats://127.0.0.1:{port}"
         # both services heartbeat: tap decodes them to JSON lines
         tap = subprocess.run([sys.executable, "-m", "services.launcher.cli", "tap", "heartbeat", "--nats-url", url,
-                              "--run-id", "clitest", "--count", "6"], capture_output=True, text=True, timeout=60)
+                              "--run-id", "clitest", "--count", "6", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
         assert tap.returncode == 0, tap.stderr
         lines = [json.loads(line) for line in tap.stdout.splitlines()]
         assert len(lines) == 6
@@ -58,7 +58,7 @@ def test_up_tap_status_and_ctrl_c(tmp_path):
         assert all(rec["data"]["type"] == "heartbeat" and rec["data"]["state"] in ("starting", "running") for rec in lines)
         assert lines[-1]["data"]["state"] == "running"
 
-        status = wait_for(lambda: _status(url), 30, "two members in rlbus status")
+        status = wait_for(lambda: _status(url, cfg), 30, "two members in rlbus status")
         assert {m["instance"] for m in status["members"]} == {"echo-0", "echo-1"}
         assert "ECHO" in status["streams"]
 
@@ -74,9 +74,9 @@ def test_up_tap_status_and_ctrl_c(tmp_path):
             up.kill()
 
 
-def _status(url: str):
+def _status(url: str, cfg):
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "status", "--nats-url", url, "--run-id",
-                        "clitest", "--json"], capture_output=True, text=True, timeout=60)
+                        "clitest", "--json", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
         return None
     st = json.loads(r.stdout)

@@ -199,9 +199,6 @@ async def deep_nesting_scenario(url: str) -> str:
         await nc.close()
 
 
-@pytest.mark.xfail(strict=True, reason="a message nesting ~1000 levels under an unknown key makes proto.codec.decode "
-                   "raise RecursionError, which the consume loop does not catch: the handler task dies, the message "
-                   "is neither acked nor dead-lettered (fix in proto/codec.py, see test_fuzz_decoders)")
 def test_deeply_nested_message_is_dead_lettered(nats_url):
     # in a child interpreter: a RecursionError inside C code can leave CPython 3.11's AST recursion counter
     # off, which breaks pytest's traceback rendering for the rest of the session
