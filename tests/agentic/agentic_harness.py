@@ -60,7 +60,8 @@ Hook = Callable[[int, str], Awaitable[None]]
 
 
 class ScriptedEngine:
-    """A stand-in Engine: reply ``k`` of ``script`` to a conversation that has ``k`` assistant turns so far.
+    """A stand-in Engine: reply ``k`` of ``script`` to a conversation that has ``k`` assistant turns so far
+    (the rest of it when the context already ends with its beginning: a continued message).
 
     Stop strings are honoured like a real engine (tokens up to and including the stop string, text cut
     before it); a reply without one ends with EOS. Logprob of token ``j`` of turn ``k`` is ``-(k + 1) / 10``
@@ -99,6 +100,9 @@ class ScriptedEngine:
         if self.hook is not None:
             await self.hook(turn, context)
         reply = self.script[turn] if turn < len(self.script) else "Nothing more to do."
+        written = context.rsplit("<|im_start|>assistant\n", 1)[-1]
+        if written and reply.startswith(written):  # a continuation of this turn's message
+            reply = reply[len(written):]
         finish = "eos"
         text = reply
         for stop in params.stop:

@@ -163,3 +163,18 @@ async def test_tool_timeout_is_an_observation_and_wall_time_ends_the_rollout(bus
     assert await bus.state(slow.sandbox_id) == "paused"
     for sid in (out.sandbox_id, slow.sandbox_id):
         await bus.sandboxes.destroy(sid)
+
+
+async def test_a_bare_opening_fence_does_not_cut_the_message(bus: Bus, tokenizer):
+    # "\n```\n" opens a bare block and closes any block: the loop continues the message until it closes
+    task = get_task("coding")
+    prompt = coding_prompt()
+    engine = ScriptedEngine(tokenizer, ["The output will be:\n```\n42\n```\n", "Done."])
+    loop = AgentLoop(engine, tokenizer, bus.sandboxes, AgentSection())
+    out = await loop.run(task, prompt, task.format_prompt(tokenizer, prompt), SamplingParams(max_new_tokens=100))
+    assert engine.calls == [0, 0, 1]
+    first = out.turns[0]
+    assert first.text == "The output will be:\n```\n42\n```\n"
+    assert len(first.token_ids) == len(first.logprobs) == len(first.versions) == len(first.text)  # char tokens
+    assert "is not a tool" in out.turns[1].text and out.finish_reason == "eos"
+    await bus.sandboxes.destroy(out.sandbox_id)
