@@ -120,7 +120,7 @@ JUDGE_ROLLOUTS = ConsumerDef(
 )
 TRAINER_TRAJECTORIES = ConsumerDef(
     stream="TRAJECTORIES", durable="trainer-{run}", filter_subject="rlbus.{run}.trajectories",
-    ack_wait_s=30.0, max_deliver=1000, max_ack_pending=100_000,
+    ack_wait_s=15.0, max_deliver=1000, max_ack_pending=100_000,
     description="the trainer acks only once the step that used a trajectory is durable",
 )
 ECHO_IN = ConsumerDef(
