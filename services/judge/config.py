@@ -89,6 +89,9 @@ class LlmJudgeSpec(_GraderBase, tag_field="type", tag="llm_judge"):
     judge: JudgeModel = msgspec.field(default_factory=TorchJudgeModel)
     #: the judge answers on 0..scale ("Score: N"); the grader's score is N / scale
     scale: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    #: the judge's answer is started with this (engine judges; endpoints cannot), so small models write the
+    #: number next; empty: none
+    prefill: str = "Score:"
     #: tokens the judge may write
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 64
     #: characters of the rollout's transcript shown to the judge (the end is cut)

@@ -242,7 +242,9 @@ class JudgeBackend(Protocol):
 
     identity: str
 
-    async def complete(self, messages: Messages, max_tokens: int) -> str:
+    async def complete(self, messages: Messages, max_tokens: int, prefill: str = "") -> str:
+        """The judge's answer to ``messages``; backends that can start the answer with ``prefill`` do (and
+        return it as part of the answer), others ignore it."""
         ...
 
     async def close(self) -> None:
@@ -272,7 +274,7 @@ class EngineJudgeBackend:
                                                num_threads=spec.num_threads or None))
         return cls(engine, None, f"torch:{model_dir}", owns_engine=True)
 
-    async def complete(self, messages: Messages, max_tokens: int) -> str:
+    async def complete(self, messages: Messages, max_tokens: int, prefill: str = "") -> str:
         from services.rollout.engine import EngineError, SamplingParams
         from services.tasks.base import encode_chat, encode_text
 
@@ -286,11 +288,13 @@ class EngineJudgeBackend:
         else:  # a base model: a plain transcript ending where the judge answers
             ids = encode_text(self.tokenizer, "\n\n".join(f"{m['role'].capitalize()}: {m['content']}"
                                                           for m in messages) + "\n\nAssistant:")
+        if prefill:  # the answer starts with it: small judges then write the number next
+            ids += list(self.tokenizer.encode(prefill, add_special_tokens=False))
         try:
             result = await self.engine.generate(ids, SamplingParams(max_new_tokens=max_tokens, temperature=0.0))
         except EngineError as e:
             raise JudgeBackendError(f"judge engine failed: {e}") from e
-        return result.text
+        return prefill + result.text
 
     async def close(self) -> None:
         if self.owns_engine and self._started:
@@ -314,7 +318,8 @@ class OpenAIJudgeBackend:
         with urllib.request.urlopen(req, timeout=self.spec.timeout_s) as resp:
             return resp.read()
 
-    async def complete(self, messages: Messages, max_tokens: int) -> str:
+    async def complete(self, messages: Messages, max_tokens: int, prefill: str = "") -> str:
+        """``prefill`` is not sent: chat-completions endpoints have no portable way to start the answer."""
         body = json.dumps({"model": self.spec.model, "messages": messages, "temperature": 0.0,
                            "max_tokens": max_tokens}).encode()
         try:
@@ -404,7 +409,7 @@ class LlmJudgeGrader:
     async def grade(self, rollout: Rollout, task: Any) -> GraderScore:
         async def ask() -> tuple[GraderScore, bool]:
             try:
-                output = await self.backend.complete(self.messages(rollout), self.spec.max_tokens)
+                output = await self.backend.complete(self.messages(rollout), self.spec.max_tokens, self.spec.prefill)
             except JudgeBackendError as e:
                 return _failed(self, str(e)), False  # transient: asked again next time
             try:

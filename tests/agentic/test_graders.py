@@ -164,7 +164,12 @@ async def test_llm_judge_endpoint_down_is_recorded_and_not_cached():
 
 async def test_llm_judge_on_an_engine_uses_the_chat_template(tokenizer):
     # the judge model here is the scripted stand-in engine, answering in a malformed then a clean format
-    engine = ScriptedEngine(tokenizer, ["Rating: eleven out of ten"])
+    contexts: list[str] = []
+
+    async def seen(turn: int, context: str) -> None:
+        contexts.append(context)
+
+    engine = ScriptedEngine(tokenizer, ["Rating: eleven out of ten"], hook=seen)
     grader = LlmJudgeGrader(LlmJudgeSpec(rubric="be strict"), EngineJudgeBackend(engine, tokenizer, "scripted"),
                             JudgeCache())
     s = await grader.grade(rollout_for(None), get_task("coding"))
@@ -172,6 +177,9 @@ async def test_llm_judge_on_an_engine_uses_the_chat_template(tokenizer):
     engine.script = ["**Score:** 7\nFine."]
     s = await grader.grade(rollout_for(None, msg_id="r-3"), get_task("coding"))
     assert s.error is None and s.score == pytest.approx(0.7)
+    # prompted through the chat template, the answer started with the prefill
+    assert contexts[0].startswith("<|im_start|>system\nYou are a careful") and "be strict" in contexts[0]
+    assert contexts[0].endswith("<|im_start|>assistant\nScore:")
 
 
 @pytest.mark.parametrize("text,score", [
