@@ -178,3 +178,23 @@ async def test_a_bare_opening_fence_does_not_cut_the_message(bus: Bus, tokenizer
     assert len(first.token_ids) == len(first.logprobs) == len(first.versions) == len(first.text)  # char tokens
     assert "is not a tool" in out.turns[1].text and out.finish_reason == "eos"
     await bus.sandboxes.destroy(out.sandbox_id)
+
+
+async def test_hundreds_of_concurrent_loops_each_with_its_own_sandbox(bus: Bus, tokenizer):
+    task = get_task("coding")
+    prompt = coding_prompt()
+    script = ["```python file=solution.py\ndef add_2(x):\n    return x + 2\n```\n", "Done."]
+    peak: list[int] = []
+    loop = AgentLoop(ScriptedEngine(tokenizer, script, hook=lambda turn, ctx: _note(peak, loop.active)), tokenizer,
+                     bus.sandboxes, AgentSection(handoff=False))
+    ids = task.format_prompt(tokenizer, prompt)
+    outs = await asyncio.gather(*(loop.run(task, prompt, ids, SamplingParams(max_new_tokens=100), labels={"i": str(i)})
+                                  for i in range(200)))
+    assert [o.error for o in outs] == [None] * 200 and {o.finish_reason for o in outs} == {"eos"}
+    assert len({o.sandbox_id for o in outs}) == 200 and max(peak) == 200
+    assert loop.counters["tool_calls"] == 200 and loop.active == 0
+    assert await bus.sandboxes.sandboxes(expected=1) == []  # handoff = false: each loop destroyed its own
+
+
+async def _note(peak: list[int], active: int) -> None:
+    peak.append(active)
