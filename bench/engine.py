@@ -9,7 +9,10 @@ model and thread settings, sampled at temperature 1:
 * static batch: one left-padded ``model.generate`` of all requests with
   ``max_new_tokens`` = the largest; only the tokens each request asked for count.
 
-Usage: ``python bench/engine.py [--quick] [--model DIR] [--threads N]``.
+Usage: ``python bench/engine.py [--quick] [--model DIR] [--threads N]``. Every side
+runs with the same torch thread count, 1 by default: on this shared 2-core machine
+other processes keep it oversubscribed, and two OpenMP threads that spin-wait then
+make ``model.generate`` 10-20x slower, so one thread is each side's best setting.
 Each side runs ``--rounds`` times, alternating, and its fastest round counts
 (the machine may be shared). The last stdout line is a JSON object of the figures.
 """
@@ -99,11 +102,13 @@ async def run_engine(model, requests, max_batch_size: int) -> tuple[float, float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="32 requests, max_new_tokens 8..64 (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="one round, max_new_tokens 8..96 (under a minute)")
     parser.add_argument("--model", type=Path, help="model directory (default: build a random 8.85 M Llama)")
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--max-new", type=int, default=None, help="max_new_tokens drawn from 8..MAX_NEW")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for every side (default 1: on a shared, oversubscribed machine "
+                             "2 OpenMP threads spin-wait and slow generate() down 10-20x)")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=None, help="rounds of all three (best kept); default 2, quick 1")
@@ -111,8 +116,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
-    n_requests = args.requests or (32 if args.quick else 64)
-    max_new = args.max_new or (64 if args.quick else 128)
+    n_requests = args.requests or 64
+    max_new = args.max_new or (96 if args.quick else 128)
     args.rounds = args.rounds or (1 if args.quick else 2)
 
     with tempfile.TemporaryDirectory() as tmp:
