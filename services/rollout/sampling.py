@@ -1,4 +1,4 @@
-"""Batched token sampling and incremental detokenization for the torch engine."""
+"""Per-request decoding for the torch engine: batched sampling, stop conditions, incremental text."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from services.rollout.engine import SamplingParams
+from services.rollout.engine import FinishReason, GenerationResult, SamplingParams
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -99,3 +99,61 @@ class IncrementalDetokenizer:
         found = [i for i in (self.text.find(s, start) for s in stops) if i >= 0]
         self._searched = len(self.text)
         return min(found) if found else None
+
+
+class DecodeState:
+    """One request's prompt, generated tokens with logprobs and versions, and stop conditions.
+
+    Stop strings: the tokens up to and including the one that completed the stop
+    string are kept (the trainer needs every sampled token); the text ends before it.
+    """
+
+    __slots__ = ("prompt_ids", "params", "tokens", "logprobs", "versions", "generator", "stop_ids",
+                 "eos_ids", "tokenizer", "detok", "finish_reason", "stop_text_end")
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, eos_ids: frozenset[int],
+                 tokenizer: Any | None, device: torch.device) -> None:
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed)
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.eos_ids = frozenset() if params.ignore_eos else eos_ids
+        self.tokenizer = tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer) if params.stop and tokenizer is not None else None
+        self.finish_reason: FinishReason | None = None
+        self.stop_text_end: int | None = None
+
+    def accept(self, token: int, logprob: float, version: int) -> bool:
+        """Record a sampled token; True once the request is finished (see :attr:`finish_reason`)."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        if token in self.eos_ids:
+            self.finish_reason = "eos"
+        elif token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif self.detok is not None:
+            self.detok.push(self.tokens)
+            end = self.detok.find_stop(self.params.stop)
+            if end is not None:
+                self.finish_reason, self.stop_text_end = "stop", end
+        if self.finish_reason is None and len(self.tokens) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def result(self) -> GenerationResult:
+        """The finished completion."""
+        if self.stop_text_end is not None:
+            text = self.detok.text[: self.stop_text_end]
+        elif self.tokenizer is not None:
+            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        else:
+            text = ""
+        return GenerationResult(token_ids=self.tokens, logprobs=self.logprobs, versions=self.versions,
+                                finish_reason=self.finish_reason or "length", text=text)

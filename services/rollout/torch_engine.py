@@ -40,7 +40,6 @@ from services.rollout.engine import (
     EngineNotRunningError,
     EngineOverloadedError,
     EngineStats,
-    FinishReason,
     GenerationResult,
     InvalidRequestError,
     SamplingParams,
@@ -48,7 +47,7 @@ from services.rollout.engine import (
     WeightUpdateMode,
 )
 from services.rollout.kv_cache import PaddedBatchCache
-from services.rollout.sampling import IncrementalDetokenizer, sample_tokens
+from services.rollout.sampling import DecodeState, sample_tokens
 
 log = logging.getLogger("rlbus.rollout.torch_engine")
 
@@ -100,33 +99,13 @@ class TorchEngineConfig:
 
 
 class _Request:
-    """One generation request and its progress; touched only by the engine thread once queued."""
+    """A queued or running request: its decoding state and where its result goes."""
 
-    __slots__ = (
-        "prompt_ids", "params", "loop", "future", "tokens", "logprobs", "versions",
-        "generator", "stop_ids", "eos_ids", "detok", "cancelled", "finish_reason", "stop_text_end",
-    )
+    __slots__ = ("seq", "loop", "future", "cancelled")
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
-                 future: asyncio.Future, eos_ids: frozenset[int], detok: IncrementalDetokenizer | None,
-                 device: torch.device) -> None:
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.loop = loop
-        self.future = future
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(params.seed)
-        self.stop_ids = frozenset(params.stop_token_ids)
-        self.eos_ids = frozenset() if params.ignore_eos else eos_ids
-        self.detok = detok
+    def __init__(self, seq: DecodeState, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+        self.seq, self.loop, self.future = seq, loop, future
         self.cancelled = False
-        self.finish_reason: FinishReason | None = None
-        self.stop_text_end: int | None = None
 
 
 class _WeightUpdate:
@@ -282,8 +261,8 @@ class TorchEngine:
         self._validate(prompt_ids, params)
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
-        detok = IncrementalDetokenizer(self._tokenizer) if self._tokenizer is not None else None
-        request = _Request(list(prompt_ids), params, loop, future, self._eos_ids, detok, self._device)
+        request = _Request(DecodeState(list(prompt_ids), params, self._eos_ids, self._tokenizer, self._device),
+                           loop, future)
         with self._cond:
             if len(self._queue) >= self.config.max_queued:
                 raise EngineOverloadedError(
@@ -391,7 +370,7 @@ class TorchEngine:
                 self._queue.popleft()
                 self._n_pending -= 1
                 continue
-            longest_if = max(longest, len(request.prompt_ids))
+            longest_if = max(longest, len(request.seq.prompt_ids))
             if taken and longest_if * (len(taken) + 1) > self.config.max_prefill_tokens:
                 break
             taken.append(self._queue.popleft())
@@ -462,7 +441,7 @@ class TorchEngine:
         device = self._device
         groups: dict[tuple[int, ...], list[_Request]] = {}
         for request in newcomers:
-            groups.setdefault(tuple(request.prompt_ids), []).append(request)
+            groups.setdefault(tuple(request.seq.prompt_ids), []).append(request)
         prompts = sorted(groups, key=len, reverse=True)
         chunks: list[list[tuple[int, ...]]] = []
         for prompt in prompts:
@@ -485,9 +464,9 @@ class TorchEngine:
             admitted += [r for prompt in chunk for r in groups[prompt]]
             all_logits.append(logits)
         logits = torch.cat(all_logits) if len(all_logits) > 1 else all_logits[0]
-        tokens, token_list, logprob_list = sample_tokens(logits, [r.params for r in admitted],
-                                                         [r.generator for r in admitted], self._generator)
-        next_positions = torch.tensor([len(r.prompt_ids) for r in admitted], dtype=torch.long, device=device)
+        tokens, token_list, logprob_list = sample_tokens(logits, [r.seq.params for r in admitted],
+                                                         [r.seq.generator for r in admitted], self._generator)
+        next_positions = torch.tensor([len(r.seq.prompt_ids) for r in admitted], dtype=torch.long, device=device)
         self._rows = self._rows + admitted
         self._next_tokens = torch.cat([self._next_tokens, tokens])
         self._positions = torch.cat([self._positions, next_positions])
@@ -502,8 +481,8 @@ class TorchEngine:
         logits = self._model(input_ids=self._next_tokens[:, None], attention_mask=mask,
                              position_ids=self._positions[:, None], cache=cache, use_cache=True).logits[:, -1]
         self._positions += 1
-        tokens, token_list, logprob_list = sample_tokens(logits, [r.params for r in self._rows],
-                                                         [r.generator for r in self._rows], self._generator)
+        tokens, token_list, logprob_list = sample_tokens(logits, [r.seq.params for r in self._rows],
+                                                         [r.seq.generator for r in self._rows], self._generator)
         self._next_tokens = tokens
         self._record(range(len(self._rows)), token_list, logprob_list)
 
@@ -512,11 +491,7 @@ class TorchEngine:
         version = self._version
         finished: list[int] = []
         for i, token, logprob in zip(row_indices, token_list, logprob_list, strict=True):
-            request = self._rows[i]
-            request.tokens.append(token)
-            request.logprobs.append(logprob)
-            request.versions.append(version)
-            if self._check_stop(request, token):
+            if self._rows[i].seq.accept(token, logprob, version):
                 finished.append(i)
         now = time.monotonic()
         with self._cond:
@@ -530,29 +505,8 @@ class TorchEngine:
             for request in done_requests:
                 self._finish(request)
 
-    def _check_stop(self, request: _Request, token: int) -> bool:
-        if token in request.eos_ids:
-            request.finish_reason = "eos"
-        elif token in request.stop_ids:
-            request.finish_reason = "stop"
-        elif request.params.stop and request.detok is not None:
-            request.detok.push(request.tokens)
-            end = request.detok.find_stop(request.params.stop)
-            if end is not None:
-                request.finish_reason, request.stop_text_end = "stop", end
-        if request.finish_reason is None and len(request.tokens) >= request.params.max_new_tokens:
-            request.finish_reason = "length"
-        return request.finish_reason is not None
-
     def _finish(self, request: _Request) -> None:
-        if request.stop_text_end is not None:
-            text = request.detok.text[: request.stop_text_end]
-        elif self._tokenizer is not None:
-            text = self._tokenizer.decode(request.tokens, skip_special_tokens=True)
-        else:
-            text = ""
-        result = GenerationResult(token_ids=request.tokens, logprobs=request.logprobs,
-                                  versions=request.versions, finish_reason=request.finish_reason, text=text)
+        result = request.seq.result()
         with self._cond:
             self._n_pending -= 1
         _post(request.loop, request.future, result)

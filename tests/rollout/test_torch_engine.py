@@ -36,7 +36,7 @@ class SteppedEngine(TorchEngine):
 
     def _after_step(self) -> None:
         self.step += 1
-        real = [len(r.prompt_ids) + len(r.tokens) - 1 for r in self._rows]
+        real = [len(r.seq.prompt_ids) + len(r.seq.tokens) - 1 for r in self._rows]
         self.trace.append((real, self._cache.seq_length if self._cache is not None else 0))
         hook = self.hooks.pop(self.step, None)
         if hook is not None:
