@@ -360,10 +360,19 @@ class AgentLoop:
         if sandbox_id is None:
             raise AgentSandboxError("no sandbox to run the tool in")
         await self.sandboxes.resume(sandbox_id)
+        failed = True
         try:
-            return await self._act(sandbox_id, call, written)
+            observation = await self._act(sandbox_id, call, written)
+            failed = False
         finally:
-            await self.sandboxes.pause(sandbox_id)
+            if failed:  # keep the original error; the pause is best effort
+                try:
+                    await self.sandboxes.pause(sandbox_id)
+                except SandboxClientError as e:
+                    log.debug("sandbox %s not paused after a failed tool call: %s", sandbox_id, e)
+            else:
+                await self.sandboxes.pause(sandbox_id)
+        return observation
 
     async def _act(self, sandbox_id: str, call: ToolCall, written: set[str]) -> str:
         limit = self.cfg.max_observation_chars
@@ -391,7 +400,7 @@ class AgentLoop:
         sid = out.sandbox_id
         if sid is None:
             return
-        files = {p: d for p, d in task.submission_files(prompt, out.assistant_texts, written).items()}
+        files = task.submission_files(prompt, out.assistant_texts, written)
         if files:
             await self.sandboxes.resume(sid)
             await self.sandboxes.write_files(sid, files)
