@@ -7,7 +7,7 @@ Model builders for the examples (``tiny_model``, ``smollm2``) import torch and
 are not imported here.
 """
 
-from services.tasks import addition, coding, word_problems  # noqa: F401  (registers the built-ins)
+from services.tasks import addition, word_problems  # noqa: F401  (registers the built-ins; coding loads lazily)
 from services.tasks.base import (
     ENTRY_POINT_GROUP,
     Prompt,

@@ -131,13 +131,18 @@ def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
     return decorate
 
 
+#: built-in tasks whose modules import other service packages (the judge's graders, the agent
+#: loop): imported on first use, so importing ``services.tasks`` never forms an import cycle
+_LAZY_BUILTINS = {"coding": "services.tasks.coding"}
+
+
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def available_tasks() -> list[str]:
     """Names of registered tasks and of installed ``rlbus.tasks`` entry points (not loaded)."""
-    return sorted(set(_REGISTRY) | set(_entry_points()))
+    return sorted(set(_REGISTRY) | set(_LAZY_BUILTINS) | set(_entry_points()))
 
 
 def get_task(name: str, **options: Any) -> Task:
@@ -150,6 +155,8 @@ def get_task(name: str, **options: Any) -> Task:
         UnknownTaskError: no such task; the message lists the known ones.
         TaskRegistrationError: the entry point exists but could not be imported.
     """
+    if name not in _REGISTRY and name in _LAZY_BUILTINS:
+        importlib.import_module(_LAZY_BUILTINS[name])  # registers itself
     factory = _REGISTRY.get(name)
     if factory is None:
         entry_point = _entry_points().get(name)
