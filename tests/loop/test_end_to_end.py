@@ -9,33 +9,13 @@ import sys
 
 import nats
 import pytest
-from nats.js import api
 
-from proto import codec
 from proto.accounting import TrajectoryOutcome
 from proto.trajectories import ScoredTrajectory
+from services.launcher.accounting import read_all
 from services.runtime.natsd import EmbeddedNats, free_port
 
 pytestmark = pytest.mark.slow
-
-
-async def read_stream(js, stream: str, subject: str, typ):
-    out = []
-    info = await js.stream_info(stream)
-    if info.state.messages == 0:
-        return out
-    sub = await js.subscribe(subject, stream=stream, ordered_consumer=True,
-                             config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
-    try:
-        while True:
-            try:
-                m = await sub.next_msg(timeout=2.0)
-            except nats.errors.TimeoutError:
-                break
-            out.append(codec.decode(m.data, typ))
-    finally:
-        await sub.unsubscribe()
-    return out
 
 
 def test_short_run_end_to_end(tmp_path, loop_model_dir):
@@ -91,8 +71,8 @@ engine = {{ type = "torch", num_threads = 1 }}
         with EmbeddedNats(run_dir / "nats", port=None) as server:
             nc = await nats.connect(server.url)
             js = nc.jetstream()
-            trajectories = await read_stream(js, "TRAJECTORIES", "rlbus.e2e.trajectories", ScoredTrajectory)
-            outcomes = await read_stream(js, "OUTCOMES", "rlbus.e2e.outcomes", TrajectoryOutcome)
+            trajectories = await read_all(js, "TRAJECTORIES", "rlbus.e2e.trajectories", ScoredTrajectory)
+            outcomes = await read_all(js, "OUTCOMES", "rlbus.e2e.outcomes", TrajectoryOutcome)
             ci = await js.consumer_info("TRAJECTORIES", "trainer-e2e")
             await nc.close()
             return trajectories, outcomes, ci
