@@ -82,6 +82,7 @@ class TrainerService:
         self.staleness_sum = 0.0
         self.staleness_n = 0
         self.started = time.time()
+        self.runs_kv: Any = None  # KV rlbus_runs, set in run() before any trajectory is handled
 
     # --- set-up ---------------------------------------------------------------------------------
 
@@ -164,6 +165,9 @@ class TrainerService:
     async def _drop(self, ctx: ServiceContext, samples: list[Sample], reason: str) -> None:
         for s in samples:
             await self._outcome(ctx, s, "dropped", reason)
+        # the freed admission slots are durable before the acks: a restarted trainer must not
+        # wait for groups whose trajectories were already taken off the stream
+        await self._save_state(self.runs_kv)
         self._resolve(samples)
 
     # --- the trajectory handler -------------------------------------------------------------------
@@ -232,7 +236,7 @@ class TrainerService:
             ctx.nc, ctx.run_id, store,
             encoding=EncodingConfig(anchor_every=self.cfg.weights.anchor_every, dtype=self.cfg.weights.dtype))
         await self.publisher.ensure()
-        runs_kv = await bus.ensure_kv(ctx.js, catalog.RUNS)
+        runs_kv = self.runs_kv = await bus.ensure_kv(ctx.js, catalog.RUNS)
         await self._resume_from_bus(ctx, runs_kv)
         await self._save_state(runs_kv)
         consumer = asyncio.create_task(

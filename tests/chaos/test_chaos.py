@@ -78,6 +78,7 @@ max_staleness = 1
 eval_every = 0
 eval_prompts = 16
 checkpoint_every = 5
+group_timeout_s = 45
 num_threads = 1
 [services.rollout]
 model = "{loop_model_dir}"
