@@ -86,9 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Run one service in the foreground against the NATS server of the run file "
                          "(or --nats-url). SIGTERM/SIGINT stop it gracefully: it stops fetching, finishes "
                          "in-flight work within common.drain_timeout_s, then drains its connection.")
-    svc.add_argument("name", metavar="NAME", help="service name (see `rlbus services`)")
+    svc.add_argument("name", metavar="NAME", help="service name (see `rlbus services`), or several joined by + "
+                     "to colocate them in one process on one event loop (e.g. trainer+rollout, which the inproc "
+                     "weight transport needs); a colocated group stops as a whole when any part stops")
     _common_bus_args(svc)
-    svc.add_argument("--instance", metavar="ID", help="instance id (default: host-pid-random)")
+    svc.add_argument("--instance", metavar="ID", help="instance id (default: host-pid-random); a colocated part "
+                     "gets this id with the group name replaced by its own (trainer+rollout-0 -> rollout-0)")
+    svc.add_argument("--part-set", dest="part_overrides", action="append", default=[], metavar="PART:KEY=VALUE",
+                     help="override a config key for one part of a colocated group only (e.g. its NATS login)")
 
     tap = sub.add_parser("tap", help="print bus messages as JSON lines",
                          description="Print messages of a subject or stream as JSON lines, decoded from msgpack "
@@ -142,15 +147,38 @@ async def _with_connection(args: argparse.Namespace, fn):
         await nc.close()
 
 
+def _part_overrides(args: argparse.Namespace, parts: list[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {p: [] for p in parts}
+    for item in args.part_overrides:
+        part, sep, override = item.partition(":")
+        if not sep or part not in out:
+            raise ConfigError(f"--part-set {item!r}: expected PART:KEY=VALUE with PART one of {', '.join(parts)}")
+        out[part].append(override)
+    return out
+
+
 def cmd_service(args: argparse.Namespace) -> int:
     from services.launcher import registry
     from services.runtime import service
 
-    cfg_cls, factory = registry.load(args.name)
-    loaded = load_service_config(args.name, cfg_cls, args.config, None, _overrides(args))
-    service.setup_logging(args.name, loaded.common.log_level)
+    parts = args.name.split("+")
+    if len(set(parts)) != len(parts) or not all(parts):
+        raise ConfigError(f"service {args.name!r}: a colocated group names each service once, joined by +")
+    per_part = _part_overrides(args, parts)
+    group = []
+    for part in parts:
+        cfg_cls, factory = registry.load(part)
+        loaded = load_service_config(part, cfg_cls, args.config, None, _overrides(args) + per_part[part])
+        instance = args.instance
+        if instance and len(parts) > 1:
+            instance = instance.replace(args.name, part) if args.name in instance else f"{instance}-{part}"
+        group.append((part, factory, loaded, instance))
+    service.setup_logging(args.name, group[0][2].common.log_level)
     service.install_uvloop()
-    return asyncio.run(service.serve(args.name, factory, loaded, args.instance))
+    if len(group) == 1:
+        name, factory, loaded, instance = group[0]
+        return asyncio.run(service.serve(name, factory, loaded, instance))
+    return asyncio.run(service.serve_colocated(group))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -202,7 +230,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             async def watch_children() -> None:
                 while not stop.is_set():
-                    if any(c.given_up and c.service == "trainer" and c.proc is None for c in sup.children) and \
+                    if any(c.given_up and "trainer" in c.service.split("+") and c.proc is None for c in sup.children) and \
                             not (sup.run_dir / "summary.json").exists():
                         print("[rlbus] the trainer is down for good; stopping the run", file=sys.stderr)
                         stop.set()

@@ -61,6 +61,42 @@ class LauncherSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     auth: bool = True
 
 
+def check_weight_transport(tree: dict[str, Any], services: dict[str, int]) -> None:
+    """Refuse launcher layouts the trainer's and rollouts' weight transports cannot serve (clear errors
+    before anything starts): mismatched types, inproc without colocation, a wrong broadcast world size."""
+    sections = tree.get("services", {}) if isinstance(tree.get("services"), dict) else {}
+
+    def kind(service: str) -> str:
+        t = (sections.get(service) or {}).get("transport") if isinstance(sections.get(service), dict) else None
+        return str(t.get("type", "?")) if isinstance(t, dict) else "store"
+
+    parts = {name: name.split("+") for name, count in services.items() if count > 0}
+    rollouts = sum(services[n] for n, ps in parts.items() if "rollout" in ps)
+    trainers = [n for n, ps in parts.items() if "trainer" in ps]
+    if not trainers or not rollouts:
+        return
+    tk, rk = kind("trainer"), kind("rollout")
+    if tk != rk:
+        raise ConfigError(f"config keys services.trainer.transport ({tk}) and services.rollout.transport ({rk}) "
+                          "must name the same weight transport")
+    if tk == "inproc":
+        if any("rollout" not in parts[n] for n in trainers) or any(
+                "trainer" not in ps for n, ps in parts.items() if "rollout" in ps):
+            raise ConfigError('the inproc weight transport needs the trainer and rollout colocated in one '
+                              'process: [launcher] services = { "trainer+rollout" = 1, ... }')
+        if sum(services[n] for n in trainers) != 1:
+            raise ConfigError("the inproc weight transport serves one trainer+rollout process; set its count to 1")
+    if tk == "broadcast":
+        world = sections["trainer"]["transport"].get("world_size")
+        if world != 1 + rollouts:
+            raise ConfigError(f"config key services.trainer.transport.world_size is {world}, but this launcher "
+                              f"starts {rollouts} rollout engine(s): set it to {1 + rollouts} (trainer + engines)")
+        rworld = sections["rollout"]["transport"].get("world_size")
+        if rworld != world:
+            raise ConfigError(f"config key services.rollout.transport.world_size ({rworld}) must equal the "
+                              f"trainer's ({world})")
+
+
 @dataclass
 class Child:
     service: str
@@ -91,6 +127,7 @@ class Supervisor:
         for name, count in self.launcher.services.items():
             if count < 0:
                 raise ConfigError(f"config key launcher.services.{name}: expected a count >= 0, got {count}")
+        check_weight_transport(self.tree, self.launcher.services)
         self.run_dir = Path(self.run.dir).resolve()
         self.nats: EmbeddedNats | None = None
         self.nats_url = str(self.tree.get("nats", {}).get("url", "nats://127.0.0.1:4222"))
@@ -114,7 +151,8 @@ class Supervisor:
                 from services.launcher.auth import generate_auth
 
                 relay = self.tree.get("services", {}).get("weightsync", {}).get("relay") or {}
-                self.auth = generate_auth(self.run_dir, self.launcher.services, run_id=self.run.id,
+                roles = [part for name in self.launcher.services for part in name.split("+")]
+                self.auth = generate_auth(self.run_dir, roles, run_id=self.run.id,
                                           relay_scopes=[relay["scope"]] if "scope" in relay else [],
                                           max_payload=8 * 1024 * 1024)
                 config_file = self.auth.server_config
@@ -135,8 +173,10 @@ class Supervisor:
                 for o in self.overrides:
                     argv += ["--set", o]
                 if self.auth is not None:  # after the user's overrides: the generated login wins
-                    for o in self.auth.for_role(name).nats_overrides():
-                        argv += ["--set", o]
+                    parts = name.split("+")
+                    for part in parts:
+                        for o in self.auth.for_role(part).nats_overrides():
+                            argv += ["--set", o] if len(parts) == 1 else ["--part-set", f"{part}:{o}"]
                 self.children.append(Child(name, i, argv, self.run_dir / "logs" / f"{name}-{i}.log"))
         for c in self.children:
             self._spawn(c)
@@ -246,8 +286,8 @@ class Supervisor:
         for c in self.children:
             if c.proc is None or c.proc.poll() is not None or now - c.started_at < timeout:
                 continue
-            seen = self.last_seen.get(f"{c.service}/{c.service}-{c.index}")
-            if seen is None or now - seen > timeout:
+            heard = [self.last_seen.get(f"{p}/{p}-{c.index}") for p in c.service.split("+")]
+            if any(seen is None or now - seen > timeout for seen in heard):
                 self._say(f"{c.label}: no heartbeat for {timeout:.0f}s; killing it for a restart")
                 self.events.append({"event": "hung", "child": c.label, "t": time.time()})
                 c.proc.kill()

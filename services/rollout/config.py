@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from services.weightsync.config import ObjStoreConfig, StoreConfig
+from services.weightsync.config import ObjStoreConfig, StoreConfig, TransportConfig
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -84,6 +84,10 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weights_recheck_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     #: weight store (must match the trainer's)
     store: StoreConfig = msgspec.field(default_factory=ObjStoreConfig)
+    #: how versions arrive; unset = pulled from ``store``. Must match the trainer's ``transport``:
+    #: { type = "broadcast", world_size = ... } or { type = "inproc" } (colocated: "trainer+rollout")
+    #: or { type = "store", store = ..., scope = "<relay scope>" } to read through a weightsync relay
+    transport: TransportConfig | None = None
     #: options per task name, passed to the task factory (must match the trainer's)
     task_options: dict[str, dict[str, int | float | str | bool]] = {}
     #: budgets of agent loops (tasks with tools); single-turn tasks ignore it

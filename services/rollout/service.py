@@ -63,6 +63,8 @@ class RolloutService:
     async def run(self, ctx: ServiceContext) -> None:
         from services.sandbox.client import SandboxClient
         from services.weightsync.client import WeightSubscriber
+        from services.weightsync.config import StoreTransportConfig
+        from services.weightsync.service import load_hmac_key
         from services.weightsync.store import open_store
 
         engine = await asyncio.to_thread(self._engine)
@@ -70,8 +72,17 @@ class RolloutService:
         self.attach(engine, engine.tokenizer, SandboxClient(
             ctx.nc, ctx.run_id, timeout_s=self.cfg.agent.sandbox_timeout_s,
             default_exec_timeout_s=self.cfg.agent.exec_timeout_s))
-        self.subscriber = WeightSubscriber(ctx.nc, ctx.run_id, open_store(self.cfg.store, ctx.nc))
-        weights = asyncio.create_task(self._follow_weights(ctx), name="rollout-weights")
+        t = self.cfg.transport
+        if t is None:
+            self.subscriber = WeightSubscriber(ctx.nc, ctx.run_id, open_store(self.cfg.store, ctx.nc))
+            weights = asyncio.create_task(self._follow_weights(ctx), name="rollout-weights")
+        elif isinstance(t, StoreTransportConfig):
+            self.subscriber = WeightSubscriber(
+                ctx.nc, ctx.run_id, open_store(t.store, ctx.nc, scope=t.scope), scope=t.scope,
+                hmac_key=load_hmac_key(t.hmac_key_env), parallel=t.parallel)
+            weights = asyncio.create_task(self._follow_weights(ctx), name="rollout-weights")
+        else:
+            weights = asyncio.create_task(self._follow_transport(ctx, t), name="rollout-weights")
         reports = asyncio.create_task(self._report(ctx), name="rollout-metrics")
         try:
             try:
@@ -127,6 +138,50 @@ class RolloutService:
                 log.warning("weight watch interrupted (%s); re-subscribing", e)
                 await asyncio.sleep(1.0)  # the server is likely restarting
 
+    async def _follow_transport(self, ctx: ServiceContext, config: Any) -> None:
+        """Apply each version a direct transport (broadcast, inproc) delivers; a broken or replaced
+        broadcast group is left and the new one joined (the trainer re-forms it after failures)."""
+        from services.weightsync.blobs import WeightIntegrityError
+        from services.weightsync.transport import make_receiver
+
+        while True:
+            receiver = make_receiver(config, ctx.nc, ctx.run_id)
+            try:
+                await receiver.start()
+                while True:
+                    try:
+                        version, state = await receiver.receive()
+                    except WeightIntegrityError as e:
+                        self._refused(ctx, e.version, e)
+                        continue
+                    await self._install(ctx, state, version, time.perf_counter())
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("weight transport interrupted (%s); joining again", e)
+                await asyncio.sleep(1.0)
+            finally:
+                try:
+                    await receiver.close()
+                except Exception as e:
+                    log.debug("closing the weight receiver: %s", e)
+
+    def _refused(self, ctx: ServiceContext, version: int, err: Exception) -> None:
+        if self.refused_version != version:
+            self.refused_version = version
+            self.weight_errors += 1
+            log.error("refused weight version %d: %s (keeping version %d)", version, err, self.engine.version)
+        ctx.gauges["rollout/weight_errors"] = float(self.weight_errors)
+
+    async def _install(self, ctx: ServiceContext, state: Any, version: int, t0: float) -> None:
+        await self.engine.update_weights(state, version)
+        async with self.version_changed:
+            self.version_changed.notify_all()
+        self.weight_updates += 1
+        ctx.gauges["rollout/weight_version"] = float(version)
+        ctx.gauges["rollout/weight_apply_s"] = time.perf_counter() - t0
+        self.first_weights.set()
+
     async def _apply(self, ctx: ServiceContext, manifest: Any) -> None:
         from services.weightsync.blobs import WeightIntegrityError
 
@@ -136,20 +191,9 @@ class RolloutService:
         try:
             state = await self.subscriber.fetch(manifest)
         except WeightIntegrityError as e:
-            if self.refused_version != manifest.version:
-                self.refused_version = manifest.version
-                self.weight_errors += 1
-                log.error("refused weight version %d: %s (keeping version %d)", manifest.version, e,
-                          self.engine.version)
-            ctx.gauges["rollout/weight_errors"] = float(self.weight_errors)
+            self._refused(ctx, manifest.version, e)
             return
-        await self.engine.update_weights(state, manifest.version)
-        async with self.version_changed:
-            self.version_changed.notify_all()
-        self.weight_updates += 1
-        ctx.gauges["rollout/weight_version"] = float(manifest.version)
-        ctx.gauges["rollout/weight_apply_s"] = time.perf_counter() - t0
-        self.first_weights.set()
+        await self._install(ctx, state, manifest.version, t0)
 
     async def _report(self, ctx: ServiceContext) -> None:
         while True:

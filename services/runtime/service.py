@@ -136,9 +136,32 @@ def install_uvloop() -> bool:
     return True
 
 
+async def serve_colocated(group: list[tuple[str, Callable[[Loaded], Service], Loaded, str | None]]) -> int:
+    """Run several services in this process on one event loop (e.g. trainer + rollout sharing weights
+    in memory through the inproc transport). Each has its own connection, login and heartbeats; when one
+    stops (finished, crashed, or SIGTERM/SIGINT to the process) the others are stopped too, and the
+    process exits with the first non-zero code of its parts (0 when all finished)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(serve(name, factory, loaded, instance, stop=stop), name=f"serve-{name}")
+             for name, factory, loaded, instance in group]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        stop.set()
+        codes = await asyncio.gather(*tasks)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return next((c for c in codes if c), 0)
+
+
 async def serve(name: str, service_factory: Callable[[Loaded], Service], loaded: Loaded,
-                instance: str | None = None) -> int:
-    """Run one service until SIGTERM/SIGINT (or until it returns). Returns the process exit code."""
+                instance: str | None = None, stop: asyncio.Event | None = None) -> int:
+    """Run one service until SIGTERM/SIGINT (or until it returns). Returns the process exit code.
+
+    With ``stop`` (colocated services) the caller owns the signals: setting ``stop`` drains this service."""
     subjects.check_run_id(loaded.run.id)
     instance = instance or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     tracing.setup(name)
@@ -152,8 +175,16 @@ async def serve(name: str, service_factory: Callable[[Loaded], Service], loaded:
             ctx.state = "draining"
             ctx.stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
+    stop_watch = None
+    if stop is None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+    else:
+        async def follow_stop() -> None:
+            await stop.wait()
+            on_signal(signal.SIGTERM)
+
+        stop_watch = asyncio.create_task(follow_stop(), name=f"{name}-stop")
     hb = asyncio.create_task(_heartbeats(ctx, loaded.common.heartbeat_s), name=f"{name}-heartbeat")
     code = 0
     try:
@@ -193,7 +224,10 @@ async def serve(name: str, service_factory: Callable[[Loaded], Service], loaded:
             await asyncio.wait_for(nc.drain(), timeout=5.0)
         except Exception as e:
             log.debug("drain failed: %s", e)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        if stop_watch is not None:
+            stop_watch.cancel()
+        else:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
     log.info("%s: stopped", name)
     return code

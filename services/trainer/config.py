@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from services.weightsync.config import ObjStoreConfig, StoreConfig
+from services.weightsync.config import ObjStoreConfig, StoreConfig, TransportConfig
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
@@ -90,6 +90,11 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
     #: where weight blobs go: { type = "objstore" } (default), "s3" or "fs" (see services/weightsync/config.py)
     store: StoreConfig = msgspec.field(default_factory=ObjStoreConfig)
+    #: how versions reach the engines; unset = through ``store`` with ``weights`` encoding. Or
+    #: { type = "broadcast", world_size = 1 + rollout engines } (torch.distributed, rendezvous over the bus),
+    #: { type = "inproc" } (trainer and rollout colocated: ``[launcher] services = { "trainer+rollout" = 1 }``),
+    #: { type = "store", ... } (a full StoreTransportConfig). The rollout's ``transport`` must match.
+    transport: TransportConfig | None = None
 
     @property
     def max_groups_in_flight(self) -> int:

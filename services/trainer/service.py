@@ -227,15 +227,7 @@ class TrainerService:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self._load)
         self.started = time.time()
-        from services.weightsync.client import WeightPublisher
-        from services.weightsync.config import EncodingConfig
-        from services.weightsync.store import open_store
-
-        store = open_store(self.cfg.store, ctx.nc)
-        self.publisher = WeightPublisher(
-            ctx.nc, ctx.run_id, store,
-            encoding=EncodingConfig(anchor_every=self.cfg.weights.anchor_every, dtype=self.cfg.weights.dtype))
-        await self.publisher.ensure()
+        await self._open_weights(ctx)
         runs_kv = self.runs_kv = await bus.ensure_kv(ctx.js, catalog.RUNS)
         await self._resume_from_bus(ctx, runs_kv)
         await self._save_state(runs_kv)
@@ -248,6 +240,44 @@ class TrainerService:
         finally:
             ctx.stop.set()
             await consumer
+            await self._close_sender()
+
+    async def _open_weights(self, ctx: ServiceContext) -> None:
+        """The way versions reach engines (``transport``): a store publisher, or a direct sender."""
+        from services.weightsync.client import WeightPublisher
+        from services.weightsync.config import EncodingConfig, InprocConfig, StoreTransportConfig
+        from services.weightsync.service import load_hmac_key
+        from services.weightsync.store import open_store
+
+        t = self.cfg.transport
+        self.publisher = None
+        self.sender: Any = None
+        self.direct: Any = None
+        if t is None:
+            self.publisher = WeightPublisher(
+                ctx.nc, ctx.run_id, open_store(self.cfg.store, ctx.nc),
+                encoding=EncodingConfig(anchor_every=self.cfg.weights.anchor_every, dtype=self.cfg.weights.dtype))
+        elif isinstance(t, StoreTransportConfig):
+            self.publisher = WeightPublisher(
+                ctx.nc, ctx.run_id, open_store(t.store, ctx.nc, scope=t.scope), scope=t.scope,
+                encoding=t.encoding, hmac_key=load_hmac_key(t.hmac_key_env), parallel=t.parallel)
+        else:
+            if isinstance(t, InprocConfig) and not t.snapshot:
+                # the learner changes its tensors in place on the next step: hand the engine a copy
+                t = msgspec.structs.replace(t, snapshot=True)
+            self.direct = t
+            log.info("weights go to engines by %s (no store: a restarted trainer resumes from its checkpoint)",
+                     "inproc" if isinstance(t, InprocConfig) else "broadcast")
+        if self.publisher is not None:
+            await self.publisher.ensure()
+
+    async def _close_sender(self) -> None:
+        sender, self.sender = getattr(self, "sender", None), None
+        if sender is not None:
+            try:
+                await sender.close()
+            except Exception as e:
+                log.debug("closing the weight sender: %s", e)
 
     async def _resume_from_bus(self, ctx: ServiceContext, runs_kv: Any) -> None:
         """Continue from the newest durable state: published weights + the KV run state."""
@@ -258,11 +288,16 @@ class TrainerService:
             state = codec.decode(entry.value, RunState, max_bytes=None)
         except Exception:
             state = None
+        if self.publisher is None:  # a direct transport keeps no weights on the bus: the checkpoint is the state
+            if state is not None and state.version >= self.version:
+                self.version = state.version + 1  # engines may hold newer numbers from a lost timeline
+            await self._publish_version(ctx)
+            return
         announced = await self.publisher.index.latest()
         if state is not None and state.state == "running" and state.step > self.step and announced is not None \
                 and announced.manifest.version == state.version:
             try:
-                sub = WeightSubscriber(ctx.nc, ctx.run_id, self.publisher.store)
+                sub = WeightSubscriber(ctx.nc, ctx.run_id, self.publisher.store, scope=self.publisher.index.scope)
                 weights = await sub.fetch(announced.manifest)
                 self.learner.model.load_state_dict(weights, strict=False)
                 self.step, self.version, self.data_position = state.step, state.version, state.data_position
@@ -309,6 +344,10 @@ class TrainerService:
         from services.weightsync.blobs import WeightIntegrityError
 
         t0 = time.perf_counter()
+        if self.publisher is None:
+            await self._send_direct(ctx)
+            self.last_publish_s = time.perf_counter() - t0
+            return
         delay = 0.5
         while True:
             try:
@@ -323,6 +362,28 @@ class TrainerService:
                 await asyncio.sleep(delay)  # the server is restarting
                 delay = min(delay * 2, 10.0)
         self.last_publish_s = time.perf_counter() - t0
+
+    async def _send_direct(self, ctx: ServiceContext) -> None:
+        """Send the current weights over the direct transport; a failed broadcast re-forms the group
+        (engines that died are replaced by their restarts) and sends again, for up to 10 minutes."""
+        from services.weightsync.broadcast import BroadcastError
+        from services.weightsync.transport import make_sender
+
+        t0 = time.perf_counter()
+        while True:
+            try:
+                if self.sender is None:
+                    sender = make_sender(self.direct, ctx.nc, ctx.run_id)
+                    await sender.start()  # a broadcast waits (bounded) for every engine to join
+                    self.sender = sender
+                await self.sender.send(self.learner.state_dict(), self.version)
+                return
+            except BroadcastError as e:
+                await self._close_sender()
+                if time.perf_counter() - t0 > 600 or ctx.stop.is_set():
+                    raise
+                log.warning("sending version %d failed (%s); re-forming the broadcast group", self.version, e)
+                await asyncio.sleep(1.0)
 
     async def _train(self, ctx: ServiceContext, runs_kv: Any) -> None:
         cfg = self.cfg

@@ -239,6 +239,9 @@ class BroadcastReceiver:
         self.rank: int | None = None
         self._version: int | None = None
         self._ready: AsyncIterator[BroadcastReady] | None = None
+        self._next_ready: asyncio.Task | None = None  # survives receive() calls (an anext() in flight)
+        self._replaced = asyncio.Event()  # the trainer announced another group
+        self._group_watch: asyncio.Task | None = None
 
     @property
     def version(self) -> int | None:
@@ -280,6 +283,7 @@ class BroadcastReceiver:
         self.group_info = info
         self.group = _Group(self.config, info.backend)
         self._ready = self._first(broadcast_ready_key(self.run_id), BroadcastReady)
+        self._group_watch = asyncio.create_task(self._watch_group(info.group_id), name="broadcast-group-watch")
         await self.group.join(info.master_addr, info.master_port, info.group_id, self.rank, is_master=False)
         log.info("joined broadcast group %s as rank %d", info.group_id, self.rank)
 
@@ -290,7 +294,7 @@ class BroadcastReceiver:
         if group is None or ready_iter is None or info is None:
             raise BroadcastError("broadcast receiver failed to start")
         while True:
-            ready = await anext(ready_iter)
+            ready = await self._next_announcement(ready_iter, info.group_id)
             if ready.group_id != info.group_id:
                 if await self._current_group_id() != info.group_id:
                     raise BroadcastError(
@@ -327,6 +331,32 @@ class BroadcastReceiver:
         self._version = ready.policy_version
         return ready.policy_version, tensors
 
+    async def _watch_group(self, group_id: str) -> None:
+        """Set ``_replaced`` when the trainer announces a different group (it restarted or re-formed it)."""
+        groups = self._first(broadcast_group_key(self.run_id), BroadcastGroup)
+        try:
+            async for info in groups:
+                if info.group_id != group_id:
+                    self._replaced.set()
+                    return
+        finally:
+            await groups.aclose()
+
+    async def _next_announcement(self, ready_iter: AsyncIterator[BroadcastReady], group_id: str) -> BroadcastReady:
+        """The next BroadcastReady, or BroadcastError as soon as the group is replaced (so the engine
+        rejoins instead of waiting for announcements that will never come to its old group)."""
+        if self._next_ready is None:
+            self._next_ready = asyncio.ensure_future(anext(ready_iter))
+        replaced = asyncio.ensure_future(self._replaced.wait())
+        try:
+            await asyncio.wait({self._next_ready, replaced}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            replaced.cancel()
+        if self._next_ready.done():
+            task, self._next_ready = self._next_ready, None
+            return task.result()
+        raise BroadcastError(f"the trainer replaced broadcast group {group_id}; leave it and join the new one")
+
     async def _current_group_id(self) -> str | None:
         kv = await self.index.kv()
         try:
@@ -336,6 +366,14 @@ class BroadcastReceiver:
         return decode(entry.value, BroadcastGroup, max_bytes=None).group_id if entry.value else None
 
     async def close(self) -> None:
+        for task in (self._next_ready, self._group_watch):
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+        self._next_ready = self._group_watch = None
         if self._ready is not None:
             await self._ready.aclose()  # type: ignore[attr-defined]
             self._ready = None

@@ -88,3 +88,33 @@ async def test_broadcast_without_engines_times_out_and_says_so(nc):
     with pytest.raises(BroadcastError, match="join|broadcast"):
         await sender.start()
     assert time.monotonic() - t0 < 30
+
+
+async def test_broadcast_receiver_leaves_a_replaced_group_at_once_and_joins_the_new_one(nc):
+    """A restarted trainer (or one that re-forms the group after a failure) announces a new group; an
+    engine waiting for the old group's next version must notice at once, not after the timeout."""
+    cfg = BroadcastConfig(world_size=2, backend="gloo", timeout_s=60, bucket_bytes=4096)
+    run = "bc3"
+    old, receiver = make_sender(cfg, nc, run), make_receiver(cfg, nc, run)
+    await asyncio.gather(old.start(), receiver.start())
+    s1 = make_state(5, torch.float32, scale=2)
+    _, (version, got) = await asyncio.gather(old.send(s1, 1), receiver.receive())
+    assert version == 1
+    assert_bit_identical(got, s1)
+
+    new = make_sender(cfg, nc, run)
+    joining = asyncio.create_task(new.start())  # waits for the engine to join the new group
+    t0 = time.monotonic()
+    with pytest.raises(BroadcastError, match="replaced"):
+        await asyncio.wait_for(receiver.receive(), 30)
+    assert time.monotonic() - t0 < 10  # noticed from the announcement, far below timeout_s
+    await receiver.close()
+
+    again = make_receiver(cfg, nc, run)
+    await asyncio.gather(again.start(), joining)
+    s2 = perturb(s1, 0.2, seed=6)
+    _, (version, got) = await asyncio.gather(new.send(s2, 2), again.receive())
+    assert version == 2
+    assert_bit_identical(got, s2)
+    await again.close()
+    await new.close()

@@ -1,0 +1,114 @@
+"""The RL loop with each direct weight transport, chosen by config alone (issue 7).
+
+* broadcast: trainer + 2 rollout engines in a torch.distributed (gloo) group, each its own process;
+* inproc: trainer and rollout colocated in one process (``"trainer+rollout" = 1``), tensors handed over.
+
+No weight store is used in either: the test checks that engines generated with the trainer's
+newer versions (the per-token versions in the trajectories) and that no weight blob was stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import nats
+import pytest
+
+from proto.trajectories import ScoredTrajectory
+from services.launcher.accounting import read_all
+from services.launcher.supervisor import check_weight_transport
+from services.runtime.config import ConfigError
+from services.runtime.natsd import EmbeddedNats, free_port
+
+LAYOUTS = {
+    "broadcast": (
+        '{ trainer = 1, rollout = 2, judge = 1 }',
+        '{ type = "broadcast", world_size = 3, backend = "gloo", timeout_s = 120 }',
+    ),
+    "inproc": ('{ "trainer+rollout" = 1, judge = 1 }', '{ type = "inproc" }'),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_loop_runs_with_direct_transport(tmp_path, loop_model_dir, kind):
+    services, transport = LAYOUTS[kind]
+    run_dir = tmp_path / "run"
+    run_id = f"tr-{kind}"
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f"""
+[run]
+id = "{run_id}"
+dir = "{run_dir}"
+[launcher]
+services = {services}
+nats_port = {free_port()}
+[services.trainer]
+model = "{loop_model_dir}"
+groups_per_step = 2
+group_size = 4
+max_new_tokens = 6
+total_steps = 3
+max_staleness = 0
+eval_every = 0
+eval_prompts = 4
+checkpoint_every = 0
+num_threads = 1
+transport = {transport}
+[services.rollout]
+model = "{loop_model_dir}"
+max_tickets = 8
+engine = {{ type = "torch", num_threads = 1 }}
+transport = {transport}
+""")
+    r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
+                       text=True, timeout=600)
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+    assert r.returncode == 0, r.stderr[-3000:] + "\n".join(v[-2000:] for v in logs.values())
+    assert "run finished at step 3" in r.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 3 and summary["version"] == 3
+    if kind == "broadcast":
+        joined = [name for name, text in logs.items() if "joined broadcast group" in text]
+        assert sorted(joined) == ["rollout-0.log", "rollout-1.log"], logs.keys()
+    else:
+        assert sorted(logs) == ["judge-0.log", "trainer+rollout-0.log"]
+
+    async def read():
+        with EmbeddedNats(run_dir / "nats", port=None) as server:
+            nc = await nats.connect(server.url)
+            js = nc.jetstream()
+            trajectories = await read_all(js, "TRAJECTORIES", f"rlbus.{run_id}.trajectories", ScoredTrajectory)
+            streams = [s.config.name for s in await js.streams_info()]
+            await nc.close()
+            return trajectories, streams
+
+    trajectories, streams = asyncio.run(read())
+    # with max_staleness 0 the last step trains on samples generated at version 2: they reached the engines
+    token_versions = {v for t in trajectories for turn in t.rollout.turns for v in turn.versions}
+    assert {0, 1, 2} <= token_versions, token_versions
+    assert not [s for s in streams if s.startswith("OBJ_")], f"a weight store was used: {streams}"
+
+
+def _tree(trainer: dict | None, rollout: dict | None) -> dict:
+    return {"services": {"trainer": {"transport": trainer} if trainer else {},
+                         "rollout": {"transport": rollout} if rollout else {}}}
+
+
+def test_launcher_refuses_layouts_the_transport_cannot_serve():
+    bc = {"type": "broadcast", "world_size": 3}
+    check_weight_transport(_tree(bc, bc), {"trainer": 1, "rollout": 2, "judge": 1})  # consistent: accepted
+    check_weight_transport(_tree(None, None), {"trainer": 1, "rollout": 5})  # the store serves any layout
+    with pytest.raises(ConfigError, match="set it to 4"):
+        check_weight_transport(_tree(bc, bc), {"trainer": 1, "rollout": 3})
+    with pytest.raises(ConfigError, match="same weight transport"):
+        check_weight_transport(_tree(bc, None), {"trainer": 1, "rollout": 2})
+    inproc = {"type": "inproc"}
+    with pytest.raises(ConfigError, match="colocated"):
+        check_weight_transport(_tree(inproc, inproc), {"trainer": 1, "rollout": 1})
+    check_weight_transport(_tree(inproc, inproc), {"trainer+rollout": 1, "judge": 2})
+    with pytest.raises(ConfigError, match="count to 1"):
+        check_weight_transport(_tree(inproc, inproc), {"trainer+rollout": 2})
