@@ -12,7 +12,8 @@
   from S3 (moto's server, its own process on 127.0.0.1), next to ``raw_loopback_MBps``: a plain
   socket copy of the same bytes into a fresh buffer on the same machine.
   ``*_read_unverified_MBps``: the same chunks read from the store without
-  hashing (the transport alone).
+  hashing (the transport alone); ``sha256_MBps``: hashing the same bytes once, single thread
+  (verification costs about as much CPU as the raw copy itself).
 * ``publish_to_all_applied_s``: publish until 8 engines have fetched and
   verified the version, relay off (every engine reads upstream) and on (one
   weightsync relay reads upstream, engines read its local bucket), with the
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -348,6 +350,10 @@ async def transfers(args, tmp: Path) -> dict[str, object]:
     data = encode_full(state).buf
     out["version_MB"] = round(len(data) / MB, 1)
     out["raw_loopback_MBps"] = round(raw_loopback_MBps(data), 1)
+    # what verification alone costs on this CPU (every pulled byte is hashed once)
+    t0 = time.perf_counter()
+    hashlib.sha256(data).digest()
+    out["sha256_MBps"] = round(len(data) / (time.perf_counter() - t0) / MB, 1)
     with EmbeddedNats(tmp / "nats", port=None) as server:
         nc = await nats.connect(server.url)
         r = await pull_MBps(nc, ObjStoreConfig(), state, "bench-obj")

@@ -34,7 +34,8 @@ from services.weightsync.store import BlobNotFound, StoreError, StoreStats
 log = logging.getLogger("rlbus.weightsync.objstore")
 
 _FETCH_TIMEOUT_S = 30.0
-_RAW_REQUEST_BYTES = 8 * 1024 * 1024  # bytes asked for per pull request (two requests kept in flight)
+_RAW_REQUEST_BYTES = 32 * 1024 * 1024  # bytes asked for per pull request (two requests kept in flight)
+_PUBLISH_WINDOW_BYTES = 128 * 1024 * 1024  # unacknowledged chunk bytes while uploading (bounds the copies held)
 
 
 def _meta_subject(bucket: str, name: str) -> str:
@@ -96,7 +97,7 @@ class ObjectStoreBlobs:
             for off in range(0, len(data), self._msg_bytes):
                 window.append(await self.js.publish_async(subj, bytes(data[off : off + self._msg_bytes])))
                 chunks += 1
-                if len(window) >= self.config.publish_window:
+                if len(window) >= min(self.config.publish_window, max(2, _PUBLISH_WINDOW_BYTES // self._msg_bytes)):
                     await asyncio.gather(*window)
                     window.clear()
             await asyncio.gather(*window)
