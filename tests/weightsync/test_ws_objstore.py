@@ -87,7 +87,7 @@ async def test_latest_and_watch_see_new_versions(nc):
     assert latest is not None and latest.version == 3
 
 
-async def test_64mb_read_speed(nc):
+async def test_64mib_version_round_trip(nc):
     n = 16 * 1024 * 1024  # fp32 elements: 64 MiB
     state = {"w": torch.randn(n)}
     pub = WeightPublisher(nc, RUN, ObjectStoreBlobs(nc), encoding=EncodingConfig(anchor_every=1))
