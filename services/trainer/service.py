@@ -409,6 +409,19 @@ class TrainerService:
                 break
             groups = self.buffer.take(cfg.groups_per_step)
             samples = [s for g in groups for s in g]
+            # a rollout that failed (sandbox died, engine error) says nothing about the policy:
+            # it is accounted as dropped with its error, never trained on as a zero reward
+            failed = [s for s in samples if s.item.rollout.error]
+            if failed:
+                samples = [s for s in samples if not s.item.rollout.error]
+                for s in failed:
+                    await self._outcome(ctx, s, "dropped", f"rollout failed: {s.item.rollout.error[:300]}")
+                self._resolve(failed)
+            if not samples:
+                for g in groups:
+                    self.admission.finish(g[0].group_id)
+                await self._save_state(runs_kv)
+                continue
             staleness = [self.version - s.version for s in samples]
             metrics = await asyncio.to_thread(self.learner.step, [s.item for s in samples])
             self.step += 1

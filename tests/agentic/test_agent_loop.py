@@ -133,7 +133,8 @@ async def test_sandbox_failure_mid_rollout_is_recorded_and_reaches_judge_and_tra
     assert failed.rollout.turns and failed.rollout.turns[0].role == "assistant"  # what it did before is kept
     # the other rollout of the group is untouched by its sibling's failure
     assert ok.rollout.error is None and ok.rollout.finish_reason == "eos" and ok.reward == 1.0
-    # both reached the trainer's accounting: held by its consumer, nothing lost; both are trainable
+    # both reached the trainer's accounting: held by its consumer, nothing lost (the trainer then drops
+    # the failed one with its error instead of training on it: tests/loop/test_failed_rollouts.py)
     from services.launcher.accounting import accounting
 
     acc = await accounting(bus.js, RUN)

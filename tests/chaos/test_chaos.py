@@ -141,7 +141,8 @@ engine = {{ type = "torch", num_threads = 1 }}
     assert acc["outcomes_without_trajectory"] == 0, acc
     assert acc["trained"] >= final_step * 4 * 4 * 0.9, acc  # (a restart may retrain a batch whose KV write was lost)
     assert acc["published"] == acc["trained"] + acc["dropped"] + acc["eval"] + acc["pending"] - acc["multiple_outcomes"]
-    assert all(r in ("stale", "group already dropped for staleness") for r in acc["dropped_reasons"]), acc
+    assert all(r in ("stale", "group already dropped for staleness", "rollout failed")
+               for r in acc["dropped_reasons"]), acc
 
     # the newest checkpoint is a model that loads
     from transformers import AutoModelForCausalLM
