@@ -110,3 +110,46 @@ async def test_tied_weights_are_published_once(nc):
     assert all(t.name != "lm_head.weight" for t in m.tensors)
     got = await WeightSubscriber(nc, RUN, ObjectStoreBlobs(nc)).fetch(m)
     assert_bit_identical(got, state)
+
+
+async def test_upload_ends_when_the_server_dies_mid_way_instead_of_hanging(tmp_path, monkeypatch):
+    """nats-py never times out a JetStream publish ack: a server killed mid-upload used to leave
+    the publisher (the trainer) waiting forever. Now the upload either completes or fails with
+    StoreError within the ack timeout, and the next try after the restart stores the blob intact."""
+    import hashlib
+    import os
+
+    import nats
+
+    from services.runtime.natsd import EmbeddedNats, free_port
+    from services.weightsync import objstore
+    from services.weightsync.store import StoreError
+
+    monkeypatch.setattr(objstore, "_ACK_TIMEOUT_S", 3.0)
+    server = EmbeddedNats(tmp_path / "nats", port=free_port())
+    server.start()
+    nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    try:
+        store = ObjectStoreBlobs(nc, ObjStoreConfig(message_bytes=64 * 1024, publish_window=64))
+        await store.ensure()
+        data = memoryview(os.urandom(32 * 1024 * 1024))
+        sha = hashlib.sha256(data).hexdigest()
+        put = asyncio.create_task(store.put("blob", data, sha))
+        while not nc.stats["out_msgs"] > 100:  # mid-upload
+            await asyncio.sleep(0.001)
+        server.kill()
+        await asyncio.sleep(0.5)
+        server.start()
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(put, 60)
+        except StoreError as err:
+            assert "not acknowledged" in str(err) or "failed" in str(err)
+        assert time.monotonic() - t0 < 30
+        await store.put("blob", data, sha)  # the retry
+        out = bytearray(len(data))
+        await store.read_into("blob", memoryview(out))
+        assert hashlib.sha256(out).hexdigest() == sha
+    finally:
+        await nc.close()
+        server.stop()
