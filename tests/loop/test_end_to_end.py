@@ -14,6 +14,7 @@ from proto.accounting import TrajectoryOutcome
 from proto.trajectories import ScoredTrajectory
 from services.launcher.accounting import read_all
 from services.runtime.natsd import EmbeddedNats, free_port
+from services.weightsync.objstore import ObjectStoreBlobs
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +27,7 @@ def test_short_run_end_to_end(tmp_path, loop_model_dir):
 id = "e2e"
 dir = "{run_dir}"
 [launcher]
-services = {{ trainer = 1, rollout = 1, judge = 2 }}
+services = {{ trainer = 1, rollout = 1, judge = 2, weightsync = 1 }}
 nats_port = {free_port()}
 [services.trainer]
 model = "{loop_model_dir}"
@@ -74,10 +75,14 @@ engine = {{ type = "torch", num_threads = 1 }}
             trajectories = await read_all(js, "TRAJECTORIES", "rlbus.e2e.trajectories", ScoredTrajectory)
             outcomes = await read_all(js, "OUTCOMES", "rlbus.e2e.outcomes", TrajectoryOutcome)
             ci = await js.consumer_info("TRAJECTORIES", "trainer-e2e")
+            stored = await ObjectStoreBlobs(nc).list("e2e/")
             await nc.close()
-            return trajectories, outcomes, ci
+            return trajectories, outcomes, ci, stored
 
-    trajectories, outcomes, ci = asyncio.run(accounting())
+    trajectories, outcomes, ci, stored = asyncio.run(accounting())
+    # weightsync's retention ran: of versions 0..6 only the last anchors (and deltas after them) remain
+    kept = sorted({int(name.split("/")[1][1:]) for name in stored})
+    assert kept and kept[-1] == 6 and len(kept) < 7, kept
     by_id = {}
     for o in outcomes:
         by_id.setdefault(o.trajectory_id, []).append(o)
