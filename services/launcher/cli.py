@@ -36,7 +36,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     return o
 
 
-DEFAULT_EXAMPLE = "echo"
+DEFAULT_EXAMPLE = "addition"  # the main job: README, `./rlbus run`
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "services as its own child process, restarting crashed ones with backoff. Ctrl-C stops "
                         "everything cleanly (services drain, then NATS stops) and leaves no process behind. "
                         "Logs: <run dir>/logs/<service>-<i>.log.")
-    up.add_argument("config", nargs="?", metavar="CONFIG", help="run file (TOML) or example name; default: echo")
+    up.add_argument("config", nargs="?", metavar="CONFIG", help=f"run file (TOML) or example name; default: {DEFAULT_EXAMPLE}")
     up.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key (repeatable)")
     up.add_argument("--for", dest="duration", type=float, metavar="SECONDS",

@@ -115,3 +115,12 @@ def test_tap_replays_a_family_from_a_stream(nats_url):
     recs = [json.loads(line) for line in r.stdout.splitlines()]
     assert [rec["data"]["service"] for rec in recs] == ["svc0", "svc1", "svc2"]
     assert all(rec["seq"] >= 1 for rec in recs)
+
+
+def test_run_without_a_target_is_the_rl_example():
+    """The README's first command (`./rlbus` = `rlbus run`) is the main job: an RL run, not a demo."""
+    from services.launcher.cli import build_parser, resolve_target
+
+    args = build_parser().parse_args(["run"])
+    assert resolve_target(args.target).endswith("examples/addition.toml")
+    assert build_parser().parse_args(["up"]).config is None  # up falls back to the same example
