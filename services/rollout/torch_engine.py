@@ -201,17 +201,20 @@ class TorchEngine:
         self._thread = None
 
     def _load(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from services.runtime.loading import HF_LOAD_LOCK
 
         dtype = _DTYPES[self.config.dtype]
         if self._model is None:
             if not self.config.model_dir or not Path(self.config.model_dir).is_dir():
                 raise EngineError(f"model_dir {self.config.model_dir!r} is not a directory; "
                                   "point it at a Hugging Face model directory")
-            self._model = AutoModelForCausalLM.from_pretrained(
-                self.config.model_dir, dtype=dtype, attn_implementation=self.config.attn_implementation)
-            if self._tokenizer is None:
-                self._tokenizer = AutoTokenizer.from_pretrained(self.config.model_dir)
+            with HF_LOAD_LOCK:  # colocated services load in threads of one process
+                from transformers import AutoModelForCausalLM, AutoTokenizer
+
+                self._model = AutoModelForCausalLM.from_pretrained(
+                    self.config.model_dir, dtype=dtype, attn_implementation=self.config.attn_implementation)
+                if self._tokenizer is None:
+                    self._tokenizer = AutoTokenizer.from_pretrained(self.config.model_dir)
         model = self._model.to(device=self._device, dtype=dtype).eval()
         model.requires_grad_(False)
         text_config = model.config.get_text_config(decoder=True)

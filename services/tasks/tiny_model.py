@@ -170,7 +170,10 @@ def ensure_tiny_model(
     if marker.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
+    from services.runtime.loading import HF_LOAD_LOCK
+
+    # HF_LOAD_LOCK: another thread of this process may be loading a model (colocated services)
+    with open(target.parent / f".{target.name}.lock", "w") as lock, HF_LOAD_LOCK:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
         if marker.is_file():
             return target

@@ -59,16 +59,19 @@ def load_policy(
     Raises:
         ModelIOError: the directory does not exist or has no ``config.json``.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from services.runtime.loading import HF_LOAD_LOCK
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise ModelIOError(
             f"{path} is not a Hugging Face model directory (no config.json); build or download it first"
         )
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), local_files_only=True)
+    with HF_LOAD_LOCK:  # colocated services load in threads of one process
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model, tokenizer
 
 
