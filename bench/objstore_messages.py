@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nats  # noqa: E402
 
 from services.runtime.natsd import EmbeddedNats  # noqa: E402
+from services.runtime.service import install_uvloop  # noqa: E402
 from services.weightsync.client import WeightPublisher, WeightSubscriber  # noqa: E402
 from services.weightsync.codec import encode_full  # noqa: E402
 from services.weightsync.config import EncodingConfig, ObjStoreConfig  # noqa: E402
@@ -68,4 +69,6 @@ async def main(mb: int) -> dict[str, object]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=256, help="version size in MB (default 256)")
-    print(json.dumps(asyncio.run(main(parser.parse_args().mb))))
+    args = parser.parse_args()
+    loop_name = "uvloop" if install_uvloop() else "asyncio"  # the services' event loop
+    print(json.dumps({**asyncio.run(main(args.mb)), "event_loop": loop_name}))

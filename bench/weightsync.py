@@ -59,6 +59,7 @@ from services.weightsync.config import (  # noqa: E402
 from services.weightsync.objstore import ObjectStoreBlobs  # noqa: E402
 from services.weightsync.service import WeightsyncService  # noqa: E402
 from services.weightsync.store import open_store  # noqa: E402
+from services.runtime.service import install_uvloop  # noqa: E402
 from services.weightsync.transport import make_receiver, make_sender  # noqa: E402
 
 MB = 1e6
@@ -409,7 +410,10 @@ def main() -> None:
     steps = args.steps or (1 if args.quick else 3)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
+        # the event loop the services run on (rlbus service installs uvloop when it is there)
+        loop_name = "uvloop" if install_uvloop() else "asyncio"
         result = asyncio.run(transfers(args, Path(tmp)))
+        result["event_loop"] = loop_name
     print(f"transfers done in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     t1 = time.perf_counter()
     tiny = grpo_delta_ratio("tiny-addition", "addition", 1e-4, steps, 8, 8, 6)

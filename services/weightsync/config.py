@@ -28,9 +28,9 @@ class ObjStoreConfig(
     #: bucket name; empty means ``rlbus_weight_blobs_<scope>``
     bucket: str = ""
     #: size of each NATS message a chunk is cut into; capped to the server's max_payload (the embedded
-    #: server and deploy/nats allow 8 MB; a stock server 1 MB). Big messages cut the server's per-message
-    #: work: 4 MiB pulls ~1.2x faster than 512 KiB here (BENCHMARKS.md)
-    message_bytes: Annotated[int, msgspec.Meta(ge=4096, le=64 * MiB)] = 4 * MiB
+    #: server and deploy/nats allow 8 MiB; a stock server 1 MB). Big messages cut the server's per-message
+    #: work: 7 MiB pulls 1.1-1.3x faster than 512 KiB here (bench/objstore_messages.py, BENCHMARKS.md)
+    message_bytes: Annotated[int, msgspec.Meta(ge=4096, le=64 * MiB)] = 7 * MiB
     #: JetStream storage of the bucket's stream: file (survives restarts) or memory
     storage: Literal["file", "memory"] = "file"
     #: stream replicas in a cluster
