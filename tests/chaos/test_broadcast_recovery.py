@@ -1,0 +1,92 @@
+"""The broadcast weight transport survives a dead engine: the trainer's send fails (bounded by
+``timeout_s``), it re-forms the group, the surviving engine leaves the replaced group, the restarted
+engine joins the new one, and training goes on. Trainer, 2 rollout engines and judge each their own
+process, real gloo; nothing here is mocked. Then the trainer itself is killed: it restarts from its
+checkpoint, forms a new group, and both engines follow it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import nats
+import pytest
+
+from services.launcher.accounting import accounting
+from services.launcher.supervisor import Supervisor
+from services.runtime.natsd import EmbeddedNats, free_port
+from tests.chaos.test_chaos import first_step_after, last_step
+
+pytestmark = pytest.mark.slow
+
+
+def test_broadcast_run_survives_engine_and_trainer_kills(tmp_path, loop_model_dir):
+    run_dir = tmp_path / "run"
+    cfg = tmp_path / "bcast.toml"
+    transport = '{ type = "broadcast", world_size = 3, backend = "gloo", timeout_s = 8 }'
+    cfg.write_text(f"""
+[run]
+id = "bcastchaos"
+dir = "{run_dir}"
+[launcher]
+services = {{ trainer = 1, rollout = 2, judge = 1 }}
+nats_port = {free_port()}
+max_restarts = 20
+[common]
+heartbeat_s = 1.0
+drain_timeout_s = 3.0
+[services.trainer]
+model = "{loop_model_dir}"
+groups_per_step = 2
+group_size = 4
+max_new_tokens = 6
+total_steps = 100000
+max_staleness = 1
+eval_every = 0
+eval_prompts = 4
+checkpoint_every = 2
+group_timeout_s = 30
+num_threads = 1
+transport = {transport}
+[services.rollout]
+model = "{loop_model_dir}"
+max_tickets = 8
+version_wait_s = 20
+engine = {{ type = "torch", num_threads = 1 }}
+transport = {transport}
+""")
+    metrics = run_dir / "metrics.jsonl"
+    sup = Supervisor(str(cfg), quiet=True)
+    try:
+        sup.start()
+        sup.start_heartbeat_monitor()
+        threading.Thread(target=sup.wait, name="supervisor", daemon=True).start()
+        deadline = time.monotonic() + 240
+        while last_step(metrics)[0] < 3:
+            assert time.monotonic() < deadline, "the run never started"
+            time.sleep(0.5)  # waiting on child processes
+        for victim in ("rollout-1", "trainer-0"):
+            step, _ = last_step(metrics)
+            t_kill = time.time()
+            assert sup.kill_child(victim) is not None
+            deadline = time.monotonic() + 180
+            while (first_step_after(metrics, step + 2, t_kill)) is None:  # two more steps after the kill
+                assert time.monotonic() < deadline, f"no progress after killing {victim} at step {step}"
+                time.sleep(0.5)  # waiting on child processes
+    finally:
+        sup.stop()
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+    assert "re-forming the broadcast group" in logs["trainer-0.log"]
+    for engine in ("rollout-0.log", "rollout-1.log"):  # every engine joined more than one group
+        assert logs[engine].count("joined broadcast group") >= 2, engine
+
+    async def check():
+        with EmbeddedNats(run_dir / "nats", port=None) as server:
+            nc = await nats.connect(server.url)
+            acc = await accounting(nc.jetstream(), "bcastchaos")
+            await nc.close()
+        return acc
+
+    acc = asyncio.run(check())
+    assert acc["lost"] == 0, acc
