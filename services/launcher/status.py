@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import time
 from typing import Any
 
@@ -45,12 +44,13 @@ async def collect(nc: Any, run_id: str) -> dict[str, Any]:
                 out["consumers"][f"{name}/{ci.name}"] = {
                     "pending": ci.num_pending, "ack_pending": ci.num_ack_pending, "redelivered": ci.num_redelivered,
                 }
+    out["weights"] = await latest_weights(js, run_id)
     try:
-        weights = importlib.import_module("proto.weights")
-        latest = getattr(weights, "status_latest", None)
-        if latest is not None:
-            out["weights"] = await latest(js, run_id)
-    except ImportError:
+        runs = await js.key_value(catalog.RUNS.bucket)
+        entry = await runs.get(f"{run_id}.state")
+        state = codec.msgspec.msgpack.decode(entry.value)
+        out["trainer"] = {k: state.get(k) for k in ("state", "step", "version")}
+    except Exception:
         pass
     try:
         runs = await js.key_value(catalog.RUNS.bucket)
@@ -59,6 +59,39 @@ async def collect(nc: Any, run_id: str) -> dict[str, Any]:
     except Exception:
         pass
     return out
+
+
+async def latest_weights(js: Any, run_id: str, scope: str = "main") -> dict[str, Any] | None:
+    """The newest version announced in ``scope``: through the store (manifest) or a broadcast group."""
+    from proto.weights import BroadcastReady, WeightAnnouncement, broadcast_ready_key, kv_bucket, latest_key
+
+    try:
+        kv = await js.key_value(kv_bucket(scope))
+    except Exception:
+        return None
+    found: list[dict[str, Any]] = []
+    for key, typ in ((latest_key(run_id), WeightAnnouncement), (broadcast_ready_key(run_id), BroadcastReady)):
+        try:
+            entry = await kv.get(key)
+            msg = codec.decode(entry.value, typ, max_bytes=None)
+        except Exception:
+            continue
+        if isinstance(msg, WeightAnnouncement):
+            m = msg.manifest
+            found.append({"version": m.version, "transport": f"store ({m.store})", "kind": m.kind,
+                          "anchor": m.anchor_version, "bytes": m.blob_nbytes, "at": msg.created_at})
+        else:
+            found.append({"version": msg.policy_version, "transport": "broadcast", "group": msg.group_id,
+                          "bytes": msg.data_nbytes, "at": msg.created_at})
+    return max(found, key=lambda w: (w["at"], w["version"])) if found else None
+
+
+def _weights_line(w: dict[str, Any] | None) -> str:
+    if w is None:
+        return "none announced"
+    if w["transport"] == "broadcast":
+        return f"v{w['version']} by broadcast (group {w['group']}, {w['bytes']} bytes)"
+    return f"v{w['version']} in the {w['transport']} ({w['kind']}, anchor v{w['anchor']}, {w['bytes']} bytes)"
 
 
 def format_status(st: dict[str, Any]) -> str:
@@ -74,7 +107,10 @@ def format_status(st: dict[str, Any]) -> str:
     lines.append("consumers (this run):")
     for name, c in st["consumers"].items():
         lines.append(f"  {name:<28} pending {c['pending']:>6}  unacked {c['ack_pending']:>6}  redelivered {c['redelivered']}")
-    lines.append(f"latest weight version: {st['weights'] if st['weights'] is not None else 'none'}")
+    lines.append(f"latest weight version: {_weights_line(st['weights'])}")
+    if st.get("trainer") is not None:
+        t = st["trainer"]
+        lines.append(f"trainer: {t['state']} at step {t['step']}, version {t['version']}")
     if st.get("gang") is not None:
         lines.append(f"gang: {st['gang']}")
     return "\n".join(lines)

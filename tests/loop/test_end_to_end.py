@@ -13,6 +13,7 @@ import pytest
 from proto.accounting import TrajectoryOutcome
 from proto.trajectories import ScoredTrajectory
 from services.launcher.accounting import read_all
+from services.launcher.status import collect, format_status
 from services.runtime.natsd import EmbeddedNats, free_port
 from services.weightsync.objstore import ObjectStoreBlobs
 
@@ -77,10 +78,15 @@ engine = {{ type = "torch", num_threads = 1 }}
             outcomes = await read_all(js, "OUTCOMES", "rlbus.e2e.outcomes", TrajectoryOutcome)
             ci = await js.consumer_info("TRAJECTORIES", "trainer-e2e")
             stored = await ObjectStoreBlobs(nc).list("e2e/")
+            status = await collect(nc, "e2e")
             await nc.close()
-            return trajectories, outcomes, ci, stored
+            return trajectories, outcomes, ci, stored, status
 
-    trajectories, outcomes, ci, stored = asyncio.run(accounting())
+    trajectories, outcomes, ci, stored, status = asyncio.run(accounting())
+    # `rlbus status` reports the newest version and the trainer's state
+    assert status["weights"]["version"] == 6 and status["weights"]["transport"] == "store (objstore)", status
+    assert status["trainer"] == {"state": "finished", "step": 6, "version": 6}, status
+    assert "latest weight version: v6 in the store (objstore)" in format_status(status)
     # weightsync's retention ran: anchors at least every 2nd version, the last 2 anchors (and the deltas
     # after them) are kept, so version 0 was collected once version 4 existed
     kept = sorted({int(name.split("/")[1][1:]) for name in stored})

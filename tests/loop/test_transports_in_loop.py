@@ -19,6 +19,7 @@ import pytest
 
 from proto.trajectories import ScoredTrajectory
 from services.launcher.accounting import read_all
+from services.launcher.status import collect
 from services.launcher.supervisor import check_weight_transport
 from services.runtime.config import ConfigError
 from services.runtime.natsd import EmbeddedNats, free_port
@@ -83,10 +84,14 @@ transport = {transport}
             js = nc.jetstream()
             trajectories = await read_all(js, "TRAJECTORIES", f"rlbus.{run_id}.trajectories", ScoredTrajectory)
             streams = [s.config.name for s in await js.streams_info()]
+            status = await collect(nc, run_id)
             await nc.close()
-            return trajectories, streams
+            return trajectories, streams, status
 
-    trajectories, streams = asyncio.run(read())
+    trajectories, streams, status = asyncio.run(read())
+    assert status["trainer"]["version"] == 3
+    if kind == "broadcast":  # `rlbus status` shows the newest broadcast version
+        assert status["weights"]["version"] == 3 and status["weights"]["transport"] == "broadcast", status
     # with max_staleness 0 the last step trains on samples generated at version 2: they reached the engines
     token_versions = {v for t in trajectories for turn in t.rollout.turns for v in turn.versions}
     assert {0, 1, 2} <= token_versions, token_versions
