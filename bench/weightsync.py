@@ -46,6 +46,7 @@ import nats  # noqa: E402
 import torch  # noqa: E402
 
 from services.runtime.natsd import EmbeddedNats, free_port  # noqa: E402
+from services.runtime.service import install_uvloop  # noqa: E402
 from services.weightsync.client import WeightPublisher, WeightSubscriber, cast_for_publish  # noqa: E402
 from services.weightsync.codec import encode_delta, encode_full, split_aliases  # noqa: E402
 from services.weightsync.config import (  # noqa: E402
@@ -59,7 +60,6 @@ from services.weightsync.config import (  # noqa: E402
 from services.weightsync.objstore import ObjectStoreBlobs  # noqa: E402
 from services.weightsync.service import WeightsyncService  # noqa: E402
 from services.weightsync.store import open_store  # noqa: E402
-from services.runtime.service import install_uvloop  # noqa: E402
 from services.weightsync.transport import make_receiver, make_sender  # noqa: E402
 
 MB = 1e6
