@@ -163,8 +163,7 @@ class TrainerService:
                 s.token.set_result(None)
 
     async def _drop(self, ctx: ServiceContext, samples: list[Sample], reason: str) -> None:
-        for s in samples:
-            await self._outcome(ctx, s, "dropped", reason)
+        await asyncio.gather(*(self._outcome(ctx, s, "dropped", reason) for s in samples))
         # the freed admission slots are durable before the acks: a restarted trainer must not
         # wait for groups whose trajectories were already taken off the stream
         await self._save_state(self.runs_kv)
@@ -428,8 +427,8 @@ class TrainerService:
             self.version += 1
             await self._publish_version(ctx)  # durable before anything is acked
             await self._save_state(runs_kv)
-            for s in samples:
-                await self._outcome(ctx, s, "trained")
+            # one JetStream round trip for the whole batch instead of one per trajectory
+            await asyncio.gather(*(self._outcome(ctx, s, "trained") for s in samples))
             for g in groups:
                 self.admission.finish(g[0].group_id)
             self._resolve(samples)
