@@ -91,6 +91,8 @@ def cast_for_publish(state_dict: Mapping[str, torch.Tensor], dtype: str) -> dict
     return out
 
 
+_MAX_DELTA_PAUSE = 32  # versions published as anchors before a delta is tried again (at most)
+
 class WeightPublisher:
     """The trainer side: encode, store and announce each new weight version."""
 
@@ -115,6 +117,10 @@ class WeightPublisher:
         self._prev_version: int | None = None
         self._anchor_version: int | None = None
         self._since_anchor = 0
+        #: after a delta came out too dense, the next versions go out as anchors without trying a
+        #: delta (encoding one costs ~7x a full encode); the pause doubles while deltas stay dense
+        self._delta_pause = 0
+        self._delta_backoff = 0
         self._ready = False
 
     async def ensure(self) -> None:
@@ -139,15 +145,22 @@ class WeightPublisher:
         blob: bytes | bytearray = full.buf
         kind, tensors, encoding = "full", full.tensors, FULL_ENCODING
         prev = self._delta_base(full)
+        if prev is not None and self._delta_pause > 0:
+            self._delta_pause -= 1
+            prev = None
         if prev is not None:
             dblob, dtensors = await asyncio.to_thread(
                 encode_delta, prev.buf, full.buf, full.tensors, self.encoding.zstd_level
             )
             if len(dblob) <= self.encoding.max_delta_fraction * len(full.buf):
                 blob, kind, tensors, encoding = dblob, "delta", dtensors, DELTA_ENCODING
+                self._delta_backoff = 0
             else:
+                self._delta_backoff = min(max(1, 2 * self._delta_backoff), _MAX_DELTA_PAUSE)
+                self._delta_pause = self._delta_backoff
                 log.info(
-                    "version %d: delta is %d bytes, over the limit; publishing an anchor", version, len(dblob)
+                    "version %d: delta is %d bytes, over the limit; publishing anchors for the next %d versions "
+                    "without trying a delta", version, len(dblob), self._delta_pause,
                 )
 
         chunks = await write_chunks(

@@ -153,3 +153,27 @@ async def test_upload_ends_when_the_server_dies_mid_way_instead_of_hanging(tmp_p
     finally:
         await nc.close()
         server.stop()
+
+
+async def test_dense_deltas_pause_delta_attempts_until_they_pay_again(nc, monkeypatch):
+    """A delta that comes out too dense is thrown away (an anchor goes out instead); encoding it cost
+    ~7x a full encode, so the publisher stops trying for a doubling number of versions, and sparse
+    changes get deltas again once the pause is over."""
+    from services.weightsync import client
+    from tests.weightsync.helpers import perturb
+
+    tried: list[int] = []
+    real = client.encode_delta
+    monkeypatch.setattr(client, "encode_delta", lambda *a: tried.append(1) or real(*a))
+    pub = WeightPublisher(nc, "densedelta", ObjectStoreBlobs(nc),
+                          encoding=EncodingConfig(anchor_every=100, chunk_bytes=64 * 1024))
+    sub = WeightSubscriber(nc, "densedelta", ObjectStoreBlobs(nc))
+    state, kinds, version = make_state(0), [], 0
+    for seed, frac in [(1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0), (5, 0.01), (6, 0.01), (7, 0.01), (8, 0.01)]:
+        state, version = perturb(state, frac, seed=seed), version + 1
+        manifest = await pub.publish(state, version)
+        kinds.append(manifest.kind)
+        assert_bit_identical(await sub.fetch(manifest), state)  # every version still rebuilds exactly
+    # v2 and v4 tried a delta (too dense: anchors, pauses of 1 then 2); v3, v5, v6 did not try; v7 and v8 are deltas
+    assert kinds == ["full"] * 6 + ["delta", "delta"]
+    assert len(tried) == 4
