@@ -47,17 +47,15 @@ async def collect(nc: Any, run_id: str) -> dict[str, Any]:
     out["weights"] = await latest_weights(js, run_id)
     try:
         runs = await js.key_value(catalog.RUNS.bucket)
-        entry = await runs.get(f"{run_id}.state")
-        state = codec.msgspec.msgpack.decode(entry.value)
-        out["trainer"] = {k: state.get(k) for k in ("state", "step", "version")}
     except Exception:
-        pass
-    try:
-        runs = await js.key_value(catalog.RUNS.bucket)
-        entry = await runs.get(f"{run_id}.gang")
-        out["gang"] = codec.msgspec.msgpack.decode(entry.value)
-    except Exception:
-        pass
+        runs = None
+    if runs is not None:
+        for key, field in (("state", "trainer"), ("gang", "gang")):
+            try:
+                value = codec.msgspec.msgpack.decode((await runs.get(f"{run_id}.{key}")).value)
+            except Exception:
+                continue  # not there (yet), or unreadable: status shows what it can
+            out[field] = {k: value.get(k) for k in ("state", "step", "version")} if field == "trainer" else value
     return out
 
 

@@ -62,24 +62,17 @@ class RolloutService:
 
     async def run(self, ctx: ServiceContext) -> None:
         from services.sandbox.client import SandboxClient
-        from services.weightsync.client import WeightSubscriber
         from services.weightsync.config import StoreTransportConfig
-        from services.weightsync.service import load_hmac_key
-        from services.weightsync.store import open_store
+        from services.weightsync.transport import store_subscriber
 
         engine = await asyncio.to_thread(self._engine)
         await engine.start()
         self.attach(engine, engine.tokenizer, SandboxClient(
             ctx.nc, ctx.run_id, timeout_s=self.cfg.agent.sandbox_timeout_s,
             default_exec_timeout_s=self.cfg.agent.exec_timeout_s))
-        t = self.cfg.transport
-        if t is None:
-            self.subscriber = WeightSubscriber(ctx.nc, ctx.run_id, open_store(self.cfg.store, ctx.nc))
-            weights = asyncio.create_task(self._follow_weights(ctx), name="rollout-weights")
-        elif isinstance(t, StoreTransportConfig):
-            self.subscriber = WeightSubscriber(
-                ctx.nc, ctx.run_id, open_store(t.store, ctx.nc, scope=t.scope), scope=t.scope,
-                hmac_key=load_hmac_key(t.hmac_key_env), parallel=t.parallel)
+        t = self.cfg.transport or StoreTransportConfig(store=self.cfg.store)
+        if isinstance(t, StoreTransportConfig):
+            self.subscriber = store_subscriber(t, ctx.nc, ctx.run_id)
             weights = asyncio.create_task(self._follow_weights(ctx), name="rollout-weights")
         else:
             weights = asyncio.create_task(self._follow_transport(ctx, t), name="rollout-weights")

@@ -83,6 +83,10 @@ class TrainerService:
         self.staleness_n = 0
         self.started = time.time()
         self.runs_kv: Any = None  # KV rlbus_runs, set in run() before any trajectory is handled
+        # how weights leave (set in run()): a store publisher, or a direct transport's config + sender
+        self.publisher: Any = None
+        self.direct: Any = None
+        self.sender: Any = None
 
     # --- set-up ---------------------------------------------------------------------------------
 
@@ -243,35 +247,25 @@ class TrainerService:
 
     async def _open_weights(self, ctx: ServiceContext) -> None:
         """The way versions reach engines (``transport``): a store publisher, or a direct sender."""
-        from services.weightsync.client import WeightPublisher
         from services.weightsync.config import EncodingConfig, InprocConfig, StoreTransportConfig
-        from services.weightsync.service import load_hmac_key
-        from services.weightsync.store import open_store
+        from services.weightsync.transport import store_publisher
 
-        t = self.cfg.transport
-        self.publisher = None
-        self.sender: Any = None
-        self.direct: Any = None
-        if t is None:
-            self.publisher = WeightPublisher(
-                ctx.nc, ctx.run_id, open_store(self.cfg.store, ctx.nc),
-                encoding=EncodingConfig(anchor_every=self.cfg.weights.anchor_every, dtype=self.cfg.weights.dtype))
-        elif isinstance(t, StoreTransportConfig):
-            self.publisher = WeightPublisher(
-                ctx.nc, ctx.run_id, open_store(t.store, ctx.nc, scope=t.scope), scope=t.scope,
-                encoding=t.encoding, hmac_key=load_hmac_key(t.hmac_key_env), parallel=t.parallel)
-        else:
-            if isinstance(t, InprocConfig) and not t.snapshot:
-                # the learner changes its tensors in place on the next step: hand the engine a copy
-                t = msgspec.structs.replace(t, snapshot=True)
-            self.direct = t
-            log.info("weights go to engines by %s (no store: a restarted trainer resumes from its checkpoint)",
-                     "inproc" if isinstance(t, InprocConfig) else "broadcast")
-        if self.publisher is not None:
+        t = self.cfg.transport or StoreTransportConfig(
+            store=self.cfg.store,
+            encoding=EncodingConfig(anchor_every=self.cfg.weights.anchor_every, dtype=self.cfg.weights.dtype))
+        if isinstance(t, StoreTransportConfig):
+            self.publisher = store_publisher(t, ctx.nc, ctx.run_id)
             await self.publisher.ensure()
+            return
+        if isinstance(t, InprocConfig) and not t.snapshot:
+            # the learner changes its tensors in place on the next step: hand the engine a copy
+            t = msgspec.structs.replace(t, snapshot=True)
+        self.direct = t
+        log.info("weights go to engines by %s (no store: a restarted trainer resumes from its checkpoint)",
+                 "inproc" if isinstance(t, InprocConfig) else "broadcast")
 
     async def _close_sender(self) -> None:
-        sender, self.sender = getattr(self, "sender", None), None
+        sender, self.sender = self.sender, None
         if sender is not None:
             try:
                 await sender.close()
@@ -413,8 +407,8 @@ class TrainerService:
             failed = [s for s in samples if s.item.rollout.error]
             if failed:
                 samples = [s for s in samples if not s.item.rollout.error]
-                for s in failed:
-                    await self._outcome(ctx, s, "dropped", f"rollout failed: {s.item.rollout.error[:300]}")
+                await asyncio.gather(*(self._outcome(ctx, s, "dropped", f"rollout failed: {s.item.rollout.error[:300]}")
+                                       for s in failed))
                 self._resolve(failed)
             if not samples:
                 for g in groups:

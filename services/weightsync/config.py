@@ -37,6 +37,9 @@ class ObjStoreConfig(
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
     #: JetStream acks outstanding while uploading (pipelining)
     publish_window: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
+    #: an upload whose chunk messages are not all acknowledged by then fails with StoreError (and is
+    #: retried by the publisher's caller); nats-py never times out these acks by itself
+    ack_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     #: messages requested per pull while downloading
     fetch_batch: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 256
     #: read chunks over an extra plain connection that writes payloads in place (falls back to

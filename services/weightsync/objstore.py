@@ -36,19 +36,18 @@ log = logging.getLogger("rlbus.weightsync.objstore")
 _FETCH_TIMEOUT_S = 30.0
 _RAW_REQUEST_BYTES = 32 * 1024 * 1024  # bytes asked for per pull request (two requests kept in flight)
 _PUBLISH_WINDOW_BYTES = 128 * 1024 * 1024  # unacknowledged chunk bytes while uploading (bounds the copies held)
-_ACK_TIMEOUT_S = 30.0  # a chunk publish not acknowledged by then failed (nats-py's acks never time out by themselves)
 
 
-async def _acked(window: list[asyncio.Future]) -> None:
+async def _acked(window: list[asyncio.Future], timeout_s: float) -> None:
     """Wait for the JetStream acks of ``window``, bounded: when the server dies mid-upload the acks of
     what it had not stored never come, and an unbounded wait would hang the publisher forever."""
     try:
-        await asyncio.wait_for(asyncio.gather(*window), _ACK_TIMEOUT_S)
+        await asyncio.wait_for(asyncio.gather(*window), timeout_s)
     except TimeoutError as err:
         missing = sum(not f.done() or f.cancelled() for f in window)
         for fut in window:
             fut.cancel()  # frees nats-py's pending-publish slots
-        raise StoreError(f"{missing} chunk messages were not acknowledged within {_ACK_TIMEOUT_S:.0f}s "
+        raise StoreError(f"{missing} chunk messages were not acknowledged within {timeout_s:g}s "
                          "(server restarting?)") from err
 
 
@@ -106,15 +105,16 @@ class ObjectStoreBlobs:
         subj = _chunk_subject(self.bucket, nuid)
         data = memoryview(data).cast("B")
         window: list[asyncio.Future[api.PubAck]] = []
+        window_max = min(self.config.publish_window, max(2, _PUBLISH_WINDOW_BYTES // self._msg_bytes))
         chunks = 0
         try:
             for off in range(0, len(data), self._msg_bytes):
                 window.append(await self.js.publish_async(subj, bytes(data[off : off + self._msg_bytes])))
                 chunks += 1
-                if len(window) >= min(self.config.publish_window, max(2, _PUBLISH_WINDOW_BYTES // self._msg_bytes)):
-                    await _acked(window)
+                if len(window) >= window_max:
+                    await _acked(window, self.config.ack_timeout_s)
                     window.clear()
-            await _acked(window)
+            await _acked(window, self.config.ack_timeout_s)
         except Exception as err:
             await self.js.purge_stream(self.stream, subject=subj)
             raise StoreError(f"objstore put of {name!r} into bucket {self.bucket} failed: {err}") from err

@@ -140,12 +140,8 @@ class S3Blobs:
                 resp = await s3.get_object(Bucket=self.config.bucket, Key=key, Range=f"bytes={off}-{end - 1}")
                 pos = off
                 body = resp["Body"]
-                # aiohttp's readany() hands over each received buffer as is; read(n) would join
-                # buffers into a new bytes object first (one more copy of every byte)
-                content = getattr(getattr(body, "__wrapped__", None), "content", None)
-                read = content.readany if content is not None else lambda: body.read(1 << 20)
                 async with body:
-                    while piece := await read():
+                    while piece := await body.read(1 << 20):
                         n = len(piece)
                         if pos + n > end:
                             raise StoreError(f"S3 range {off}-{end - 1} of {key!r} returned too many bytes")

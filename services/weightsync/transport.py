@@ -63,19 +63,36 @@ class WeightReceiver(Protocol):
     async def close(self) -> None: ...
 
 
+def store_publisher(config: StoreTransportConfig, nc: NATS, run_id: str) -> WeightPublisher:
+    """The :class:`WeightPublisher` a store transport config describes (store, scope, encoding, HMAC)."""
+    return WeightPublisher(
+        nc,
+        run_id,
+        open_store(config.store, nc, scope=config.scope),
+        scope=config.scope,
+        encoding=config.encoding,
+        hmac_key=load_hmac_key(config.hmac_key_env),
+        parallel=config.parallel,
+    )
+
+
+def store_subscriber(config: StoreTransportConfig, nc: NATS, run_id: str) -> WeightSubscriber:
+    """The :class:`WeightSubscriber` a store transport config describes (store, scope, HMAC)."""
+    return WeightSubscriber(
+        nc,
+        run_id,
+        open_store(config.store, nc, scope=config.scope),
+        scope=config.scope,
+        hmac_key=load_hmac_key(config.hmac_key_env),
+        parallel=config.parallel,
+    )
+
+
 class StoreSender:
     """:class:`WeightSender` through a blob store + announcements (:class:`WeightPublisher`)."""
 
     def __init__(self, config: StoreTransportConfig, nc: NATS, run_id: str) -> None:
-        self.publisher = WeightPublisher(
-            nc,
-            run_id,
-            open_store(config.store, nc, scope=config.scope),
-            scope=config.scope,
-            encoding=config.encoding,
-            hmac_key=load_hmac_key(config.hmac_key_env),
-            parallel=config.parallel,
-        )
+        self.publisher = store_publisher(config, nc, run_id)
 
     async def start(self) -> None:
         await self.publisher.ensure()
@@ -91,14 +108,7 @@ class StoreReceiver:
     """:class:`WeightReceiver` through a blob store: watches announcements, fetches the newest."""
 
     def __init__(self, config: StoreTransportConfig, nc: NATS, run_id: str) -> None:
-        self.subscriber = WeightSubscriber(
-            nc,
-            run_id,
-            open_store(config.store, nc, scope=config.scope),
-            scope=config.scope,
-            hmac_key=load_hmac_key(config.hmac_key_env),
-            parallel=config.parallel,
-        )
+        self.subscriber = store_subscriber(config, nc, run_id)
         self._watch: AsyncIterator[WeightAnnouncement] | None = None
 
     @property

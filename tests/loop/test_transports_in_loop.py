@@ -33,12 +33,10 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", sorted(LAYOUTS))
-def test_loop_runs_with_direct_transport(tmp_path, loop_model_dir, kind):
-    services, transport = LAYOUTS[kind]
+def _run_three_steps(tmp_path, model_dir, run_id: str, services: str, trainer_extra: str = "",
+                     rollout_extra: str = "", extra: str = "") -> dict[str, str]:
+    """`rlbus run` of 3 synchronous steps of the tiny model; returns the service logs by file name."""
     run_dir = tmp_path / "run"
-    run_id = f"tr-{kind}"
     cfg = tmp_path / "run.toml"
     cfg.write_text(f"""
 [run]
@@ -48,7 +46,7 @@ dir = "{run_dir}"
 services = {services}
 nats_port = {free_port()}
 [services.trainer]
-model = "{loop_model_dir}"
+model = "{model_dir}"
 groups_per_step = 2
 group_size = 4
 max_new_tokens = 6
@@ -58,18 +56,30 @@ eval_every = 0
 eval_prompts = 4
 checkpoint_every = 0
 num_threads = 1
-transport = {transport}
+{trainer_extra}
 [services.rollout]
-model = "{loop_model_dir}"
+model = "{model_dir}"
 max_tickets = 8
 engine = {{ type = "torch", num_threads = 1 }}
-transport = {transport}
+{rollout_extra}
+{extra}
 """)
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
                        text=True, timeout=600)
     logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
     assert r.returncode == 0, r.stderr[-3000:] + "\n".join(v[-2000:] for v in logs.values())
     assert "run finished at step 3" in r.stderr
+    return logs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_loop_runs_with_direct_transport(tmp_path, loop_model_dir, kind):
+    services, transport = LAYOUTS[kind]
+    run_dir = tmp_path / "run"
+    run_id = f"tr-{kind}"
+    logs = _run_three_steps(tmp_path, loop_model_dir, run_id, services, trainer_extra=f"transport = {transport}",
+                            rollout_extra=f"transport = {transport}")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == 3 and summary["version"] == 3
     if kind == "broadcast":
@@ -123,39 +133,9 @@ def test_launcher_refuses_layouts_the_transport_cannot_serve():
 def test_loop_reads_weights_through_a_relay(tmp_path, loop_model_dir):
     """Engines configured with a relay's scope get every version from the weightsync relay (which
     read it once upstream), not from the trainer's scope: a config change only."""
-    run_dir = tmp_path / "run"
-    cfg = tmp_path / "run.toml"
-    cfg.write_text(f"""
-[run]
-id = "tr-relay"
-dir = "{run_dir}"
-[launcher]
-services = {{ trainer = 1, rollout = 1, judge = 1, weightsync = 1 }}
-nats_port = {free_port()}
-[services.trainer]
-model = "{loop_model_dir}"
-groups_per_step = 2
-group_size = 4
-max_new_tokens = 6
-total_steps = 3
-max_staleness = 0
-eval_every = 0
-eval_prompts = 4
-checkpoint_every = 0
-num_threads = 1
-[services.rollout]
-model = "{loop_model_dir}"
-max_tickets = 8
-engine = {{ type = "torch", num_threads = 1 }}
-transport = {{ type = "store", scope = "node1" }}
-[services.weightsync]
-relay = {{ scope = "node1" }}
-""")
-    r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
-                       text=True, timeout=600)
-    logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
-    assert r.returncode == 0, r.stderr[-3000:] + "\n".join(v[-2000:] for v in logs.values())
-    assert "run finished at step 3" in r.stderr
+    logs = _run_three_steps(tmp_path, loop_model_dir, "tr-relay", "{ trainer = 1, rollout = 1, judge = 1, weightsync = 1 }",
+                            rollout_extra='transport = { type = "store", scope = "node1" }',
+                            extra='[services.weightsync]\nrelay = { scope = "node1" }')
     for v in (0, 1, 2):
         assert f"relayed v{v} into scope node1" in logs["weightsync-0.log"]
         assert f"applied weights version {v} " in logs["rollout-0.log"]
