@@ -82,7 +82,7 @@ def overrides(args: argparse.Namespace, staleness: int, threads: int) -> dict[st
         "services.trainer.checkpoint_every": 0,  # only the final model: no checkpoint cost on either side
         "services.trainer.max_staleness": staleness,
         "services.trainer.num_threads": threads,
-        "services.rollout.engine.num_threads": threads,
+        "services.lib.engine.base.num_threads": threads,
         "common.drain_timeout_s": 2.0,  # after the run has finished: shutdown only
     }
 

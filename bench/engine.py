@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from services.rollout.engine import SamplingParams  # noqa: E402
-from services.rollout.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
+from services.lib.engine.base import SamplingParams  # noqa: E402
+from services.lib.engine.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 
 
 def build_model(path: Path) -> Path:

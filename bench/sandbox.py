@@ -14,7 +14,7 @@ Figures (direct = against the backend in this process, no bus):
   ``paused_n`` = 200 sandboxes and scales to 1,000.
 
 Through the bus (``bus_`` prefix; skipped with ``--direct-only``): the same create/exec/destroy,
-fork and burst figures measured with :class:`services.sandbox.client.SandboxClient` against
+fork and burst figures measured with :class:`services.lib.sandbox_client.SandboxClient` against
 ``rlbus service sandbox`` running as its own process (uvloop) on an embedded nats-server (or the
 server at ``--bus URL``); every lifecycle event is published to JetStream as in production.
 Direct and bus iterations alternate so both see the same machine load; ``ratio_*`` = bus / direct.
@@ -48,9 +48,9 @@ from typing import Any, Protocol
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proto import sandbox as api  # noqa: E402
+from services.lib.sandbox_client import SandboxClient  # noqa: E402
 from services.sandbox.backend import SandboxBackend, dispatch  # noqa: E402
 from services.sandbox.bwrap import BwrapBackend  # noqa: E402
-from services.sandbox.client import SandboxClient  # noqa: E402
 from services.sandbox.config import SandboxConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

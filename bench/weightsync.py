@@ -45,11 +45,8 @@ sys.path.insert(0, str(REPO))
 import nats  # noqa: E402
 import torch  # noqa: E402
 
-from services.runtime.natsd import EmbeddedNats, free_port  # noqa: E402
-from services.runtime.service import install_uvloop  # noqa: E402
-from services.weightsync.client import WeightPublisher, WeightSubscriber, cast_for_publish  # noqa: E402
-from services.weightsync.codec import encode_delta, encode_full, split_aliases  # noqa: E402
-from services.weightsync.config import (  # noqa: E402
+from services.lib.weights.client import WeightPublisher, WeightSubscriber, cast_for_publish  # noqa: E402
+from services.lib.weights.config import (  # noqa: E402
     BroadcastConfig,
     EncodingConfig,
     ObjStoreConfig,
@@ -57,10 +54,13 @@ from services.weightsync.config import (  # noqa: E402
     S3StoreConfig,
     WeightsyncConfig,
 )
-from services.weightsync.objstore import ObjectStoreBlobs  # noqa: E402
+from services.lib.weights.encoding import encode_delta, encode_full, split_aliases  # noqa: E402
+from services.lib.weights.objstore import ObjectStoreBlobs  # noqa: E402
+from services.lib.weights.store import open_store  # noqa: E402
+from services.lib.weights.transport import make_receiver, make_sender  # noqa: E402
+from services.runtime.natsd import EmbeddedNats, free_port  # noqa: E402
+from services.runtime.service import install_uvloop  # noqa: E402
 from services.weightsync.service import WeightsyncService  # noqa: E402
-from services.weightsync.store import open_store  # noqa: E402
-from services.weightsync.transport import make_receiver, make_sender  # noqa: E402
 
 MB = 1e6
 log = logging.getLogger("bench.weightsync")

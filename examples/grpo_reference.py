@@ -57,11 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from services.lib.model_io import load_policy, sequence_logprobs
     from services.tasks import get_task
     from services.tasks.evaluate import evaluate_task, generate_completions
     from services.tasks.tiny_model import DEFAULT_WARMUP_STEPS, ensure_tiny_model
     from services.trainer.loss import group_advantages, grpo_loss
-    from services.trainer.model_io import load_policy, sequence_logprobs
     from services.trainer.optim import build_optimizer, optimizer_step
 
     if args.threads:

@@ -27,7 +27,7 @@ a relay re-publishes under its own scope, e.g. ``node-a``, for the engines near 
 Blob layout: a ``full`` version (anchor) is a safetensors file (any safetensors
 reader opens the concatenated chunks); a ``delta`` version is a zstd frame of
 per-tensor XOR updates (sparse or dense) against ``base_version`` (see
-``services/weightsync/codec.py``).
+``services/lib/weights/encoding.py``).
 
 Checksums: ``ChunkRef.sha256`` covers each chunk's stored bytes; ``blob_sha256``
 is the sha256 of the concatenated chunk digests (a one-level hash tree, so a

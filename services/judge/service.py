@@ -1,6 +1,6 @@
 """The judge service: finished rollouts in, scored trajectories out (a queue group).
 
-Each task's graders (``[services.judge.graders.<task>]``, see ``config.py``; default: the task's reward
+Each task's graders (``[services.tasks.graders.<task>]``, see ``config.py``; default: the task's reward
 function) score a rollout concurrently; the reward is their weighted mean and every grader's score and
 explanation travel with the trajectory, so ``rlbus tap trajectories`` shows why a rollout got its reward.
 A rollout that failed upstream is scored 0 with the error recorded (it still reaches the trainer's accounting).
@@ -28,7 +28,7 @@ log = logging.getLogger("rlbus.judge")
 
 class JudgeService:
     def __init__(self, loaded: Loaded) -> None:
-        from services.judge.graders import GraderFactory, JudgeCache
+        from services.tasks.graders import GraderFactory, JudgeCache
 
         self.cfg: JudgeConfig = loaded.service
         self.seed = loaded.run.seed
@@ -59,7 +59,7 @@ class JudgeService:
         return self.graders[task]
 
     async def score(self, rollout: Rollout) -> tuple[float, list[GraderScore]]:
-        from services.judge.graders import grade_all
+        from services.tasks.graders import grade_all
 
         if rollout.error is not None:
             return 0.0, [GraderScore(grader="rollout", score=0.0, error=rollout.error,
@@ -78,7 +78,7 @@ class JudgeService:
         ctx.gauges["judge/llm_cache_misses"] = float(self.cache.misses)
 
     async def _destroy(self, sandbox_id: str) -> None:
-        from services.sandbox.client import SandboxClientError
+        from services.lib.sandbox_client import SandboxClientError
 
         try:
             await self.sandboxes.destroy(sandbox_id)
@@ -86,7 +86,7 @@ class JudgeService:
             log.debug("sandbox %s not destroyed: %s", sandbox_id, e)
 
     async def run(self, ctx: ServiceContext) -> None:
-        from services.sandbox.client import SandboxClient
+        from services.lib.sandbox_client import SandboxClient
 
         self.attach(SandboxClient(ctx.nc, ctx.run_id, timeout_s=self.cfg.sandbox_timeout_s))
         try:

@@ -1,19 +1,33 @@
-"""The one consume loop and its ack policy (DESIGN.md, "Delivery rules").
+"""The one consume loop and its ack policy.
+
+Every service consumes through this loop, so that what becomes of a message
+(ack, redelivery, dead letter) follows the same rules everywhere.
 
 A handler is ``async def handle(msg: T, d: Delivery) -> None``. What happens to
 the message is decided here, in one place:
 
 * handler returns → **ack**;
+* handler called :meth:`Delivery.defer` and returns → **no ack yet**: the
+  handler's concurrency slot is freed at once, the message is kept alive with
+  ``in_progress()`` and is settled later through the returned
+  :class:`DeferredAck` (``ack()``, ``nak()`` or ``term(reason)``); the
+  consumer's ``max_ack_pending`` bounds how many such messages are held;
 * handler raises :class:`Retry` → **nak** with the given delay (redelivered);
 * handler raises :class:`Poison`, the payload cannot be decoded, it is too big,
   or it belongs to another run → **term** + a dead letter with the reason;
 * handler raises anything else → nak with backoff, and once the delivery count
   reaches the consumer's ``max_deliver`` → term + dead letter.
 
-Long handlers are kept alive with ``in_progress()`` every ``ack_wait / 3``.
-On stop, fetching stops at once and in-flight handlers get ``drain_timeout``
-seconds; the ones still running are cancelled and their messages naked so
-another instance picks them up.
+A handler that defers and then raises gets the exception policy above; its
+deferred handle is settled by it, so a later ``ack()`` on the handle is a no-op.
+
+Long handlers, and deferred messages until they are settled, are kept alive
+with ``in_progress()`` every ``ack_wait / 3``. On stop, fetching stops at once
+and in-flight handlers get ``drain_timeout`` seconds; the ones still running
+are cancelled and their messages naked so another instance picks them up.
+Deferred messages still unsettled once draining is over are naked too (no
+delay, so another instance gets them at once) and their keepalives stop; a
+later ``ack()`` on their handles is a no-op.
 """
 
 from __future__ import annotations
@@ -46,19 +60,102 @@ class Poison(Exception):
     """The message can never be processed: terminate it and dead-letter it with the reason."""
 
 
+class DeferredAck:
+    """A message whose handler returned without settling it: ack, nak or term it later.
+
+    Returned by :meth:`Delivery.defer`. It exists because some work is not done when the
+    handler returns: the trainer acks a trajectory only once the training step that used it
+    is durable (checkpoint and state saved), so that a crash in between redelivers it rather
+    than losing it. Until the handle is settled the consume loop keeps the message alive with
+    ``in_progress()`` (it is never redelivered while held), without holding a concurrency
+    slot; the consumer's ``max_ack_pending`` bounds how many messages can be held at once.
+
+    Settling is idempotent: only the first of ``ack``/``nak``/``term`` does anything, later
+    calls are no-ops. A failed ack (lost connection) is logged, not raised: the message will
+    be redelivered, and handlers are idempotent. If the handler raised after deferring, or
+    the consumer stopped (its unsettled messages are naked), the handle is already settled.
+    """
+
+    def __init__(self, raw: Msg, owner: Consumer[Any]) -> None:
+        self.raw = raw
+        self.subject = raw.subject
+        self.stream_seq = raw.metadata.sequence.stream
+        self._owner = owner
+        self._done = False
+        self._keepalive: asyncio.Task[None] | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the message has been settled (acked, naked or terminated) already."""
+        return self._done
+
+    def _settle(self) -> bool:
+        """Mark settled and stop holding the message; False if it already was."""
+        if self._done:
+            return False
+        self._done = True
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
+        self._owner._deferred.discard(self)
+        return True
+
+    def _hold(self, keepalive: asyncio.Task[None]) -> None:
+        """Taken over from the consume loop after the handler returned: keep it alive until settled."""
+        keepalive.set_name(f"{self._owner.name}-deferred-keepalive-{self.stream_seq}")
+        self._keepalive = keepalive
+        self._owner._deferred.add(self)
+
+    async def ack(self) -> None:
+        """Acknowledge: the message is done with and will not be redelivered."""
+        if not self._settle():
+            return
+        try:
+            await self.raw.ack()
+        except Exception as e:  # lost connection: it will be redelivered; handlers are idempotent
+            log.warning("%s: deferred ack of %s failed (%s); the message will be redelivered",
+                        self._owner.name, self.subject, e)
+
+    async def nak(self, delay_s: float = 0.0) -> None:
+        """Hand the message back for redelivery after ``delay_s`` seconds (to any instance)."""
+        if self._settle():
+            await self._owner._nak(self.raw, delay_s)
+
+    async def term(self, reason: str) -> None:
+        """Terminate the message (never redelivered) and dead-letter it with ``reason``."""
+        if self._settle():
+            await self._owner._poison(self.raw, reason, "Poison", self.raw.metadata.num_delivered)
+
+
 class Delivery(Generic[T]):
     """What a handler knows about the delivery besides the decoded message."""
 
-    def __init__(self, raw: Msg) -> None:
+    def __init__(self, raw: Msg, consumer: Consumer[Any] | None = None) -> None:
         self.raw = raw
         md = raw.metadata
         self.subject = raw.subject
         self.num_delivered = md.num_delivered
         self.stream_seq = md.sequence.stream
         self.headers = dict(raw.headers or {})
+        self._consumer = consumer
+        self._deferred: DeferredAck | None = None
+        self._open = consumer is not None  # defer() only while the handler runs
 
     async def in_progress(self) -> None:
         await self.raw.in_progress()
+
+    def defer(self) -> DeferredAck:
+        """Do not ack when the handler returns; settle the message later through the returned handle.
+
+        Call from inside the handler. The handler's concurrency slot is freed as soon as it
+        returns, and the message is kept alive until the handle is settled. Calling it again
+        returns the same handle.
+        """
+        if self._deferred is None:
+            if not self._open or self._consumer is None:
+                raise RuntimeError("Delivery.defer() must be called from inside the handler, while it runs")
+            self._deferred = DeferredAck(self.raw, self._consumer)
+        return self._deferred
 
 
 Handler = Callable[[Any, Delivery[Any]], Awaitable[None]]
@@ -131,6 +228,12 @@ class Consumer(Generic[T]):
         self.in_flight: set[asyncio.Task[None]] = set()
         self.handled = 0
         self.failed = 0
+        self._deferred: set[DeferredAck] = set()
+
+    @property
+    def deferred_pending(self) -> int:
+        """How many deferred messages are held now (handler returned, handle not settled yet)."""
+        return len(self._deferred)
 
     async def run(self, stop: asyncio.Event, drain_timeout: float) -> None:
         """Fetch and handle until ``stop`` is set, then drain in-flight work within ``drain_timeout``."""
@@ -174,6 +277,7 @@ class Consumer(Generic[T]):
         finally:
             stop_wait.cancel()
             await self._drain(drain_timeout)
+            await self._release_deferred()
             try:
                 await psub.unsubscribe()
             except Exception as e:  # connection may already be closed
@@ -195,6 +299,15 @@ class Consumer(Generic[T]):
             log.warning("%s: %d handlers did not finish within %.1fs; their messages are redelivered",
                         self.name, len(pending), timeout)
             await asyncio.wait(pending)
+
+    async def _release_deferred(self) -> None:
+        """Nak the deferred messages still held (no delay: another instance gets them at once)."""
+        if not self._deferred:
+            return
+        held = list(self._deferred)
+        log.info("%s: stopping with %d unsettled deferred messages; naking them for redelivery",
+                 self.name, len(held))
+        await asyncio.gather(*(h.nak(0.0) for h in held))
 
     async def _keepalive(self, raw: Msg) -> None:
         period = max(self.cdef.ack_wait_s / 3.0, 0.5)
@@ -228,16 +341,22 @@ class Consumer(Generic[T]):
             await self._poison(raw, f"message of run {msg_run!r} delivered to run {self.run_id!r}", "WrongRun", deliveries)
             return
         keepalive = asyncio.create_task(self._keepalive(raw), name=f"{self.name}-keepalive")
+        d: Delivery[Any] = Delivery(raw, self)
+        held = False
         try:
             with tracing.span(f"handle {raw.subject}", kind="consumer", headers=raw.headers):
-                await self.handler(msg, Delivery(raw))
+                await self.handler(msg, d)
         except asyncio.CancelledError:
-            await self._nak(raw, 0)
+            if self._settled_by_loop(d):
+                await self._nak(raw, 0)
             raise
         except Poison as e:
-            await self._poison(raw, str(e), "Poison", deliveries)
+            if self._settled_by_loop(d):
+                await self._poison(raw, str(e), "Poison", deliveries)
             return
         except Retry as e:
+            if not self._settled_by_loop(d):
+                return
             self.failed += 1
             if deliveries >= self.cdef.max_deliver:
                 await self._poison(raw, f"still failing after {deliveries} deliveries: {e}", "Retry", deliveries)
@@ -246,6 +365,8 @@ class Consumer(Generic[T]):
                 await self._nak(raw, e.delay_s)
             return
         except Exception as e:
+            if not self._settled_by_loop(d):
+                return
             self.failed += 1
             if deliveries >= self.cdef.max_deliver:
                 await self._poison(raw, f"failed {deliveries} times, last: {type(e).__name__}: {e}",
@@ -256,13 +377,37 @@ class Consumer(Generic[T]):
                 backoff = self.cdef.backoff_s
                 await self._nak(raw, backoff[min(deliveries - 1, len(backoff) - 1)] if backoff else 1.0)
             return
+        else:
+            d._open = False
+            self.handled += 1
+            deferred = d._deferred
+            if deferred is not None:
+                if not deferred.done:  # held until settled; its keepalive goes on with it
+                    deferred._hold(keepalive)
+                    held = True
+                return
         finally:
-            keepalive.cancel()
-        self.handled += 1
+            d._open = False
+            if not held:
+                keepalive.cancel()
         try:
             await raw.ack()
         except Exception as e:  # lost connection: it will be redelivered; handlers are idempotent
             log.warning("%s: ack failed (%s); the message will be redelivered", self.name, e)
+
+    def _settled_by_loop(self, d: Delivery[Any]) -> bool:
+        """The handler raised: its deferred handle (if any) is settled by the exception policy.
+
+        False if the handle had already been settled while the handler ran: the message's fate
+        was decided then, and the policy is not applied on top of it.
+        """
+        d._open = False
+        deferred = d._deferred
+        if deferred is None or deferred._settle():
+            return True
+        log.warning("%s: handler raised after settling its deferred message %s; left as settled",
+                    self.name, d.subject)
+        return False
 
     async def _nak(self, raw: Msg, delay: float) -> None:
         try:

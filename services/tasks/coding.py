@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from services.judge.graders import TEST_REPORT_PREFIX, HiddenTests
-from services.rollout.agent import TOOL_FORMAT_DOC
 from services.tasks.base import Prompt, Reward, encode_chat, encode_text, register_task
+from services.tasks.graders import TEST_REPORT_PREFIX, HiddenTests
+from services.tasks.tools import TOOL_FORMAT_DOC
 
 SOLUTION = "solution.py"
 RUNNER = ".rlbus_hidden/run_tests.py"

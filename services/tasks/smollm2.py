@@ -72,7 +72,7 @@ def ensure_smollm2(cache_dir: str | os.PathLike[str], dtype: str = "bfloat16") -
     with HF_LOAD_LOCK:  # transformers' lazy imports race between threads
         from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    from services.trainer.model_io import save_policy, torch_dtype
+    from services.lib.model_io import save_policy, torch_dtype
 
     target = smollm2_dir(cache_dir, dtype)
     marker = target / "rlbus-complete"

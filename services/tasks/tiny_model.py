@@ -163,7 +163,7 @@ def ensure_tiny_model(
     calls return at once. Concurrent callers wait on a file lock, so only one
     builds. Deterministic for a given ``seed``.
     """
-    from services.trainer.model_io import save_policy
+    from services.lib.model_io import save_policy
 
     target = tiny_model_dir(cache_dir, seed, warmup_steps)
     marker = target / "rlbus-complete"

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from services.weightsync.config import ObjStoreConfig, StoreConfig, TransportConfig
+from services.lib.weights.config import ObjStoreConfig, StoreConfig, TransportConfig
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]

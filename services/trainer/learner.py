@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from proto.trajectories import ScoredTrajectory
+from services.lib.model_io import load_policy, save_policy, sequence_logprobs
 from services.trainer.config import TrainerConfig
 from services.trainer.loss import group_advantages, grpo_loss
-from services.trainer.model_io import load_policy, save_policy, sequence_logprobs
 from services.trainer.optim import build_lr_schedule, build_optimizer, optimizer_step
 
 log = logging.getLogger("rlbus.trainer")

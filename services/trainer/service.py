@@ -247,8 +247,8 @@ class TrainerService:
 
     async def _open_weights(self, ctx: ServiceContext) -> None:
         """The way versions reach engines (``transport``): a store publisher, or a direct sender."""
-        from services.weightsync.config import EncodingConfig, InprocConfig, StoreTransportConfig
-        from services.weightsync.transport import store_publisher
+        from services.lib.weights.config import EncodingConfig, InprocConfig, StoreTransportConfig
+        from services.lib.weights.transport import store_publisher
 
         t = self.cfg.transport or StoreTransportConfig(
             store=self.cfg.store,
@@ -274,7 +274,7 @@ class TrainerService:
 
     async def _resume_from_bus(self, ctx: ServiceContext, runs_kv: Any) -> None:
         """Continue from the newest durable state: published weights + the KV run state."""
-        from services.weightsync.client import WeightSubscriber
+        from services.lib.weights.client import WeightSubscriber
 
         try:
             entry = await runs_kv.get(f"{ctx.run_id}.state")
@@ -334,7 +334,7 @@ class TrainerService:
 
     async def _publish_version(self, ctx: ServiceContext) -> None:
         """Store and announce the current weights; retried while the bus is away (the version is the key)."""
-        from services.weightsync.blobs import WeightIntegrityError
+        from services.lib.weights.blobs import WeightIntegrityError
 
         t0 = time.perf_counter()
         if self.publisher is None:
@@ -359,8 +359,8 @@ class TrainerService:
     async def _send_direct(self, ctx: ServiceContext) -> None:
         """Send the current weights over the direct transport; a failed broadcast re-forms the group
         (engines that died are replaced by their restarts) and sends again, for up to 10 minutes."""
-        from services.weightsync.broadcast import BroadcastError
-        from services.weightsync.transport import make_sender
+        from services.lib.weights.broadcast import BroadcastError
+        from services.lib.weights.transport import make_sender
 
         t0 = time.perf_counter()
         while True:
@@ -450,7 +450,7 @@ class TrainerService:
         async with self.ready:  # wait for the final evaluation to come back
             await self.ready.wait_for(lambda: not self.evals or ctx.stop.is_set())
         final = self.run_dir / "final_model"
-        from services.trainer.model_io import save_policy
+        from services.lib.model_io import save_policy
 
         await asyncio.to_thread(save_policy, self.learner.model, self.tokenizer, final)
         await asyncio.to_thread(self.learner.save_checkpoint, self.ckpt_dir, self.step, self._trainer_state())

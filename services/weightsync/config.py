@@ -1,98 +1,15 @@
-"""Configuration of weight stores, encoding, transports and the weightsync service (msgspec only).
+"""The weightsync service's configuration: retention of the trainer's versions and a relay near engines.
 
-Every pluggable part is chosen by a ``type`` field, so switching store or
-transport is a config change, never a code change::
-
-    store = {type = "s3", endpoint_url = "http://127.0.0.1:9000", bucket = "weights"}
-    transport = {type = "broadcast", world_size = 3}
+Stores and encodings are configured as for the trainer (``services/lib/weights/config.py``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 
-MiB = 1024 * 1024
-
-
-class ConfigError(ValueError):
-    """A weightsync config value is out of range or inconsistent (the message names the field)."""
-
-
-class ObjStoreConfig(
-    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="objstore"
-):
-    """JetStream object store on the bus (the embedded default)."""
-
-    #: bucket name; empty means ``rlbus_weight_blobs_<scope>``
-    bucket: str = ""
-    #: size of each NATS message a chunk is cut into; capped to the server's max_payload (the embedded
-    #: server and deploy/nats allow 8 MiB; a stock server 1 MB). Big messages cut the server's per-message
-    #: work: 7 MiB pulls 1.1-1.3x faster than 512 KiB here (bench/objstore_messages.py, BENCHMARKS.md)
-    message_bytes: Annotated[int, msgspec.Meta(ge=4096, le=64 * MiB)] = 7 * MiB
-    #: JetStream storage of the bucket's stream: file (survives restarts) or memory
-    storage: Literal["file", "memory"] = "file"
-    #: stream replicas in a cluster
-    replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
-    #: JetStream acks outstanding while uploading (pipelining)
-    publish_window: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
-    #: an upload whose chunk messages are not all acknowledged by then fails with StoreError (and is
-    #: retried by the publisher's caller); nats-py never times out these acks by itself
-    ack_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
-    #: messages requested per pull while downloading
-    fetch_batch: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 256
-    #: read chunks over an extra plain connection that writes payloads in place (falls back to
-    #: nats-py automatically under TLS or nkey/JWT auth)
-    fast_read: bool = True
-
-
-class S3StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="s3"):
-    """Any S3-compatible endpoint through aioboto3 (multipart upload, ranged parallel download)."""
-
-    bucket: str
-    #: key prefix inside the bucket (chunks land at ``<prefix>/<run>/v<version>/...``)
-    prefix: str = "rlbus"
-    #: endpoint URL; empty means AWS's default for ``region``
-    endpoint_url: str = ""
-    region: str = "us-east-1"
-    #: credentials; empty means the usual AWS chain (environment, profile, instance role)
-    access_key_id: str = ""
-    secret_access_key: str = ""
-    #: path-style addressing (``endpoint/bucket/key``), needed by most self-hosted S3 servers
-    path_style: bool = True
-    #: multipart part size for uploads and range size for downloads
-    part_bytes: Annotated[int, msgspec.Meta(ge=5 * MiB, le=512 * MiB)] = 8 * MiB
-    #: concurrent part uploads / ranged GETs per blob
-    parallel: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
-    #: create the bucket if it does not exist
-    create_bucket: bool = True
-
-
-class FsStoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="fs"):
-    """A shared filesystem directory (NFS-style); publish is write-to-temp then rename."""
-
-    root: str
-    #: fsync files and directories before the rename (durable on power loss; slower)
-    fsync: bool = True
-
-
-StoreConfig = ObjStoreConfig | S3StoreConfig | FsStoreConfig
-
-
-class EncodingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """How the publisher encodes versions."""
-
-    #: a full anchor every this many versions (1 = every version full); deltas in between
-    anchor_every: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 10
-    #: dtype of published weights: bf16 casts floating tensors; native keeps the training dtype
-    dtype: Literal["bf16", "native"] = "native"
-    #: size of one stored chunk (each carries its own sha256)
-    chunk_bytes: Annotated[int, msgspec.Meta(ge=64 * 1024, le=4096 * MiB)] = 16 * MiB
-    #: zstd level of delta blobs
-    zstd_level: Annotated[int, msgspec.Meta(ge=1, le=19)] = 3
-    #: publish a full anchor instead of a delta when the delta would exceed this fraction of it
-    max_delta_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
+from services.lib.weights.config import ConfigError, ObjStoreConfig, StoreConfig
 
 
 class RelayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -133,52 +50,3 @@ class WeightsyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             )
         if not self.gc_upstream and self.relay is None:
             raise ConfigError("weightsync with gc_upstream=false and no relay has nothing to do")
-
-
-class StoreTransportConfig(
-    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="store"
-):
-    """Weights through a blob store + announcements on the bus (the default; engines pull on their own clock)."""
-
-    store: StoreConfig = msgspec.field(default_factory=ObjStoreConfig)
-    #: scope to publish to (trainer: ``main``) or read from (engines: ``main`` or their relay's scope)
-    scope: str = "main"
-    encoding: EncodingConfig = msgspec.field(default_factory=EncodingConfig)
-    #: environment variable holding the hex HMAC key (sign when publishing, verify when reading)
-    hmac_key_env: str = ""
-    #: chunks transferred concurrently
-    parallel: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
-
-
-class BroadcastConfig(
-    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="broadcast"
-):
-    """A torch.distributed group between the trainer (rank 0) and engines; rendezvous over the bus."""
-
-    #: trainer + engines; every engine must join before the first send completes
-    world_size: Annotated[int, msgspec.Meta(ge=2, le=4096)]
-    #: gloo (CPU tensors), nccl (CUDA tensors), or auto (nccl when CUDA is available)
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    #: address engines reach the trainer's TCPStore at
-    master_addr: str = "127.0.0.1"
-    #: 0 picks a free port
-    master_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
-    #: bytes per broadcast call (bounds the extra memory on every rank)
-    bucket_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 64 * MiB
-    #: any join or broadcast that takes longer fails with BroadcastError (never a silent hang)
-    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
-    #: dtype of sent weights, as for the store transport
-    dtype: Literal["bf16", "native"] = "native"
-    scope: str = "main"
-
-
-class InprocConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="inproc"):
-    """Colocated trainer and engine in one process: tensors are handed over, never copied through the bus."""
-
-    #: name of the in-process channel (one per trainer/engine pair)
-    channel: str = "default"
-    #: clone tensors on send (set when the trainer may modify them before the engine applies them)
-    snapshot: bool = False
-
-
-TransportConfig = StoreTransportConfig | BroadcastConfig | InprocConfig

@@ -15,8 +15,8 @@ import re
 from collections.abc import Iterable
 
 from proto.weights import WeightManifest
-from services.weightsync.index import VersionIndex
-from services.weightsync.store import BlobStore
+from services.lib.weights.index import VersionIndex
+from services.lib.weights.store import BlobStore
 
 log = logging.getLogger("rlbus.weightsync.retention")
 

@@ -14,35 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from dataclasses import dataclass
 
 import msgspec
 from nats.aio.client import Client as NATS
 
 from proto.weights import WeightAnnouncement, WeightManifest
-from services.weightsync.blobs import WeightIntegrityError, copy_chunks, read_chunks, verify_signature
-from services.weightsync.config import ConfigError, WeightsyncConfig
-from services.weightsync.index import VersionIndex
+from services.lib.weights.blobs import WeightIntegrityError, copy_chunks, read_chunks, verify_signature
+from services.lib.weights.config import ConfigError, load_hmac_key
+from services.lib.weights.index import VersionIndex
+from services.lib.weights.store import BlobStore, open_store
+from services.weightsync.config import WeightsyncConfig
 from services.weightsync.retention import ManifestCache, collect_garbage
-from services.weightsync.store import BlobStore, open_store
 
 log = logging.getLogger("rlbus.weightsync.service")
-
-
-def load_hmac_key(env_var: str) -> bytes | None:
-    """The HMAC key from hex in ``$env_var`` (None when ``env_var`` is empty)."""
-    if not env_var:
-        return None
-    value = os.environ.get(env_var, "")
-    if not value:
-        raise ConfigError(
-            f"hmac_key_env names ${env_var}, which is not set; export the hex key or clear the field"
-        )
-    try:
-        return bytes.fromhex(value)
-    except ValueError:
-        raise ConfigError(f"${env_var} must hold the HMAC key in hex") from None
 
 
 @dataclass

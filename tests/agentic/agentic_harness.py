@@ -28,11 +28,11 @@ from proto import catalog, codec
 from proto import sandbox as api
 from proto.prompts import PromptTicket, Sampling
 from proto.trajectories import ScoredTrajectory
-from services.rollout.engine import EngineStats, GenerationResult, SamplingParams
+from services.lib.engine.base import EngineStats, GenerationResult, SamplingParams
+from services.lib.sandbox_client import SandboxClient
 from services.runtime import bus
 from services.runtime.config import CommonSection, Loaded, NatsSection, RunSection
 from services.runtime.service import ServiceContext
-from services.sandbox.client import SandboxClient
 from services.sandbox.config import SandboxConfig
 from services.sandbox.service import SandboxService, SandboxUnavailableError
 from services.tasks.base import Prompt

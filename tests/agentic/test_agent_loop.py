@@ -14,15 +14,16 @@ from agentic_harness import RUN, Bus, ScriptedEngine, all_events, coding_prompt,
 from proto import catalog
 from proto.prompts import PromptTicket
 from proto.rollouts import Rollout
-from services.judge.config import JudgeConfig, RewardGraderSpec, SandboxTestsSpec
+from services.judge.config import JudgeConfig
 from services.judge.service import JudgeService
+from services.lib.engine.base import Engine, SamplingParams
+from services.lib.sandbox_client import SandboxClient
 from services.rollout.agent import AgentLoop
 from services.rollout.config import AgentSection, RolloutConfig
-from services.rollout.engine import Engine, SamplingParams
 from services.rollout.service import RolloutService
 from services.runtime import bus as runtime_bus
-from services.sandbox.client import SandboxClient
 from services.tasks import get_task
+from services.tasks.grader_specs import RewardGraderSpec, SandboxTestsSpec
 from services.trainer.learner import completion_tensors
 
 SCRIPT = [

@@ -10,13 +10,15 @@ import sys
 import pytest
 from agentic_harness import chat_tokenizer, coding_prompt
 
-from services.judge.config import JudgeConfig, LlmJudgeSpec, RewardGraderSpec, SandboxTestsSpec
-from services.judge.graders import score_test_run
+from services.judge.config import JudgeConfig
 from services.launcher import registry
-from services.rollout.agent import ChatFrame, NotATool, ToolCall, is_agent_task, parse_tool_call
+from services.rollout.agent import ChatFrame
 from services.runtime.config import load_service_config
 from services.tasks import get_task
 from services.tasks.coding import RUNNER, CodingTask
+from services.tasks.grader_specs import LlmJudgeSpec, RewardGraderSpec, SandboxTestsSpec
+from services.tasks.graders import score_test_run
+from services.tasks.tools import NotATool, ToolCall, is_agent_task, parse_tool_call
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -108,6 +110,6 @@ def test_the_example_config_parses_for_every_service():
     rollout = load_service_config("rollout", registry.load("rollout")[0], path).service
     assert rollout.agent.max_turns >= 2 and rollout.model == "smollm2"
     spec = load_service_config("judge", JudgeConfig, None, overrides=[
-        'services.judge.graders={coding=[{type="llm_judge",rubric="r",judge={type="openai",base_url="http://x/v1",'
+        'services.tasks.graders={coding=[{type="llm_judge",rubric="r",judge={type="openai",base_url="http://x/v1",'
         'model="m"}}]}']).service.graders["coding"][0]
     assert isinstance(spec, LlmJudgeSpec) and spec.judge.model == "m"

@@ -11,8 +11,10 @@ import pytest
 from agentic_harness import RUN, Bus, ScriptedEngine, coding_prompt
 
 from proto.rollouts import Rollout, Turn
-from services.judge.config import LlmJudgeSpec, OpenAIJudgeModel, RewardGraderSpec, SandboxTestsSpec
-from services.judge.graders import (
+from services.lib.sandbox_client import SandboxClientError
+from services.tasks import get_task
+from services.tasks.grader_specs import LlmJudgeSpec, OpenAIJudgeModel, RewardGraderSpec, SandboxTestsSpec
+from services.tasks.graders import (
     EngineJudgeBackend,
     GraderFactory,
     JudgeCache,
@@ -23,8 +25,6 @@ from services.judge.graders import (
     grade_all,
     parse_judge_score,
 )
-from services.sandbox.client import SandboxClientError
-from services.tasks import get_task
 
 GOOD = b"def add_2(x):\n    return x + 2\n"
 BUGGY = b"def add_2(x):\n    return x + 2 if x > 3 else x + 1\n"

@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import sys, threading
-from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
-from services.trainer.model_io import load_policy
+from services.lib.engine.torch_engine import TorchEngine, TorchEngineConfig
+from services.lib.model_io import load_policy
 
 model_dir = sys.argv[1]
 errors = []

@@ -14,8 +14,8 @@ from proto.accounting import TrajectoryOutcome
 from proto.trajectories import ScoredTrajectory
 from services.launcher.accounting import read_all
 from services.launcher.status import collect, format_status
+from services.lib.weights.objstore import ObjectStoreBlobs
 from services.runtime.natsd import EmbeddedNats, free_port
-from services.weightsync.objstore import ObjectStoreBlobs
 
 pytestmark = pytest.mark.slow
 

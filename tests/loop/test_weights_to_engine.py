@@ -7,15 +7,15 @@ import asyncio
 import nats
 import torch
 
+from services.lib.engine.base import SamplingParams
+from services.lib.engine.torch_engine import TorchEngine, TorchEngineConfig
+from services.lib.model_io import load_policy
+from services.lib.weights.client import WeightPublisher, WeightSubscriber
+from services.lib.weights.config import EncodingConfig
+from services.lib.weights.objstore import ObjectStoreBlobs
 from services.rollout.config import RolloutConfig
-from services.rollout.engine import SamplingParams
 from services.rollout.service import RolloutService
-from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
 from services.runtime.config import CommonSection, Loaded, NatsSection, RunSection
-from services.trainer.model_io import load_policy
-from services.weightsync.client import WeightPublisher, WeightSubscriber
-from services.weightsync.config import EncodingConfig
-from services.weightsync.objstore import ObjectStoreBlobs
 
 RUN = "wt"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.rollout.engine import (
+from services.lib.engine.base import (
     Engine,
     EngineError,
     EngineNotRunningError,
@@ -19,8 +19,8 @@ from services.rollout.engine import (
     SamplingParams,
     WeightUpdateError,
 )
-from services.rollout.kv_cache import PaddedBatchCache
-from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
+from services.lib.engine.kv_cache import PaddedBatchCache
+from services.lib.engine.torch_engine import TorchEngine, TorchEngineConfig
 
 PROMPTS = ["hello world", "a", "the quick brown fox jumps", "1+2=", "RL on a bus"]
 

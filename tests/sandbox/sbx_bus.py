@@ -16,10 +16,10 @@ import pytest
 from proto import codec
 from proto import sandbox as api
 from proto.deadletter import DeadLetter
+from services.lib.sandbox_client import SandboxClient
 from services.runtime import bus
 from services.runtime.config import CommonSection, Loaded, NatsSection, RunSection
 from services.runtime.service import ServiceContext
-from services.sandbox.client import SandboxClient
 from services.sandbox.config import SandboxConfig
 from services.sandbox.service import SandboxService, SandboxUnavailableError
 

@@ -29,8 +29,8 @@ from sbx_bus import (
 
 from proto import codec, membership
 from proto import sandbox as api
+from services.lib.sandbox_client import SandboxClient, SandboxClientError
 from services.runtime import tracing
-from services.sandbox.client import SandboxClient, SandboxClientError
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 
 from proto import catalog
 from services.launcher.auth import generate_auth
-from services.weightsync.index import VersionIndex
+from services.lib.weights.index import VersionIndex
 from tests.security.conftest import OTHER_RUN, RUN
 
 pytestmark = pytest.mark.timeout(60)

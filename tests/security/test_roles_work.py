@@ -136,9 +136,10 @@ async def test_weights_flow_under_permissions(login, server, caplog):
     """The trainer publishes versions, weightsync relays them to its scope and runs retention,
     rollouts read from both scopes and claim a broadcast rank."""
     torch = pytest.importorskip("torch")
-    from services.weightsync.client import WeightPublisher, WeightSubscriber
-    from services.weightsync.config import EncodingConfig, ObjStoreConfig, RelayConfig, WeightsyncConfig
-    from services.weightsync.objstore import ObjectStoreBlobs
+    from services.lib.weights.client import WeightPublisher, WeightSubscriber
+    from services.lib.weights.config import EncodingConfig, ObjStoreConfig
+    from services.lib.weights.objstore import ObjectStoreBlobs
+    from services.weightsync.config import RelayConfig, WeightsyncConfig
     from services.weightsync.service import WeightsyncService
 
     g = torch.Generator().manual_seed(0)
@@ -178,7 +179,7 @@ async def test_weights_flow_under_permissions(login, server, caplog):
 async def test_sandbox_service_and_clients_under_permissions(login, server, tmp_path: Path):
     """The real sandbox service (unsafe-process backend) as user ``sandbox``; rollout and judge call it;
     its events land in SANDBOX_EVENTS; ``rlbus status``-style list works for the admin."""
-    from services.sandbox.client import SandboxClient
+    from services.lib.sandbox_client import SandboxClient
     from services.sandbox.config import SandboxConfig
     from services.sandbox.service import SandboxService
 

@@ -85,8 +85,8 @@ def test_build_is_deterministic_and_warmup_learns():
 
 
 def test_generate_logprobs_agree_with_the_trainer_and_eval_scores(tiny_model_dir):
+    from services.lib.model_io import load_policy, sequence_logprobs
     from services.tasks.evaluate import evaluate_task
-    from services.trainer.model_io import load_policy, sequence_logprobs
 
     model, tok = load_policy(tiny_model_dir)
     task = AdditionTask(num_eval=16)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.lib.model_io import ModelIOError, load_policy, save_policy, sequence_logprobs
 from services.tasks.tiny_model import build_char_tokenizer, build_tiny_model
-from services.trainer.model_io import ModelIOError, load_policy, save_policy, sequence_logprobs
 
 
 @pytest.fixture(scope="module")

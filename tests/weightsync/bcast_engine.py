@@ -8,8 +8,8 @@ import sys
 import nats
 import safetensors.torch
 
-from services.weightsync.config import BroadcastConfig
-from services.weightsync.transport import make_receiver
+from services.lib.weights.config import BroadcastConfig
+from services.lib.weights.transport import make_receiver
 
 
 async def main(url: str, run_id: str, out_prefix: str, versions: int) -> None:

@@ -8,7 +8,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from services.weightsync.codec import (
+from services.lib.weights.encoding import (
     CodecError,
     apply_delta,
     decode_full,

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from services.weightsync.client import WeightIntegrityError, WeightPublisher, WeightSubscriber
-from services.weightsync.config import EncodingConfig, ObjStoreConfig
-from services.weightsync.objstore import ObjectStoreBlobs
+from services.lib.weights.client import WeightIntegrityError, WeightPublisher, WeightSubscriber
+from services.lib.weights.config import EncodingConfig, ObjStoreConfig
+from services.lib.weights.objstore import ObjectStoreBlobs
 from tests.weightsync.helpers import assert_bit_identical, make_state
 
 RUN = "ws1"
@@ -121,8 +121,8 @@ async def test_upload_ends_when_the_server_dies_mid_way_instead_of_hanging(tmp_p
 
     import nats
 
+    from services.lib.weights.store import StoreError
     from services.runtime.natsd import EmbeddedNats, free_port
-    from services.weightsync.store import StoreError
 
     server = EmbeddedNats(tmp_path / "nats", port=free_port())
     server.start()

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from services.weightsync.rawpull import RawPullError, _Protocol
+from services.lib.weights.rawpull import RawPullError, _Protocol
 
 
 def _wire(payloads: list[bytes]) -> bytes:

@@ -7,18 +7,17 @@ import asyncio
 import torch
 
 from proto.weights import WeightManifest
-from services.weightsync.client import WeightPublisher, WeightSubscriber
-from services.weightsync.config import (
+from services.lib.weights.client import WeightPublisher, WeightSubscriber
+from services.lib.weights.config import (
     EncodingConfig,
     FsStoreConfig,
     ObjStoreConfig,
-    RelayConfig,
-    WeightsyncConfig,
 )
-from services.weightsync.objstore import ObjectStoreBlobs
+from services.lib.weights.objstore import ObjectStoreBlobs
+from services.lib.weights.store import open_store
+from services.weightsync.config import RelayConfig, WeightsyncConfig
 from services.weightsync.retention import versions_to_keep
 from services.weightsync.service import WeightsyncService
-from services.weightsync.store import open_store
 from tests.weightsync.helpers import assert_bit_identical, make_state, perturb
 
 RUN = "ws4"
@@ -152,7 +151,7 @@ def test_config_selects_stores_and_checks_fields():
     import msgspec
     import pytest
 
-    from services.weightsync.config import S3StoreConfig
+    from services.lib.weights.config import S3StoreConfig
 
     cfg = msgspec.convert(
         {

@@ -6,11 +6,11 @@ import pytest
 import torch
 from moto.server import ThreadedMotoServer
 
+from services.lib.weights.blobs import WeightIntegrityError
+from services.lib.weights.client import WeightPublisher, WeightSubscriber
+from services.lib.weights.config import EncodingConfig, FsStoreConfig, ObjStoreConfig, S3StoreConfig
+from services.lib.weights.store import open_store
 from services.runtime.natsd import free_port
-from services.weightsync.blobs import WeightIntegrityError
-from services.weightsync.client import WeightPublisher, WeightSubscriber
-from services.weightsync.config import EncodingConfig, FsStoreConfig, ObjStoreConfig, S3StoreConfig
-from services.weightsync.store import open_store
 from tests.weightsync.helpers import assert_bit_identical, make_state, perturb
 
 RUN = "ws2"
@@ -123,8 +123,8 @@ async def test_s3_multipart_upload_and_ranged_download(s3_endpoint):
     import hashlib
     import os
 
-    from services.weightsync.s3 import S3Blobs
-    from services.weightsync.store import BlobNotFound
+    from services.lib.weights.s3 import S3Blobs
+    from services.lib.weights.store import BlobNotFound
 
     cfg = S3StoreConfig(
         bucket="multipart",

@@ -14,9 +14,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from services.weightsync.broadcast import BroadcastError
-from services.weightsync.config import BroadcastConfig, TransportConfig
-from services.weightsync.transport import make_receiver, make_sender
+from services.lib.weights.broadcast import BroadcastError
+from services.lib.weights.config import BroadcastConfig, TransportConfig
+from services.lib.weights.transport import make_receiver, make_sender
 from tests.weightsync.helpers import assert_bit_identical, make_state, perturb
 
 REPO = Path(__file__).resolve().parents[2]

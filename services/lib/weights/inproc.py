@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from services.weightsync.config import InprocConfig
+from services.lib.weights.config import InprocConfig
 
 
 class InprocChannel:
@@ -55,7 +55,7 @@ def channel(run_id: str, name: str) -> InprocChannel:
 
 
 class InprocSender:
-    """:class:`~services.weightsync.transport.WeightSender` for a colocated engine."""
+    """:class:`~services.lib.weights.transport.WeightSender` for a colocated engine."""
 
     def __init__(self, config: InprocConfig, run_id: str) -> None:
         self.config = config
@@ -75,7 +75,7 @@ class InprocSender:
 
 
 class InprocReceiver:
-    """:class:`~services.weightsync.transport.WeightReceiver` for a colocated engine."""
+    """:class:`~services.lib.weights.transport.WeightReceiver` for a colocated engine."""
 
     def __init__(self, config: InprocConfig, run_id: str) -> None:
         self.config = config

@@ -11,9 +11,9 @@ The trainer holds a :class:`WeightSender`, each engine a :class:`WeightReceiver`
     version, state = await receiver.receive()                 # the next version newer than the one held
     model.load_state_dict(state, strict=False)
 
-``receive`` raises :class:`~services.weightsync.blobs.WeightIntegrityError`
+``receive`` raises :class:`~services.lib.weights.blobs.WeightIntegrityError`
 for a version that fails verification (the receiver keeps its version) and
-:class:`~services.weightsync.broadcast.BroadcastError` when a collective
+:class:`~services.lib.weights.broadcast.BroadcastError` when a collective
 times out.
 """
 
@@ -26,10 +26,15 @@ import torch
 from nats.aio.client import Client as NATS
 
 from proto.weights import WeightAnnouncement
-from services.weightsync.client import WeightPublisher, WeightSubscriber
-from services.weightsync.config import BroadcastConfig, InprocConfig, StoreTransportConfig, TransportConfig
-from services.weightsync.service import load_hmac_key
-from services.weightsync.store import open_store
+from services.lib.weights.client import WeightPublisher, WeightSubscriber
+from services.lib.weights.config import (
+    BroadcastConfig,
+    InprocConfig,
+    StoreTransportConfig,
+    TransportConfig,
+    load_hmac_key,
+)
+from services.lib.weights.store import open_store
 
 
 class WeightSender(Protocol):
@@ -142,13 +147,13 @@ def make_sender(config: TransportConfig, nc: NATS | None, run_id: str) -> Weight
             raise ValueError("the store transport needs a NATS connection")
         return StoreSender(config, nc, run_id)
     if isinstance(config, BroadcastConfig):
-        from services.weightsync.broadcast import BroadcastSender
+        from services.lib.weights.broadcast import BroadcastSender
 
         if nc is None:
             raise ValueError("the broadcast transport needs a NATS connection for its rendezvous")
         return BroadcastSender(config, nc, run_id)
     if isinstance(config, InprocConfig):
-        from services.weightsync.inproc import InprocSender
+        from services.lib.weights.inproc import InprocSender
 
         return InprocSender(config, run_id)
     raise TypeError(f"unknown transport config {type(config).__name__}")
@@ -161,13 +166,13 @@ def make_receiver(config: TransportConfig, nc: NATS | None, run_id: str) -> Weig
             raise ValueError("the store transport needs a NATS connection")
         return StoreReceiver(config, nc, run_id)
     if isinstance(config, BroadcastConfig):
-        from services.weightsync.broadcast import BroadcastReceiver
+        from services.lib.weights.broadcast import BroadcastReceiver
 
         if nc is None:
             raise ValueError("the broadcast transport needs a NATS connection for its rendezvous")
         return BroadcastReceiver(config, nc, run_id)
     if isinstance(config, InprocConfig):
-        from services.weightsync.inproc import InprocReceiver
+        from services.lib.weights.inproc import InprocReceiver
 
         return InprocReceiver(config, run_id)
     raise TypeError(f"unknown transport config {type(config).__name__}")

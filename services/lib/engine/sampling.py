@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from services.rollout.engine import FinishReason, GenerationResult, SamplingParams
+from services.lib.engine.base import FinishReason, GenerationResult, SamplingParams
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

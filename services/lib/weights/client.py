@@ -39,14 +39,15 @@ import torch
 from nats.aio.client import Client as NATS
 
 from proto.weights import MAIN_SCOPE, WeightAnnouncement, WeightManifest
-from services.weightsync.blobs import (
+from services.lib.weights.blobs import (
     WeightIntegrityError,
     read_chunks,
     sign,
     verify_signature,
     write_chunks,
 )
-from services.weightsync.codec import (
+from services.lib.weights.config import EncodingConfig
+from services.lib.weights.encoding import (
     DELTA_ENCODING,
     FULL_ENCODING,
     CodecError,
@@ -61,9 +62,8 @@ from services.weightsync.codec import (
     sha256_hex,
     split_aliases,
 )
-from services.weightsync.config import EncodingConfig
-from services.weightsync.index import VersionIndex
-from services.weightsync.store import BlobStore
+from services.lib.weights.index import VersionIndex
+from services.lib.weights.store import BlobStore
 
 __all__ = [
     "WeightIntegrityError",

@@ -10,8 +10,8 @@ import logging
 import msgspec
 
 from proto.weights import ChunkRef, WeightManifest, chunk_name
-from services.weightsync.codec import root_sha256, split
-from services.weightsync.store import BlobStore
+from services.lib.weights.encoding import root_sha256, split
+from services.lib.weights.store import BlobStore
 
 log = logging.getLogger("rlbus.weightsync.blobs")
 

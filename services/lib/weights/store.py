@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
 
-    from services.weightsync.config import StoreConfig
+    from services.lib.weights.config import StoreConfig
 
 
 class StoreError(RuntimeError):
@@ -71,20 +71,20 @@ class BlobStore(Protocol):
 
 def open_store(config: StoreConfig, nc: NATS | None = None, scope: str = "main") -> BlobStore:
     """The store a config selects (``type``: objstore | s3 | fs). ``nc`` is needed for objstore."""
-    from services.weightsync.config import FsStoreConfig, ObjStoreConfig, S3StoreConfig
+    from services.lib.weights.config import FsStoreConfig, ObjStoreConfig, S3StoreConfig
 
     if isinstance(config, ObjStoreConfig):
-        from services.weightsync.objstore import ObjectStoreBlobs
+        from services.lib.weights.objstore import ObjectStoreBlobs
 
         if nc is None:
             raise StoreError("the objstore weight store needs a connected NATS client")
         return ObjectStoreBlobs(nc, config, scope=scope)
     if isinstance(config, S3StoreConfig):
-        from services.weightsync.s3 import S3Blobs
+        from services.lib.weights.s3 import S3Blobs
 
         return S3Blobs(config)
     if isinstance(config, FsStoreConfig):
-        from services.weightsync.fs import FsBlobs
+        from services.lib.weights.fs import FsBlobs
 
         return FsBlobs(config)
     raise StoreError(f"unknown store config {type(config).__name__}")

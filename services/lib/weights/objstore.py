@@ -27,9 +27,9 @@ from nats.js import api
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
 from proto.weights import object_bucket
-from services.weightsync.config import ObjStoreConfig
-from services.weightsync.rawpull import RawPullError, RawPullReader, open_raw_reader
-from services.weightsync.store import BlobNotFound, StoreError, StoreStats
+from services.lib.weights.config import ObjStoreConfig
+from services.lib.weights.rawpull import RawPullError, RawPullReader, open_raw_reader
+from services.lib.weights.store import BlobNotFound, StoreError, StoreStats
 
 log = logging.getLogger("rlbus.weightsync.objstore")
 
@@ -60,7 +60,7 @@ def _chunk_subject(bucket: str, nuid: str) -> str:
 
 
 class ObjectStoreBlobs:
-    """:class:`~services.weightsync.store.BlobStore` on a JetStream object-store bucket."""
+    """:class:`~services.lib.weights.store.BlobStore` on a JetStream object-store bucket."""
 
     kind = "objstore"
 

@@ -12,14 +12,14 @@ import os
 import uuid
 from pathlib import Path
 
-from services.weightsync.config import FsStoreConfig
-from services.weightsync.store import BlobNotFound, StoreError, StoreStats
+from services.lib.weights.config import FsStoreConfig
+from services.lib.weights.store import BlobNotFound, StoreError, StoreStats
 
 _TMP_MARK = ".tmp-"
 
 
 class FsBlobs:
-    """:class:`~services.weightsync.store.BlobStore` on a directory tree under ``config.root``."""
+    """:class:`~services.lib.weights.store.BlobStore` on a directory tree under ``config.root``."""
 
     kind = "fs"
 

@@ -32,7 +32,9 @@ import msgspec
 from proto import sandbox as api
 from proto.rollouts import Rollout
 from proto.trajectories import GraderScore
-from services.judge.config import (
+from services.lib.sandbox_client import SandboxClient, SandboxClientError
+from services.tasks.base import Prompt
+from services.tasks.grader_specs import (
     GraderSpec,
     LlmJudgeSpec,
     OpenAIJudgeModel,
@@ -40,8 +42,6 @@ from services.judge.config import (
     SandboxTestsSpec,
     TorchJudgeModel,
 )
-from services.sandbox.client import SandboxClient, SandboxClientError
-from services.tasks.base import Prompt
 
 log = logging.getLogger("rlbus.judge.graders")
 
@@ -252,7 +252,7 @@ class JudgeBackend(Protocol):
 
 
 class EngineJudgeBackend:
-    """A judge on any :class:`services.rollout.engine.Engine` (greedy), prompted through its chat template."""
+    """A judge on any :class:`services.lib.engine.base.Engine` (greedy), prompted through its chat template."""
 
     def __init__(self, engine: Any, tokenizer: Any, identity: str, *, owns_engine: bool = False) -> None:
         self.engine = engine
@@ -265,7 +265,7 @@ class EngineJudgeBackend:
     @classmethod
     def from_spec(cls, spec: TorchJudgeModel, seed: int = 0) -> EngineJudgeBackend:
         """A torch engine for ``spec``, loaded on first use (in a worker thread)."""
-        from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
+        from services.lib.engine.torch_engine import TorchEngine, TorchEngineConfig
         from services.tasks.models import resolve_model
 
         model_dir = resolve_model(spec.model, spec.cache_dir or None, seed=seed)
@@ -275,7 +275,7 @@ class EngineJudgeBackend:
         return cls(engine, None, f"torch:{model_dir}", owns_engine=True)
 
     async def complete(self, messages: Messages, max_tokens: int, prefill: str = "") -> str:
-        from services.rollout.engine import EngineError, SamplingParams
+        from services.lib.engine.base import EngineError, SamplingParams
         from services.tasks.base import encode_chat, encode_text
 
         async with self._lock:

@@ -10,7 +10,7 @@ Each loop iteration, at a decode-step boundary:
    once no row is running, holding back newcomers meanwhile);
 2. admits queued requests up to ``max_batch_size``: prefills them together
    (left-padded), samples their first token, and merges their KV cache into the
-   running batch (:class:`~services.rollout.kv_cache.PaddedBatchCache`);
+   running batch (:class:`~services.lib.engine.kv_cache.PaddedBatchCache`);
 3. runs one decode step for every running row and samples the next tokens for
    the whole batch at once;
 4. removes finished rows from the cache at once and trims leading columns that
@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from services.rollout.engine import (
+from services.lib.engine.base import (
     EngineError,
     EngineNotRunningError,
     EngineOverloadedError,
@@ -46,8 +46,8 @@ from services.rollout.engine import (
     WeightUpdateError,
     WeightUpdateMode,
 )
-from services.rollout.kv_cache import PaddedBatchCache
-from services.rollout.sampling import DecodeState, sample_tokens
+from services.lib.engine.kv_cache import PaddedBatchCache
+from services.lib.engine.sampling import DecodeState, sample_tokens
 
 log = logging.getLogger("rlbus.rollout.torch_engine")
 
@@ -258,7 +258,7 @@ class TorchEngine:
                                total_generated_tokens=self._total_tokens, version=self._version)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
-        """Generate one completion; see :class:`~services.rollout.engine.Engine`."""
+        """Generate one completion; see :class:`~services.lib.engine.base.Engine`."""
         if not self._running:
             raise EngineNotRunningError("the torch engine is not running; call start() first")
         self._validate(prompt_ids, params)

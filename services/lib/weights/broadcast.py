@@ -41,12 +41,12 @@ from proto.weights import (
     broadcast_ready_key,
     broadcast_subject,
 )
+from services.lib.weights.blobs import WeightIntegrityError
+from services.lib.weights.client import cast_for_publish
+from services.lib.weights.config import BroadcastConfig
+from services.lib.weights.encoding import layout, torch_dtype
+from services.lib.weights.index import VersionIndex
 from services.runtime.natsd import free_port
-from services.weightsync.blobs import WeightIntegrityError
-from services.weightsync.client import cast_for_publish
-from services.weightsync.codec import layout, torch_dtype
-from services.weightsync.config import BroadcastConfig
-from services.weightsync.index import VersionIndex
 
 log = logging.getLogger("rlbus.weightsync.broadcast")
 
@@ -131,7 +131,7 @@ class _Group:
 
 
 class BroadcastSender:
-    """:class:`~services.weightsync.transport.WeightSender` as rank 0 of a broadcast group."""
+    """:class:`~services.lib.weights.transport.WeightSender` as rank 0 of a broadcast group."""
 
     def __init__(self, config: BroadcastConfig, nc: NATS, run_id: str) -> None:
         self.config = config
@@ -228,7 +228,7 @@ class BroadcastSender:
 
 
 class BroadcastReceiver:
-    """:class:`~services.weightsync.transport.WeightReceiver` as one engine rank of a broadcast group."""
+    """:class:`~services.lib.weights.transport.WeightReceiver` as one engine rank of a broadcast group."""
 
     def __init__(self, config: BroadcastConfig, nc: NATS, run_id: str) -> None:
         self.config = config

@@ -17,8 +17,8 @@ import aioboto3
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
 
-from services.weightsync.config import S3StoreConfig
-from services.weightsync.store import BlobNotFound, StoreError, StoreStats
+from services.lib.weights.config import S3StoreConfig
+from services.lib.weights.store import BlobNotFound, StoreError, StoreStats
 
 log = logging.getLogger("rlbus.weightsync.s3")
 
@@ -29,7 +29,7 @@ def _missing(err: ClientError) -> bool:
 
 
 class S3Blobs:
-    """:class:`~services.weightsync.store.BlobStore` on an S3 bucket (keys ``<prefix>/<name>``)."""
+    """:class:`~services.lib.weights.store.BlobStore` on an S3 bucket (keys ``<prefix>/<name>``)."""
 
     kind = "s3"
 
