@@ -1,6 +1,6 @@
 """The judge service: finished rollouts in, scored trajectories out (a queue group).
 
-Each task's graders (``[services.tasks.graders.<task>]``, see ``config.py``; default: the task's reward
+Each task's graders (``[services.judge.graders.task>]``, see ``config.py``; default: the task's reward
 function) score a rollout concurrently; the reward is their weighted mean and every grader's score and
 explanation travel with the trajectory, so ``rlbus tap trajectories`` shows why a rollout got its reward.
 A rollout that failed upstream is scored 0 with the error recorded (it still reaches the trainer's accounting).
