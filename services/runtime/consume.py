@@ -276,12 +276,14 @@ class Consumer(Generic[T]):
                     await asyncio.wait({stop_wait}, timeout=1.0)  # reconnecting: back off instead of spinning
         finally:
             stop_wait.cancel()
-            await self._drain(drain_timeout)
-            await self._release_deferred()
+            # withdraw interest first: the server drops our outstanding pull request, so what is
+            # naked below goes to another instance at once rather than back to this one
             try:
                 await psub.unsubscribe()
             except Exception as e:  # connection may already be closed
                 log.debug("%s: unsubscribe failed: %s", self.name, e)
+            await self._drain(drain_timeout)
+            await self._release_deferred()
 
     async def _wake_on_stop(self, stop: asyncio.Event) -> None:
         await stop.wait()
