@@ -3,11 +3,11 @@
 Graders are configured per task, each chosen by its ``type`` and weighted; the reward is the weighted
 mean of their scores (each in [0, 1])::
 
-    [[services.tasks.graders.coding]]
+    [[services.judge.graders.coding]]
     type = "sandbox_tests"          # hidden tests in a fork of the rollout's sandbox
     weight = 1.0
 
-    [[services.tasks.graders.coding]]
+    [[services.judge.graders.coding]]
     type = "llm_judge"              # a judge model with a rubric
     weight = 0.25
     rubric = "Is the code clear and correct?"

@@ -110,6 +110,6 @@ def test_the_example_config_parses_for_every_service():
     rollout = load_service_config("rollout", registry.load("rollout")[0], path).service
     assert rollout.agent.max_turns >= 2 and rollout.model == "smollm2"
     spec = load_service_config("judge", JudgeConfig, None, overrides=[
-        'services.tasks.graders={coding=[{type="llm_judge",rubric="r",judge={type="openai",base_url="http://x/v1",'
+        'services.judge.graders={coding=[{type="llm_judge",rubric="r",judge={type="openai",base_url="http://x/v1",'
         'model="m"}}]}']).service.graders["coding"][0]
     assert isinstance(spec, LlmJudgeSpec) and spec.judge.model == "m"
