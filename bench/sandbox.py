@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from proto import catalog  # noqa: E402
 from proto import sandbox as api  # noqa: E402
 from services.lib.sandbox_client import SandboxClient  # noqa: E402
 from services.sandbox.backend import SandboxBackend, dispatch  # noqa: E402
@@ -251,7 +252,7 @@ class EventCounter:
     @classmethod
     async def start(cls, client: SandboxClient, expected: int) -> EventCounter:
         counter = cls(expected)
-        counter.sub = await client.nc.subscribe(api.event_subject(RUN, "*"), cb=counter.on_event)
+        counter.sub = await client.nc.subscribe(catalog.SANDBOX_EVENTS.wildcard(RUN), cb=counter.on_event)
         return counter
 
     async def on_event(self, msg: Any) -> None:

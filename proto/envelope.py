@@ -1,4 +1,4 @@
-"""The envelope every bus message carries (DESIGN.md, "Bus contracts").
+"""The envelope every bus message carries (docs/ARCHITECTURE.md, "Delivery guarantees").
 
 ``run_id`` scopes a message to one run, ``msg_id`` is unique per message and is
 also sent as the ``Nats-Msg-Id`` header so JetStream de-duplicates retried

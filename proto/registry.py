@@ -1,45 +1,34 @@
-"""Which message type travels on which subject family (used by ``rlbus tap``)."""
+"""Which message type travels on which subject (used by ``rlbus tap``), read from the channel table."""
 
 from __future__ import annotations
 
-import importlib
+import typing
 from typing import Any
 
 import msgspec
 
-from proto import accounting, deadletter, echo, membership, metrics, prompts, rollouts, trajectories
+from proto import catalog
 from proto.codec import DecodeError, decode
 from proto.subjects import family_of
 
-_BY_FAMILY: dict[str, Any] = {
-    prompts.FAMILY: prompts.PromptTicket,
-    accounting.FAMILY: accounting.TrajectoryOutcome,
-    rollouts.FAMILY: rollouts.Rollout,
-    trajectories.FAMILY: trajectories.ScoredTrajectory,
-    membership.FAMILY: membership.Heartbeat,
-    deadletter.FAMILY: deadletter.DeadLetter,
-    metrics.FAMILY: metrics.MetricsReport,
-    echo.FAMILY: echo.EchoRequest | echo.EchoReply,
-}
 
-# families defined by optional proto modules (added by their issues); loaded if present
-_OPTIONAL = {"sandbox": "proto.sandbox", "weights": "proto.weights"}
+def channel_for_subject(subject: str) -> catalog.Channel | None:
+    """The channel a concrete subject belongs to, or None."""
+    return next((c for c in catalog.CHANNELS.values() if c.matches(subject)), None)
+
+
+def _family_type(family: str) -> Any | None:
+    found = dict.fromkeys(t for c in catalog.CHANNELS.values() if c.family == family for t in c.types)
+    return typing.Union[tuple(found)] if found else None  # noqa: UP007
 
 
 def type_for_subject(subject: str) -> Any | None:
+    """The channel's message type; for a subject of no channel, every type of its family (or None)."""
+    channel = channel_for_subject(subject)
+    if channel is not None:
+        return channel.msg_type
     fam = family_of(subject)
-    if fam is None:
-        return None
-    if fam in _BY_FAMILY:
-        return _BY_FAMILY[fam]
-    mod_name = _OPTIONAL.get(fam)
-    if mod_name:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:
-            return None
-        return getattr(mod, "TAP_TYPE", None)
-    return None
+    return None if fam is None else _family_type(fam)
 
 
 def decode_any(subject: str, data: bytes) -> Any:

@@ -1,22 +1,22 @@
 """Sandbox API (request/reply) and sandbox lifecycle events.
 
-Subjects (``<run>`` is the run id, see :mod:`proto.subjects`):
+Subjects (channels of :mod:`proto.catalog`; ``<run>`` is the run id):
 
-* ``rlbus.<run>.sandbox.api.create`` (:func:`create_subject`) — published by
-  clients (rollout agent loops, judges) as NATS requests carrying a
+* ``rlbus.<run>.sandbox.api.create`` (``catalog.SANDBOX_REQUESTS.subject(run, CREATE_TARGET)``) —
+  published by clients (rollout agent loops, judges) as NATS requests carrying a
   :class:`CreateRequest`; consumed by every sandbox instance of the run in the
   queue group :data:`QUEUE_GROUP`, so one instance takes each create. The reply
   names the sandbox id, which embeds the owning instance id.
-* ``rlbus.<run>.sandbox.api.<instance>`` (:func:`instance_subject`) — published
-  by clients as requests for every operation on an existing sandbox or
+* ``rlbus.<run>.sandbox.api.<instance>`` (``catalog.SANDBOX_REQUESTS.subject(run, instance)``) —
+  published by clients as requests for every operation on an existing sandbox or
   snapshot (:data:`InstanceRequest`); consumed only by the owning instance
   (:func:`instance_of` reads it from the sandbox or snapshot id).
-* ``rlbus.<run>.sandbox.list`` (:func:`list_subject`) — published by clients
+* ``rlbus.<run>.sandbox.list`` (``catalog.SANDBOX_LIST``) — published by clients
   (``rlbus status``, tests) as a scatter/gather request; every instance replies
   with a :class:`ListReply` of its own sandboxes.
-* ``rlbus.<run>.sandbox.events.<sandbox_id>`` (:func:`event_subject`) —
+* ``rlbus.<run>.sandbox.events.<sandbox_id>`` (``catalog.SANDBOX_EVENTS``) —
   published by sandbox instances, one :class:`SandboxEvent` per state change;
-  stored by stream ``SANDBOX_EVENTS`` (:data:`SANDBOX_EVENTS_STREAM`) and read by
+  stored by stream ``SANDBOX_EVENTS`` (``catalog.SANDBOX_EVENTS_STREAM``) and read by
   ``rlbus tap``, judges and monitors. Filtering on one sandbox id follows one
   sandbox's life.
 
@@ -30,7 +30,6 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from proto import subjects
 from proto.envelope import Envelope
 
 FAMILY = "sandbox"
@@ -38,40 +37,9 @@ FAMILY = "sandbox"
 #: Queue group of the create subject: one instance of the run takes each create.
 QUEUE_GROUP = "sandbox"
 
-
-def create_subject(run_id: str) -> str:
-    """``rlbus.<run>.sandbox.api.create``: clients → any instance (queue group)."""
-    return subjects.subject(run_id, FAMILY, "api", "create")
-
-
-def instance_subject(run_id: str, instance_id: str) -> str:
-    """``rlbus.<run>.sandbox.api.<instance>``: clients → the instance owning a sandbox."""
-    return subjects.subject(run_id, FAMILY, "api", instance_id)
-
-
-def list_subject(run_id: str) -> str:
-    """``rlbus.<run>.sandbox.list``: clients → every instance (each replies)."""
-    return subjects.subject(run_id, FAMILY, "list")
-
-
-def event_subject(run_id: str, sandbox_id: str) -> str:
-    """``rlbus.<run>.sandbox.events.<sandbox_id>``: instances → stream SANDBOX_EVENTS."""
-    return subjects.subject(run_id, FAMILY, "events", sandbox_id)
-
-
-#: Config of the lifecycle-event stream; the keys are the fields of
-#: ``proto.catalog.StreamDef`` (``StreamDef(**SANDBOX_EVENTS_STREAM)``).
-#: Limits-based retention: events are kept for a week or 1 GiB, whichever ends first.
-SANDBOX_EVENTS_STREAM: dict[str, object] = {
-    "name": "SANDBOX_EVENTS",
-    "subjects": [subjects.all_runs(FAMILY, "events", ">")],
-    "retention": "limits",
-    "max_age_s": 7 * 24 * 3600.0,
-    "max_bytes": 1 << 30,
-    "storage": "file",
-    "duplicate_window_s": 120.0,
-    "description": "sandbox lifecycle events (created ... destroyed)",
-}
+#: The last token of the create subject (``rlbus.<run>.sandbox.api.create``); other requests
+#: carry the owning instance's id there.
+CREATE_TARGET = "create"
 
 #: Sandbox ids look like ``<instance>-<8 hex>``, snapshot ids ``<instance>-snap-<8 hex>``;
 #: instance ids are ``[a-z0-9]{1,32}`` so both are single subject tokens.
@@ -352,7 +320,7 @@ class ErrorReply(Envelope, kw_only=True, tag="sandbox_error"):
     sandbox_id: str | None = None
 
 
-#: Requests answered by the instance owning the sandbox (subject :func:`instance_subject`).
+#: Requests answered by the instance owning the sandbox (``catalog.SANDBOX_REQUESTS.subject(run, instance)``).
 InstanceRequest = (
     ExecRequest
     | WriteFilesRequest
@@ -498,8 +466,8 @@ class SandboxEvent(Envelope, kw_only=True, tag="sandbox_event"):
         return self.detail.__struct_config__.tag  # type: ignore[return-value]
 
 
-#: What ``rlbus tap`` decodes any ``sandbox`` subject as.
-TAP_TYPE = (
+#: Every message of the sandbox API and its events, as one union.
+AnyMessage = (
     SandboxEvent
     | CreateRequest
     | CreateReply

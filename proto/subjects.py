@@ -44,3 +44,25 @@ def run_of(subj: str) -> str | None:
 def family_of(subj: str) -> str | None:
     parts = subj.split(".")
     return parts[2] if len(parts) > 2 and parts[0] == PREFIX else None
+
+
+def covers(wild: str, subj: str) -> bool:
+    """Whether every subject that ``subj`` matches (it may hold wildcards itself) is matched by ``wild``."""
+    w, s = wild.split("."), subj.split(".")
+    for i, tok in enumerate(w):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or s[i] == ">" or (tok != "*" and tok != s[i]):
+            return False
+    return len(s) == len(w)
+
+
+def overlaps(a: str, b: str) -> bool:
+    """Whether some subject is matched by both ``a`` and ``b`` (wildcards allowed in both)."""
+    x, y = a.split("."), b.split(".")
+    for i in range(min(len(x), len(y))):
+        if x[i] == ">" or y[i] == ">":
+            return True
+        if x[i] != y[i] and "*" not in (x[i], y[i]):
+            return False
+    return len(x) == len(y)

@@ -1,13 +1,14 @@
 """Weight versions: manifests, announcements, and where they live on the bus.
 
-Tensors never travel inside bus messages (DESIGN.md, "Weights"): a version's
+Tensors never travel inside bus messages (docs/ARCHITECTURE.md, "How weights travel"): a version's
 bytes sit as chunks in a blob store (the JetStream object store by default, S3,
 or a shared directory) and the bus carries only its :class:`WeightManifest`.
 
 Names, for a run ``<run>`` and a *scope* (``main`` is the trainer's own copy;
 a relay re-publishes under its own scope, e.g. ``node-a``, for the engines near it):
 
-* subject ``rlbus.<run>.weights.announce.<scope>`` — :class:`WeightAnnouncement`,
+* subject ``rlbus.<run>.weights.announce.<scope>`` (channel ``catalog.WEIGHT_ANNOUNCEMENTS``) —
+  :class:`WeightAnnouncement`,
   published by the trainer's weight publisher (scope ``main``) or a weightsync
   relay (its scope) once the version is durably stored; consumed by rollout
   engines and relays. Core NATS (no stream): the KV entry below is the durable
@@ -20,7 +21,8 @@ a relay re-publishes under its own scope, e.g. ``node-a``, for the engines near 
 * object-store bucket ``rlbus_weight_blobs_<scope>`` (when the store type is
   ``objstore``) — chunk objects named ``<run>/v<version:010d>/<kind>.<index:04d>``;
   S3 and filesystem stores use the same names under their prefix/root.
-* subject ``rlbus.<run>.weights.broadcast.<scope>`` and KV ``<run>.bcast.*`` —
+* subject ``rlbus.<run>.weights.broadcast.<scope>`` (channel ``catalog.WEIGHT_BROADCASTS``)
+  and KV ``<run>.bcast.*`` —
   :class:`BroadcastGroup` / :class:`BroadcastReady`, rendezvous of the direct
   ``broadcast`` transport (published by the trainer, read by engines).
 
@@ -45,7 +47,7 @@ from typing import Literal
 import msgspec
 
 from proto.envelope import Envelope
-from proto.subjects import check_run_id, subject
+from proto.subjects import check_run_id
 
 FAMILY = "weights"
 
@@ -60,16 +62,6 @@ def check_scope(scope: str) -> str:
     """A scope is one subject token and part of bucket names: ``[A-Za-z0-9_-]``."""
     check_run_id(scope)  # same alphabet and length as a run id
     return scope
-
-
-def announce_subject(run_id: str, scope: str = MAIN_SCOPE) -> str:
-    """``rlbus.<run>.weights.announce.<scope>`` (publisher: trainer or relay; consumers: engines, relays)."""
-    return subject(run_id, FAMILY, "announce", check_scope(scope))
-
-
-def broadcast_subject(run_id: str, scope: str = MAIN_SCOPE) -> str:
-    """``rlbus.<run>.weights.broadcast.<scope>`` (publisher: trainer's broadcast sender; consumers: engines)."""
-    return subject(run_id, FAMILY, "broadcast", check_scope(scope))
 
 
 def kv_bucket(scope: str = MAIN_SCOPE) -> str:
@@ -221,6 +213,3 @@ def broadcast_rank_key(run_id: str, group_id: str, rank: int) -> str:
     """KV key an engine creates to claim ``rank`` in group ``group_id``."""
     return f"{check_run_id(run_id)}.bcast.{check_scope(group_id)}.rank.{rank}"
 
-
-#: used by ``rlbus tap`` (proto/registry.py) to decode the ``weights`` family
-TAP_TYPE = WeightAnnouncement | BroadcastReady | BroadcastGroup

@@ -1,6 +1,6 @@
 """The judge service: finished rollouts in, scored trajectories out (a queue group).
 
-Each task's graders (``[services.judge.graders.task>]``, see ``config.py``; default: the task's reward
+Each task's graders (``[services.judge.graders.<task>]``, see ``config.py``; default: the task's reward
 function) score a rollout concurrently; the reward is their weighted mean and every grader's score and
 explanation travel with the trajectory, so ``rlbus tap trajectories`` shows why a rollout got its reward.
 A rollout that failed upstream is scored 0 with the error recorded (it still reaches the trainer's accounting).
@@ -19,16 +19,18 @@ from proto import catalog
 from proto.rollouts import Rollout
 from proto.trajectories import GraderScore, ScoredTrajectory
 from services.judge.config import JudgeConfig
+from services.lib.sandbox_client import SandboxClient, SandboxClientError
 from services.runtime.config import Loaded
 from services.runtime.consume import Delivery, Poison
 from services.runtime.service import ServiceContext
+from services.tasks import UnknownTaskError, get_task
+from services.tasks.graders import GraderFactory, JudgeCache, grade_all
 
 log = logging.getLogger("rlbus.judge")
 
 
 class JudgeService:
     def __init__(self, loaded: Loaded) -> None:
-        from services.tasks.graders import GraderFactory, JudgeCache
 
         self.cfg: JudgeConfig = loaded.service
         self.seed = loaded.run.seed
@@ -44,7 +46,6 @@ class JudgeService:
         self.factory.sandboxes = sandboxes
 
     def task(self, name: str) -> Any:
-        from services.tasks import UnknownTaskError, get_task
 
         if name not in self.tasks:
             try:
@@ -59,7 +60,6 @@ class JudgeService:
         return self.graders[task]
 
     async def score(self, rollout: Rollout) -> tuple[float, list[GraderScore]]:
-        from services.tasks.graders import grade_all
 
         if rollout.error is not None:
             return 0.0, [GraderScore(grader="rollout", score=0.0, error=rollout.error,
@@ -71,14 +71,13 @@ class JudgeService:
         reward, scores = await self.score(rollout)
         traj = ScoredTrajectory(run_id=ctx.run_id, rollout=rollout, reward=reward, scores=scores, judge=ctx.instance,
                                 msg_id=f"{rollout.msg_id}-scored")
-        await ctx.publish(ctx.subject("trajectories"), traj)
+        await ctx.publish(catalog.TRAJECTORIES, traj)
         if rollout.sandbox_id is not None and self.cfg.destroy_sandboxes and self.sandboxes is not None:
             await self._destroy(rollout.sandbox_id)
         ctx.gauges["judge/llm_cache_hits"] = float(self.cache.hits)
         ctx.gauges["judge/llm_cache_misses"] = float(self.cache.misses)
 
     async def _destroy(self, sandbox_id: str) -> None:
-        from services.lib.sandbox_client import SandboxClientError
 
         try:
             await self.sandboxes.destroy(sandbox_id)
@@ -86,11 +85,10 @@ class JudgeService:
             log.debug("sandbox %s not destroyed: %s", sandbox_id, e)
 
     async def run(self, ctx: ServiceContext) -> None:
-        from services.lib.sandbox_client import SandboxClient
 
         self.attach(SandboxClient(ctx.nc, ctx.run_id, timeout_s=self.cfg.sandbox_timeout_s))
         try:
-            await ctx.consume(catalog.JUDGE_ROLLOUTS, Rollout, lambda r, d: self.handle(ctx, r, d),
+            await ctx.consume(catalog.ROLLOUTS, lambda r, d: self.handle(ctx, r, d),
                               concurrency=self.cfg.concurrency)
         finally:
             await self.factory.close()

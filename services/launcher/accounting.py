@@ -12,7 +12,7 @@ from typing import Any
 import nats
 from nats.js import api
 
-from proto import codec
+from proto import catalog, codec
 from proto.accounting import TrajectoryOutcome
 from proto.trajectories import ScoredTrajectory
 
@@ -39,15 +39,23 @@ async def read_all(js: Any, stream: str, subject: str, typ: Any, idle_s: float =
     return out
 
 
+async def read_channel(js: Any, channel: catalog.Channel, run_id: str) -> list[Any]:
+    """Every stored message of one run's ``channel`` (a stream channel), decoded as its type."""
+    if channel.stream is None:
+        raise ValueError(f"channel {channel.name} is not stored in a stream")
+    return await read_all(js, channel.stream.name, channel.wildcard(run_id), channel.msg_type)
+
+
 async def accounting(js: Any, run_id: str) -> dict[str, Any]:
-    trajectories = await read_all(js, "TRAJECTORIES", f"rlbus.{run_id}.trajectories", ScoredTrajectory)
-    outcomes = await read_all(js, "OUTCOMES", f"rlbus.{run_id}.outcomes", TrajectoryOutcome)
+    trajectories: list[ScoredTrajectory] = await read_channel(js, catalog.TRAJECTORIES, run_id)
+    outcomes: list[TrajectoryOutcome] = await read_channel(js, catalog.OUTCOMES, run_id)
     by_id: dict[str, list[TrajectoryOutcome]] = {}
     for o in outcomes:
         by_id.setdefault(o.trajectory_id, []).append(o)
     published = {t.msg_id for t in trajectories}
     try:
-        ci = await js.consumer_info("TRAJECTORIES", f"trainer-{run_id}")
+        cdef = catalog.TRAINER_TRAJECTORIES.for_run(run_id)
+        ci = await js.consumer_info(cdef.stream, cdef.durable)
         held = ci.num_ack_pending + ci.num_pending
     except Exception:
         held = 0

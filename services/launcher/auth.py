@@ -1,4 +1,4 @@
-"""Per-service NATS users for a run: generated passwords and the nats-server config (DESIGN.md, "Security").
+"""Per-service NATS users for a run: generated passwords and the nats-server config (least privilege per role).
 
 Every service connects as its own user with the minimal permissions of its role
 (the table is :mod:`services.launcher.permissions`). That table is written out two ways:

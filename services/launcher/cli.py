@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     tap = sub.add_parser("tap", help="print bus messages as JSON lines",
                          description="Print messages of a subject or stream as JSON lines, decoded from msgpack "
                          "with the proto schema. TARGET is a subject (rlbus.RUN.heartbeat.>), a family name of "
-                         "this run (heartbeat, prompts, rollouts, trajectories, metrics, dlq, sandbox, weights) "
+                         "this run (heartbeat, prompts, rollouts, trajectories, metrics, dlq, sandbox, weights), a channel "
+                         "name of this run (sandbox_events, weight_announcements, ...: proto/catalog.py) "
                          "or a stream name in capitals (TRAJECTORIES). Without --from-start/--since it shows "
                          "new messages live; with them it replays what the stream stored.")
     tap.add_argument("target", metavar="SUBJECT_OR_STREAM")

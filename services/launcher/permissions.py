@@ -6,6 +6,22 @@ generated config) and the subjects it needs. ``services/launcher/auth.py``
 turns the table into nats-server users; tests/security checks it against a real
 server.
 
+Two sources, kept apart
+-----------------------
+* **Channels** (:func:`channel_grants`): every subject a role publishes or
+  subscribes to comes from the channel table (``proto.catalog.CHANNELS``): a role
+  named among a channel's ``publishers`` may publish on it, one among its
+  ``subscribers`` gets the channel's durable consumer (stream channels with a
+  consumer), the subject (anything else), and ``allow_responses`` (request/reply
+  channels). ``any`` is every service role. Suffix wildcards are pinned per role:
+  ``{role}`` to the publisher's own name, ``{scope}`` to the weight scopes it
+  writes (trainer: ``main``; weightsync: its relay scopes) or reads (``main`` and
+  the relay scopes); other wildcards stay ``*``. A channel added to the table
+  therefore reaches the permissions of its roles with no edit here.
+* **Infrastructure** (the role functions below): inboxes, JetStream API
+  subjects (provisioning, consumers, KV and object-store access), which are not
+  channels.
+
 How the grants are chosen
 -------------------------
 Streams, consumers and buckets are reached through JetStream API subjects, so
@@ -44,7 +60,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-from proto import catalog, membership, sandbox, subjects, weights
+from proto import catalog, membership, subjects, weights
 
 JS = "$JS.API"
 SHARED_INBOX = "_INBOX"
@@ -98,17 +114,12 @@ def _provision(names: Iterable[str]) -> Grant:
 
 
 def _harness(role: str, s: Scope) -> list[Grant]:
-    """What the shared harness does for every service: provision, heartbeat, metrics, dead letters."""
+    """What the shared harness does for every service besides its channels: provision, membership, gang start."""
     catalog_streams = [*catalog.STREAMS, *(f"KV_{b}" for b in catalog.KV_BUCKETS)]
     return [
         _inbox(s),
         _provision(catalog_streams),
-        Grant(why="heartbeats (subject and own membership keys) and metrics", publish=(
-            f"rlbus.{s.run}.{membership.FAMILY}.{role}",
-            f"$KV.{membership.MEMBERS_BUCKET}.{s.run}.{role}.>",
-            f"rlbus.{s.run}.metrics.{role}",
-        )),
-        Grant(why="dead letters with the reason", publish=(f"rlbus.{s.run}.dlq.>",)),
+        _publish("membership: own keys in the members bucket", f"$KV.{membership.MEMBERS_BUCKET}.{s.run}.{role}.>"),
         _stream_read(f"KV_{membership.MEMBERS_BUCKET}", "gang start: read the run's members"),
         _stream_read(f"KV_{catalog.RUNS.bucket}", "gang start: read the run's gang decision"),
         _publish("gang start: admit the run or mark it failed (atomic create of <run>.gang)",
@@ -153,10 +164,6 @@ def _weights_read(scope: str, s: Scope, *, claim_ranks: bool) -> list[Grant]:
         _stream_read(f"OBJ_{obj}", f"weight chunks of scope {scope}: read"),
         Grant(why="weightsync's fast chunk reader (rawpull.py) receives chunks on _INBOX.rlbus.<random>; "
                   "only weight chunks travel there", subscribe=("_INBOX.rlbus.>",)),
-        Grant(why=f"weight announcements of scope {scope}", subscribe=(
-            f"rlbus.{s.run}.{weights.FAMILY}.announce.{scope}",
-            f"rlbus.{s.run}.{weights.FAMILY}.broadcast.{scope}",
-        )),
     ]
     if claim_ranks:
         grants.append(Grant(why="broadcast transport: claim a rank (never announce a version)",
@@ -168,35 +175,66 @@ def _weights_write(scope: str, s: Scope) -> list[Grant]:
     kv, obj = weights.kv_bucket(scope), weights.object_bucket(scope)
     return [
         *_weights_read(scope, s, claim_ranks=False),
-        Grant(why=f"publish weight versions of scope {scope}: chunks, manifests, announcements", publish=(
+        Grant(why=f"store weight versions of scope {scope}: chunks, manifests, the latest announcement", publish=(
             f"$O.{obj}.>",
             f"{JS}.STREAM.PURGE.OBJ_{obj}",
             f"$KV.{kv}.{s.run}.>",
-            f"rlbus.{s.run}.{weights.FAMILY}.announce.{scope}",
-            f"rlbus.{s.run}.{weights.FAMILY}.broadcast.{scope}",
         )),
     ]
-
-
-def _sandbox_client(s: Scope) -> Grant:
-    return Grant(why="sandbox API requests (replies come back on the own inbox)", publish=(
-        f"rlbus.{s.run}.{sandbox.FAMILY}.api.>",
-        f"rlbus.{s.run}.{sandbox.FAMILY}.list",
-    ))
 
 
 def _publish(why: str, *subjs: str) -> Grant:
     return Grant(why=why, publish=subjs)
 
 
-# --- roles ---------------------------------------------------------------------------------------
+# --- channels: derived from the channel table ---------------------------------------------------
+
+
+def _weight_scopes_written(role: str, s: Scope) -> tuple[str, ...]:
+    """The weight scopes a role publishes under: the trainer its own, weightsync its relays."""
+    return {"trainer": (weights.MAIN_SCOPE,), "weightsync": s.relay_scopes}.get(role, ())
+
+
+def _named(role: str, names: tuple[str, ...]) -> bool:
+    spec = role_spec(role)
+    return any(r in names for r in (role, *spec.acts_as)) or ("any" in names and spec.service)
+
+
+def _pinned(ch: catalog.Channel, role: str, s: Scope, *, publish: bool) -> tuple[str, ...]:
+    """The channel's subjects for one role: ``{role}`` → the publisher itself, ``{scope}`` → its scopes."""
+    fixed = {"role": role} if publish else {}
+    if "scope" not in ch.suffix:
+        return (ch.wildcard(s.run, **fixed),)
+    scopes = _weight_scopes_written(role, s) if publish else (weights.MAIN_SCOPE, *s.relay_scopes)
+    return tuple(ch.wildcard(s.run, **fixed, scope=x) for x in scopes)
+
+
+def channel_grants(role: str, s: Scope) -> list[Grant]:
+    """What ``role`` may publish and subscribe to, from the publishers and subscribers of every channel."""
+    grants = []
+    for ch in catalog.CHANNELS.values():
+        label = f"channel {ch.name.upper()}"
+        if _named(role, ch.publishers) and (subjs := _pinned(ch, role, s, publish=True)):
+            grants.append(Grant(why=f"{label}: publish", publish=subjs))
+        if not _named(role, ch.subscribers):
+            continue
+        if ch.consumer is not None:
+            durable = _durable(ch.consumer, s)
+            grants.append(msgspec.structs.replace(durable, why=f"{label}: {durable.why}"))
+        elif ch.reply_type is not None:
+            grants.append(Grant(why=f"{label}: serve requests, answer each once on its reply subject",
+                                subscribe=_pinned(ch, role, s, publish=False), allow_responses=True))
+        else:
+            grants.append(Grant(why=f"{label}: subscribe", subscribe=_pinned(ch, role, s, publish=False)))
+    return grants
+
+
+# --- roles: what is not a channel (inboxes, JetStream API, KV and object stores) -------------------
 
 
 def _trainer(s: Scope) -> list[Grant]:
     return [
         *_harness("trainer", s),
-        _publish("prompt tickets and trajectory outcomes", f"rlbus.{s.run}.prompts", f"rlbus.{s.run}.outcomes"),
-        _durable(catalog.TRAINER_TRAJECTORIES, s),
         _publish("run state", f"$KV.{catalog.RUNS.bucket}.{s.run}.>"),
         *_weights_write(weights.MAIN_SCOPE, s),
     ]
@@ -204,35 +242,7 @@ def _trainer(s: Scope) -> list[Grant]:
 
 def _rollout(s: Scope) -> list[Grant]:
     reads = [g for scope in (weights.MAIN_SCOPE, *s.relay_scopes) for g in _weights_read(scope, s, claim_ranks=True)]
-    return [
-        *_harness("rollout", s),
-        _durable(catalog.ROLLOUT_PROMPTS, s),
-        _publish("finished rollouts", f"rlbus.{s.run}.rollouts"),
-        *reads,
-        _sandbox_client(s),
-    ]
-
-
-def _judge(s: Scope) -> list[Grant]:
-    return [
-        *_harness("judge", s),
-        _durable(catalog.JUDGE_ROLLOUTS, s),
-        _publish("scored trajectories (the judge is their only publisher)", f"rlbus.{s.run}.trajectories"),
-        _sandbox_client(s),
-    ]
-
-
-def _sandbox(s: Scope) -> list[Grant]:
-    events = str(sandbox.SANDBOX_EVENTS_STREAM["name"])
-    return [
-        *_harness("sandbox", s),
-        Grant(why="serve the sandbox API; answer each request once on its reply subject", subscribe=(
-            f"rlbus.{s.run}.{sandbox.FAMILY}.api.>",
-            f"rlbus.{s.run}.{sandbox.FAMILY}.list",
-        ), allow_responses=True),
-        _provision([events]),
-        _publish("sandbox lifecycle events", f"rlbus.{s.run}.{sandbox.FAMILY}.events.>"),
-    ]
+    return [*_harness("rollout", s), *reads]
 
 
 def _weightsync(s: Scope) -> list[Grant]:
@@ -246,12 +256,9 @@ def _weightsync(s: Scope) -> list[Grant]:
     ]
 
 
-def _echo(s: Scope) -> list[Grant]:
-    return [
-        *_harness("echo", s),
-        _durable(catalog.ECHO_IN, s),
-        _publish("echo replies", f"rlbus.{s.run}.echo.out"),
-    ]
+def _service(role: str) -> Callable[[Scope], list[Grant]]:
+    """A service that needs nothing but the harness and its channels."""
+    return lambda s: _harness(role, s)
 
 
 def _admin(s: Scope) -> list[Grant]:
@@ -272,7 +279,6 @@ def _admin(s: Scope) -> list[Grant]:
             f"{JS}.STREAM.MSG.GET.*",
             "$JS.FC.>",
         )),
-        _publish("list sandboxes (rlbus status)", f"rlbus.{s.run}.{sandbox.FAMILY}.list"),
     ]
 
 
@@ -283,16 +289,19 @@ def _launcher(s: Scope) -> list[Grant]:
               publish=(f"{JS}.>", "$JS.ACK.>")),
         _publish("gang state and membership (admission, release)",
                  f"$KV.{catalog.RUNS.bucket}.{s.run}.>", f"$KV.{membership.MEMBERS_BUCKET}.{s.run}.>"),
-        _publish("drive the echo demo", f"rlbus.{s.run}.echo.in"),
     ]
 
 
 class Role(msgspec.Struct, frozen=True, kw_only=True):
-    """One NATS user: what it is for, its grants, and whether it gets a private inbox prefix."""
+    """One NATS user: what it is for, its grants besides its channels, and whether it gets a private inbox."""
 
     description: str
     grants: Callable[[Scope], list[Grant]]
     private_inbox: bool = True
+    #: a service run by the harness: ``any`` in a channel's publishers/subscribers includes it
+    service: bool = True
+    #: roles whose channels this role also has (the launcher does what the admin CLI does)
+    acts_as: tuple[str, ...] = ()
 
 
 #: Roles → grants. Service roles are named like the services (heartbeat and membership
@@ -302,15 +311,17 @@ ROLES: dict[str, Role] = {
                     grants=_trainer),
     "rollout": Role(description="generates: reads prompts and weights, publishes rollouts, uses sandboxes",
                     grants=_rollout),
-    "judge": Role(description="grades: reads rollouts, publishes trajectories, uses sandboxes", grants=_judge),
+    "judge": Role(description="grades: reads rollouts, publishes trajectories, uses sandboxes",
+                  grants=_service("judge")),
     "sandbox": Role(description="serves the sandbox API and publishes lifecycle events; reads no work streams",
-                    grants=_sandbox),
+                    grants=_service("sandbox")),
     "weightsync": Role(description="retention of the trainer's versions; relays them into its own scopes",
                        grants=_weightsync),
-    "echo": Role(description="the echo demo worker", grants=_echo),
-    "admin": Role(description="read-only operator (rlbus tap, rlbus status)", grants=_admin, private_inbox=False),
+    "echo": Role(description="the echo demo worker", grants=_service("echo")),
+    "admin": Role(description="read-only operator (rlbus tap, rlbus status)", grants=_admin, private_inbox=False,
+                  service=False),
     "launcher": Role(description="the supervisor: provisions the server, records gang state, reads everything",
-                     grants=_launcher, private_inbox=False),
+                     grants=_launcher, private_inbox=False, service=False, acts_as=("admin",)),
 }
 
 #: roles every bundle gets besides the services it names
@@ -338,7 +349,8 @@ def grants_for(role: str, run_id: str = "*", relay_scopes: Sequence[str] = (),
     scopes = tuple(weights.check_scope(x) for x in relay_scopes)
     if weights.MAIN_SCOPE in scopes:
         raise AuthError(f"relay scope {weights.MAIN_SCOPE!r} is the trainer's own scope; relays need their own")
-    return role_spec(role).grants(Scope(run=run_id, inbox=inbox_prefix(role, private_inboxes), relay_scopes=scopes))
+    scope = Scope(run=run_id, inbox=inbox_prefix(role, private_inboxes), relay_scopes=scopes)
+    return [*role_spec(role).grants(scope), *channel_grants(role, scope)]
 
 
 def flatten(grants: Iterable[Grant]) -> Permissions:

@@ -71,7 +71,7 @@ async def follow(nats_url: str, run_id: str, total_steps: int | None, stop: asyn
         if line:
             print(line, file=out, flush=True)
 
-    sub = await nc.subscribe(f"rlbus.{run_id}.metrics.>", cb=on_metrics)
+    sub = await nc.subscribe(catalog.METRICS.wildcard(run_id), cb=on_metrics)
     kv = await bus.ensure_kv(js, catalog.RUNS)
     watcher = await kv.watch(f"{run_id}.state")
     final: dict[str, Any] = {}

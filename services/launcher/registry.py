@@ -15,9 +15,9 @@ Spec = tuple[type[Any], Callable[[Any], Any]]
 
 
 def _echo() -> Spec:
-    from services.echo import main
+    from services.echo import config, service
 
-    return main.EchoConfig, main.build
+    return config.EchoConfig, service.build
 
 
 def _trainer() -> Spec:
@@ -39,15 +39,15 @@ def _judge() -> Spec:
 
 
 def _sandbox() -> Spec:
-    from services.sandbox import config, main
+    from services.sandbox import config, service
 
-    return config.SandboxConfig, main.build
+    return config.SandboxConfig, service.build
 
 
 def _weightsync() -> Spec:
-    from services.weightsync import config, main
+    from services.weightsync import config, service
 
-    return config.WeightsyncConfig, main.build
+    return config.WeightsyncConfig, service.build
 
 
 _BUILTIN: dict[str, Callable[[], Spec]] = {

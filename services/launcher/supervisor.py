@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from proto import catalog
 from services.runtime.config import ConfigError, RunSection, convert, load_tree
 from services.runtime.gang import GANG_FAILED_EXIT, GangSection
 from services.runtime.natsd import EmbeddedNats, die_with_parent
@@ -268,7 +269,7 @@ class Supervisor:
         async def on_hb(m: Any) -> None:
             self.last_seen[m.subject.rsplit(".", 1)[-1] + "/" + _instance_of(m.data)] = time.monotonic()
 
-        await nc.subscribe(f"rlbus.{self.run.id}.heartbeat.>", cb=on_hb)
+        await nc.subscribe(catalog.HEARTBEATS.wildcard(self.run.id), cb=on_hb)
         while not self.stopping.is_set():
             if not nc.is_connected:
                 self.monitor_connected_since = None

@@ -13,7 +13,7 @@ from typing import Any, TextIO
 import msgspec
 from nats.js import api
 
-from proto import codec, registry, subjects
+from proto import catalog, codec, registry, subjects
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 
@@ -33,9 +33,13 @@ def parse_since(text: str) -> dt.datetime:
 
 
 def expand_target(target: str, run_id: str) -> list[str]:
-    """A full subject stays as is; a bare family name means that family of this run."""
+    """A full subject stays as is; a channel name (``sandbox_events``) means that channel of this run,
+    any other bare name that family of this run."""
     if "." in target or target.startswith("$"):
         return [target]
+    channel = catalog.CHANNELS.get(target.lower())
+    if channel is not None and channel.name != channel.family:
+        return [channel.wildcard(run_id)]
     return [subjects.subject(run_id, target), subjects.subject(run_id, target, ">")]
 
 

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import nats.errors
 from nats.aio.client import Client
 
-from proto import codec
+from proto import catalog, codec
 from proto import sandbox as api
 from services.runtime import tracing
 
@@ -96,11 +96,12 @@ class SandboxClient:
 
     def subject_for(self, req: Any) -> str:
         """Where a request goes: the create subject, the owner's instance subject, or the list subject."""
-        if isinstance(req, api.CreateRequest):
-            return api.create_subject(self.run_id)
         if isinstance(req, api.ListRequest):
-            return api.list_subject(self.run_id)
-        return api.instance_subject(self.run_id, api.instance_of(self.target_of(req)))
+            return catalog.SANDBOX_LIST.subject(self.run_id)
+        catalog.SANDBOX_REQUESTS.check(req)
+        if isinstance(req, api.CreateRequest):
+            return catalog.SANDBOX_REQUESTS.subject(self.run_id, api.CREATE_TARGET)
+        return catalog.SANDBOX_REQUESTS.subject(self.run_id, api.instance_of(self.target_of(req)))
 
     @staticmethod
     def target_of(req: Any) -> str:
@@ -237,7 +238,7 @@ class SandboxClient:
             with tracing.span("sandbox.list", kind="producer"):
                 headers: dict[str, str] = {}
                 tracing.inject(headers)
-                await self.nc.publish(api.list_subject(self.run_id), codec.encode(req), reply=inbox,
+                await self.nc.publish(catalog.SANDBOX_LIST.subject(self.run_id), codec.encode(req), reply=inbox,
                                       headers=headers or None)
             while expected is None or len(replies) < expected:
                 wait = min(window, deadline - loop.time())

@@ -202,3 +202,19 @@ async def publish(js: JetStreamContext, subject: str, msg: msgspec.Struct, timeo
                 log.warning("publish to %s failed (%r); retrying in %.1fs", subject, e, delay)
                 await asyncio.sleep(delay)  # backoff while the server comes back
                 delay = min(delay * 2, 5.0)
+
+
+async def publish_on(nc: Client, js: JetStreamContext, channel: catalog.Channel, run_id: str, msg: msgspec.Struct,
+                     *subject_suffix: str) -> api.PubAck | None:
+    """Publish ``msg`` on ``channel`` of run ``run_id``; TypeError when it is not of the channel's type.
+
+    A stream channel gets :func:`publish` (retried, deduplicated; returns the ack), any other a core-NATS
+    publish with the same headers (returns None).
+    """
+    channel.check(msg)
+    subject = channel.subject(run_id, *subject_suffix)
+    if channel.stream is not None:
+        return await publish(js, subject, msg)
+    with tracing.span(f"publish {subject}", kind="producer"):
+        await nc.publish(subject, codec.encode(msg), headers=headers_for(msg) or None)
+    return None

@@ -195,7 +195,7 @@ class DeadLetterSink:
         self.count += 1
         log.warning("dead letter from %s: %s (%s)", raw.subject, reason, error_type)
         try:
-            await publish(self.js, subjects.subject(run, "dlq", family), letter)
+            await publish(self.js, catalog.DEAD_LETTERS.subject(run, family), letter)
         except Exception:  # the dead-letter path must not take the service down
             log.exception("could not publish a dead letter for %s", raw.subject)
 

@@ -3,7 +3,7 @@
 A service is an object with ``async def run(self, ctx: ServiceContext) -> None``
 that returns once ``ctx.stop`` is set and its work is drained. Everything
 shared (connection, publishing, the consume loop, dead letters, heartbeats,
-metrics, tracing, signals) lives here so ``main.py`` files stay short.
+metrics, tracing, signals) lives here so each ``services/<name>/service.py`` holds only its work: ``build(loaded)`` and ``run(ctx)``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import msgspec
 from nats.aio.client import Client
+from nats.js import api
 
 from proto import catalog, membership, subjects
 from proto.membership import Heartbeat
@@ -28,7 +29,6 @@ from services.runtime import bus, gang, tracing
 from services.runtime.config import Loaded
 from services.runtime.consume import Consumer, DeadLetterSink, Handler
 
-T = TypeVar("T")
 log = logging.getLogger("rlbus.service")
 
 
@@ -53,24 +53,41 @@ class ServiceContext:
         self.dead_letters = DeadLetterSink(self.js, self.run_id, name)
         self.log = logging.getLogger(f"rlbus.{name}")
 
-    def subject(self, family: str, *rest: str) -> str:
+    def subject(self, family: str, *rest: str) -> str:  # transitional: removed once trainer/rollout use channels
         return subjects.subject(self.run_id, family, *rest)
 
-    async def publish(self, subject: str, msg: msgspec.Struct) -> Any:
-        return await bus.publish(self.js, subject, msg)
+    async def publish(self, channel: catalog.Channel | str, msg: msgspec.Struct, *subject_suffix: str,
+                      run_id: str | None = None) -> api.PubAck | None:
+        """Publish ``msg`` on ``channel`` of this run (``subject_suffix`` fills its suffix wildcards).
 
-    async def consume(
-        self,
-        consumer: catalog.ConsumerDef,
-        msg_type: type[T],
-        handler: Handler,
-        *,
-        concurrency: int = 16,
-    ) -> Consumer[T]:
-        """Provision this run's durable consumer and run the consume loop until ``stop``."""
+        Raises TypeError when ``msg`` is not of the channel's type. A stream channel gets a JetStream
+        publish (retried while the server is away, deduplicated by ``msg_id``; returns the ack), any
+        other a core-NATS publish (returns None). ``run_id``: another run's subject (the sandbox files
+        events of a predecessor's orphans under their own run).
+        """
+        if isinstance(channel, str):  # transitional: removed once trainer/rollout use channels
+            return await bus.publish(self.js, channel, msg)
+        return await bus.publish_on(self.nc, self.js, channel, run_id or self.run_id, msg, *subject_suffix)
+
+    async def consume(self, channel: catalog.Channel | catalog.ConsumerDef, handler: Handler | Any,
+                      *transitional: Handler, concurrency: int = 16) -> Consumer[Any]:
+        """Provision this run's durable consumer of ``channel`` and run the consume loop until ``stop``;
+        ``handler(msg, delivery)`` gets each message decoded as the channel's type.
+
+        Raises ValueError when the channel has no consumer (nothing to share: read its stream or subject).
+        """
+        if isinstance(channel, catalog.ConsumerDef):  # transitional: removed once trainer/rollout use channels
+            consumer, msg_type, (handler,) = channel, handler, transitional
+        else:
+            if transitional:
+                raise TypeError(f"consume({channel.name}, handler): the channel gives the message type")
+            if channel.consumer is None:
+                raise ValueError(f"channel {channel.name} has no durable consumer: consume(channel, handler) "
+                                 "works for " + ", ".join(c.name for c in catalog.CHANNELS.values() if c.consumer))
+            consumer, msg_type = channel.consumer, channel.msg_type
         cdef = consumer.for_run(self.run_id)
         await bus.ensure_consumer(self.js, cdef)
-        c: Consumer[T] = Consumer(
+        c: Consumer[Any] = Consumer(
             self.js, cdef, msg_type, handler, run_id=self.run_id, dead_letters=self.dead_letters,
             concurrency=concurrency, max_message_bytes=self.cfg.common.max_message_bytes,
             name=f"{self.name}:{cdef.durable}",
@@ -79,11 +96,11 @@ class ServiceContext:
         return c
 
     async def report(self, values: dict[str, float], step: int = -1) -> None:
-        """Publish a metrics report (stream METRICS) and keep the values as heartbeat gauges."""
+        """Publish a metrics report (channel METRICS) and keep the values as heartbeat gauges."""
         self.gauges.update(values)
         msg = MetricsReport(run_id=self.run_id, service=self.name, instance=self.instance, step=step, values=values)
         try:
-            await self.publish(self.subject("metrics", self.name), msg)
+            await self.publish(catalog.METRICS, msg, self.name)
         except Exception as e:  # metrics must not break the work
             self.log.warning("metrics publish failed: %s", e)
 
@@ -107,7 +124,7 @@ async def _publish_heartbeat_now(ctx: ServiceContext) -> None:
 async def _heartbeats(ctx: ServiceContext, period: float) -> None:
     kv = await bus.ensure_kv(ctx.js, catalog.MEMBERS)
     key = membership.member_key(ctx.run_id, ctx.name, ctx.instance)
-    subj = ctx.subject(membership.FAMILY, ctx.name)
+    subj = catalog.HEARTBEATS.subject(ctx.run_id, ctx.name)
     while True:
         hb = ctx.heartbeat()
         data = bus.codec.encode(hb)

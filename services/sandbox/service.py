@@ -1,15 +1,16 @@
 """The sandbox service: the backend's verbs as NATS request/reply, its lifecycle events on JetStream.
 
-Subjects (see :mod:`proto.sandbox`): ``create_subject`` in queue group ``QUEUE_GROUP`` (one instance
-of the run takes each create), ``instance_subject(run, <this instance>)`` (every verb on a sandbox or
-snapshot this instance owns) and ``list_subject`` (scatter/gather: every instance answers). Requests
+Channels (see :mod:`proto.catalog`): ``SANDBOX_REQUESTS`` with target ``create`` in queue group
+``QUEUE_GROUP`` (one instance of the run takes each create), ``SANDBOX_REQUESTS`` with this instance's
+id (every verb on a sandbox or snapshot this instance owns) and ``SANDBOX_LIST`` (scatter/gather: every
+instance answers). Requests
 are core NATS requests; each is answered with its reply Struct or an :class:`proto.sandbox.ErrorReply`.
 
 * Each request runs in its own task; at most ``max_in_flight`` at once (the subscription waits for a slot).
 * A payload that does not decode, belongs to another run, or was sent to the wrong subject gets an
   ``invalid`` ErrorReply *and* a dead letter; the service carries on.
 * Every backend event is queued by the backend's ``on_event`` callback and published, in order, by one
-  task to ``event_subject(run, sandbox_id)`` (stream SANDBOX_EVENTS), carrying the trace context of the
+  task to channel ``SANDBOX_EVENTS`` (stream SANDBOX_EVENTS), carrying the trace context of the
   request that caused it. Nothing is dropped; a publish that keeps failing is retried.
 * Shutdown (``ctx.stop``): unsubscribe, give in-flight requests ``drain_timeout_s`` (the rest are
   cancelled and answered ``unavailable``), ``backend.close()`` (destroys every sandbox, reason
@@ -27,7 +28,7 @@ from typing import Any
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 
-from proto import codec, subjects
+from proto import catalog, codec, subjects
 from proto import sandbox as api
 from services.runtime import tracing
 from services.runtime.bus import BusError
@@ -67,7 +68,7 @@ INSTANCE_TYPES: tuple[type, ...] = (
 #: What each subscription accepts, and how a client reaches it (for the error of a misrouted request).
 _ROLES: dict[str, tuple[tuple[type, ...], str]] = {
     "create": ((api.CreateRequest,), "the create subject (queue group)"),
-    "instance": (INSTANCE_TYPES, "the owning instance's subject (instance_subject(run, instance_of(id)))"),
+    "instance": (INSTANCE_TYPES, "the owning instance's subject (SANDBOX_REQUESTS with instance_of(id))"),
     "list": ((api.ListRequest,), "the list subject"),
 }
 
@@ -112,12 +113,12 @@ class EventPublisher:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="sandbox-event-publisher")
 
-    def subject(self, event: api.SandboxEvent) -> str:
+    def run_of(self, event: api.SandboxEvent) -> str:
+        """The run an event is filed under: its own (a reaped orphan may be a predecessor's)."""
         try:
-            run = subjects.check_run_id(event.run_id)
+            return subjects.check_run_id(event.run_id)
         except subjects.InvalidRunId:  # a reaped orphan of an unreadable run: file it under ours
-            run = self.ctx.run_id
-        return api.event_subject(run, event.sandbox_id)
+            return self.ctx.run_id
 
     async def _run(self) -> None:
         while True:
@@ -131,10 +132,10 @@ class EventPublisher:
             self.ctx.gauges["sandbox/events_pending"] = float(self.queue.qsize())
 
     async def _publish(self, event: api.SandboxEvent) -> None:
-        subject = self.subject(event)
+        run = self.run_of(event)
         while True:
             try:
-                await self.ctx.publish(subject, event)
+                await self.ctx.publish(catalog.SANDBOX_EVENTS, event, event.sandbox_id, run_id=run)
                 self.published += 1
                 return
             except BusError as e:  # the server stayed away for a whole retry window: keep the event, go on trying
@@ -234,9 +235,10 @@ class SandboxService:
 
         run = ctx.run_id
         subs = [
-            await ctx.nc.subscribe(api.create_subject(run), queue=api.QUEUE_GROUP, cb=handler("create")),
-            await ctx.nc.subscribe(api.instance_subject(run, backend.instance_id), cb=handler("instance")),
-            await ctx.nc.subscribe(api.list_subject(run), cb=handler("list")),
+            await ctx.nc.subscribe(catalog.SANDBOX_REQUESTS.subject(run, api.CREATE_TARGET), queue=api.QUEUE_GROUP,
+                                   cb=handler("create")),
+            await ctx.nc.subscribe(catalog.SANDBOX_REQUESTS.subject(run, backend.instance_id), cb=handler("instance")),
+            await ctx.nc.subscribe(catalog.SANDBOX_LIST.subject(run), cb=handler("list")),
         ]
         await ctx.nc.flush()
         log.info("sandbox instance %s serving run %s (%s backend)", backend.instance_id, run, self.cfg.type)
@@ -345,3 +347,8 @@ class SandboxService:
             await ctx.nc.publish(msg.reply, data, headers=headers or None)
         except Exception as e:  # disconnected: the requester times out
             log.warning("could not send the reply to %s: %s", msg.subject, e)
+
+
+def build(loaded: Loaded) -> SandboxService:
+    """The service for a resolved config (``loaded.service`` is the SandboxConfig); the backend loads in ``run``."""
+    return SandboxService.from_loaded(loaded)

@@ -24,6 +24,8 @@ from services.lib.weights.blobs import WeightIntegrityError, copy_chunks, read_c
 from services.lib.weights.config import ConfigError, load_hmac_key
 from services.lib.weights.index import VersionIndex
 from services.lib.weights.store import BlobStore, open_store
+from services.runtime.config import Loaded
+from services.runtime.service import ServiceContext
 from services.weightsync.config import WeightsyncConfig
 from services.weightsync.retention import ManifestCache, collect_garbage
 
@@ -45,7 +47,7 @@ class WeightsyncService:
 
     def __init__(self, nc: NATS, config: WeightsyncConfig, local_nc: NATS | None = None) -> None:
         if not config.run_id:
-            raise ConfigError("WeightsyncConfig.run_id is empty; set it (main.py fills it from [run] id)")
+            raise ConfigError("WeightsyncConfig.run_id is empty; set it (build() fills it from [run] id)")
         self.config = config
         self.hmac_key = load_hmac_key(config.hmac_key_env)
         self.upstream_store: BlobStore = open_store(config.upstream_store, nc, scope=config.upstream_scope)
@@ -167,3 +169,21 @@ class WeightsyncService:
         )
         self.stats.versions_relayed += 1
         log.info("relayed v%d into scope %s", ann.policy_version, self.local.scope)
+
+
+class WeightsyncRunner:
+    """Adapts :class:`WeightsyncService` (which needs only a connection) to the harness's ``run(ctx)``."""
+
+    def __init__(self, config: WeightsyncConfig) -> None:
+        self.config = config
+
+    async def run(self, ctx: ServiceContext) -> None:
+        await WeightsyncService(ctx.nc, self.config).run(ctx.stop)
+
+
+def build(loaded: Loaded) -> WeightsyncRunner:
+    """The service for a resolved config (section ``[services.weightsync]``); ``run_id`` defaults to the run's."""
+    config: WeightsyncConfig = loaded.service
+    if not config.run_id:
+        config = msgspec.structs.replace(config, run_id=loaded.run.id)
+    return WeightsyncRunner(config)

@@ -198,7 +198,7 @@ class Bus:
 
     async def trajectories(self, count: int, timeout: float = 60.0) -> list[ScoredTrajectory]:
         """The first ``count`` scored trajectories of the run (ordered consumer over TRAJECTORIES)."""
-        sub = await self.js.subscribe(f"rlbus.{RUN}.trajectories", stream=catalog.TRAJECTORIES.name,
+        sub = await self.js.subscribe(f"rlbus.{RUN}.trajectories", stream=catalog.TRAJECTORIES_STREAM.name,
                                       ordered_consumer=True,
                                       config=jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.ALL))
         try:
@@ -208,7 +208,7 @@ class Bus:
 
     async def events(self, sandbox_id: str, until: str = "destroyed", timeout: float = 30.0) -> list[api.SandboxEvent]:
         """One sandbox's stored lifecycle events, up to the first of kind ``until``."""
-        sub = await self.js.subscribe(api.event_subject(RUN, sandbox_id), ordered_consumer=True)
+        sub = await self.js.subscribe(catalog.SANDBOX_EVENTS.subject(RUN, sandbox_id), ordered_consumer=True)
         out: list[api.SandboxEvent] = []
         try:
             while not out or out[-1].kind != until:

@@ -12,8 +12,6 @@ import asyncio
 from agentic_harness import RUN, Bus, ScriptedEngine, all_events, coding_prompt, loaded, ticket_for
 
 from proto import catalog
-from proto.prompts import PromptTicket
-from proto.rollouts import Rollout
 from services.judge.config import JudgeConfig
 from services.judge.service import JudgeService
 from services.lib.engine.base import Engine, SamplingParams
@@ -40,14 +38,14 @@ async def start_pipeline(b: Bus, engine: ScriptedEngine, tokenizer, agent: Agent
     r_ctx = await b.context("rollout", r_loaded)
     rollout = RolloutService(r_loaded)
     rollout.attach(engine, tokenizer, SandboxClient(r_ctx.nc, RUN, timeout_s=20.0))
-    b.serve(r_ctx, r_ctx.consume(catalog.ROLLOUT_PROMPTS, PromptTicket, lambda t, d: rollout.handle(r_ctx, t, d),
+    b.serve(r_ctx, r_ctx.consume(catalog.PROMPTS, lambda t, d: rollout.handle(r_ctx, t, d),
                                  concurrency=4))
     j_loaded = loaded(b.url, JudgeConfig(graders={"coding": [SandboxTestsSpec(weight=1.0),
                                                              RewardGraderSpec(weight=0.0)]}))
     j_ctx = await b.context("judge", j_loaded)
     judge = JudgeService(j_loaded)
     judge.attach(SandboxClient(j_ctx.nc, RUN, timeout_s=20.0))
-    b.serve(j_ctx, j_ctx.consume(catalog.JUDGE_ROLLOUTS, Rollout, lambda r, d: judge.handle(j_ctx, r, d),
+    b.serve(j_ctx, j_ctx.consume(catalog.ROLLOUTS, lambda r, d: judge.handle(j_ctx, r, d),
                                  concurrency=4))
 
 

@@ -11,16 +11,38 @@ import time
 
 import msgspec
 import nats
+from nats.js.errors import NotFoundError
 
 from proto import catalog, codec
 from proto.deadletter import DeadLetter
 from proto.echo import EchoReply, EchoRequest
-from services.echo.main import EchoConfig, EchoService
+from services.echo.config import EchoConfig
+from services.echo.service import EchoService
 from services.runtime import bus
 from services.runtime.config import CommonSection, Loaded, NatsSection, RunSection
 from services.runtime.service import ServiceContext
+from tests.conftest import wait_for_async
 
 RUN = "t1"
+
+
+async def consumer_counts(js) -> tuple[int, int] | None:
+    """(delivered and not yet acked, not yet delivered) on the echo service's durable consumer
+    (None until the service has created it)."""
+    try:
+        info = await js.consumer_info("ECHO", f"echo-{RUN}")
+    except NotFoundError:
+        return None
+    return info.num_ack_pending, info.num_pending
+
+
+async def consumer_settled(js) -> bool:
+    return await consumer_counts(js) == (0, 0)
+
+
+async def picked_up(js, n: int) -> bool:
+    """All ``n`` published requests are delivered to the service and in progress."""
+    return await consumer_counts(js) == (n, 0)
 
 
 async def test_provisioning_is_idempotent(nats_url):
@@ -37,7 +59,7 @@ async def test_provisioning_is_idempotent(nats_url):
     assert c1.config.durable_name == c2.config.durable_name == f"rollout-{RUN}"
     assert c1.config.filter_subject == f"rlbus.{RUN}.prompts"
     # a changed definition is applied to the existing stream, not an error
-    changed = msgspec.structs.replace(catalog.METRICS, max_age_s=3600.0)
+    changed = msgspec.structs.replace(catalog.METRICS_STREAM, max_age_s=3600.0)
     info = await bus.ensure_stream(js, changed)
     assert info.config.max_age == 3600.0
     kv1 = await bus.ensure_kv(js, catalog.MEMBERS)
@@ -129,12 +151,8 @@ async def test_poison_message_is_terminated_after_max_deliver(nats_url):
         assert letter.deliveries == catalog.ECHO_IN.max_deliver
         assert "poison pill" in letter.reason and letter.error_type == "RuntimeError"
         assert (await asyncio.wait_for(h.replies.get(), 10)).text == "after"
-        for _ in range(50):  # the ack follows the reply; let it land
-            info = await h.js.consumer_info("ECHO", f"echo-{RUN}")
-            if info.num_ack_pending == 0:
-                break
-            await asyncio.sleep(0.1)
-        assert info.num_ack_pending == 0 and info.num_pending == 0
+        # the ack follows the reply: wait for it to land
+        await wait_for_async(lambda: consumer_settled(h.js), 5, "the echo consumer to have nothing pending")
 
 
 async def test_sigterm_drains_within_bound(nats_url, tmp_path):
@@ -157,7 +175,8 @@ async def test_sigterm_drains_within_bound(nats_url, tmp_path):
     await hb.next_msg(timeout=30)
     for i in range(3):
         await js.publish(f"rlbus.{RUN}.echo.in", codec.encode(EchoRequest(run_id=RUN, text=f"slow{i}", work_s=2.0)))
-    await asyncio.sleep(0.7)  # let the service pick them up before the signal
+    # the service has taken all three before the signal
+    await wait_for_async(lambda: picked_up(js, 3), 10, "the service to take the 3 requests")
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     code = await asyncio.to_thread(proc.wait, 30)
@@ -182,7 +201,7 @@ async def test_sigterm_past_bound_abandons_work_for_redelivery(nats_url, tmp_pat
     hb = await nc.subscribe(f"rlbus.{RUN}.heartbeat.echo")
     await hb.next_msg(timeout=30)
     await js.publish(f"rlbus.{RUN}.echo.in", codec.encode(EchoRequest(run_id=RUN, text="long", work_s=60.0)))
-    await asyncio.sleep(0.7)  # picked up
+    await wait_for_async(lambda: picked_up(js, 1), 10, "the service to take the request")
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(proc.wait, 30) == 0

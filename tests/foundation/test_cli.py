@@ -7,10 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from services.runtime.natsd import free_port
+from tests.conftest import wait_for
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -25,16 +25,6 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmd:
             pids.append(int(d.name))
     return pids
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)  # test-side wait on external processes
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_up_tap_status_and_ctrl_c(tmp_path):

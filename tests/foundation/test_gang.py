@@ -9,6 +9,7 @@ import sys
 import nats
 
 from services.runtime import bus, gang
+from tests.conftest import wait_for_async
 
 
 def start(cfg_path, instance: str, run_id: str) -> subprocess.Popen:
@@ -38,13 +39,8 @@ async def test_quorum_admits_and_missing_quorum_fails_without_blocking_other_run
         await asyncio.sleep(2.0)  # a single member of A must not be admitted
         assert await gang.read_state(runs_kv, "runA") is None
         a2 = start(cfg_a, "a-1", "runA")
-        state_a = None
-        for _ in range(100):
-            state_a = await gang.read_state(runs_kv, "runA")
-            if state_a is not None:
-                break
-            await asyncio.sleep(0.2)  # waiting on other processes
-        assert state_a is not None and state_a.state == "admitted"
+        state_a = await wait_for_async(lambda: gang.read_state(runs_kv, "runA"), 20, "run A's gang state")
+        assert state_a.state == "admitted"
         assert sorted(state_a.members["echo"]) == ["a-0", "a-1"]
 
         out_b = await asyncio.to_thread(b1.communicate, timeout=60)

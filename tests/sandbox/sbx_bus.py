@@ -13,7 +13,7 @@ import msgspec
 import nats
 import pytest
 
-from proto import codec
+from proto import catalog, codec
 from proto import sandbox as api
 from proto.deadletter import DeadLetter
 from services.lib.sandbox_client import SandboxClient
@@ -91,7 +91,7 @@ class BusHarness:
 async def stored_events(js: Any, sandbox_id: str, until: str = "destroyed", run: str = RUN,
                         timeout: float = 15.0) -> list[api.SandboxEvent]:
     """The SANDBOX_EVENTS records of one sandbox (ordered consumer), read until an event of kind ``until``."""
-    sub = await js.subscribe(api.event_subject(run, sandbox_id), ordered_consumer=True)
+    sub = await js.subscribe(catalog.SANDBOX_EVENTS.subject(run, sandbox_id), ordered_consumer=True)
     events: list[api.SandboxEvent] = []
     try:
         while not events or events[-1].kind != until:

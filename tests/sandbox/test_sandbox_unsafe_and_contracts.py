@@ -14,6 +14,7 @@ from proto import sandbox as api
 from services.sandbox.backend import InvalidRequest, create_backend, dispatch
 from services.sandbox.config import LimitsConfig, SandboxConfig
 from services.sandbox.unsafe import UnsafeProcessBackend
+from tests.conftest import wait_for_async
 
 
 @pytest.fixture
@@ -42,12 +43,17 @@ async def test_unsafe_backend_warns_loudly_and_works(unsafe, caplog):
     await sh(b, child, "echo 2 > a")
     assert await read(b, sid, "a") == b"1" and await read(b, child, "a") == b"2\n"
     await sh(b, sid, "while :; do echo x >> log; sleep 0.02; done", detach=True)
-    await asyncio.sleep(0.2)
+    await wait_for_async(lambda: read(b, sid, "log"), 10, "the detached loop to write its log")
     await b.pause(api.PauseRequest(run_id=RUN, sandbox_id=sid))
     frozen = await read(b, sid, "log")
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # the loop would write ~15 more lines if it ran
     assert await read(b, sid, "log") == frozen
     await b.resume(api.ResumeRequest(run_id=RUN, sandbox_id=sid))
+
+    async def grown() -> bool:
+        return len(await read(b, sid, "log") or b"") > len(frozen)
+
+    await wait_for_async(grown, 10, "the loop to write again after resume")
     await b.destroy(api.DestroyRequest(run_id=RUN, sandbox_id=sid))
     assert events.kinds(sid)[0] == "created" and events.kinds(sid)[-1] == "destroyed"
     assert "timeout" in events.kinds(sid)
@@ -78,7 +84,7 @@ def test_every_request_and_reply_round_trips_through_msgpack():
     ]
     for msg in samples:
         data = msgspec.msgpack.encode(msg)
-        assert msgspec.msgpack.decode(data, type=api.TAP_TYPE) == msg
+        assert msgspec.msgpack.decode(data, type=api.AnyMessage) == msg
     op = msgspec.msgpack.decode(msgspec.msgpack.encode(samples[1]), type=api.InstanceRequest)
     assert isinstance(op, api.ExecRequest)
     assert samples[5].kind == "exec_finished"
@@ -89,11 +95,11 @@ def test_every_request_and_reply_round_trips_through_msgpack():
 
 
 def test_subjects_and_stream_definition():
-    assert api.create_subject("r1") == "rlbus.r1.sandbox.api.create"
-    assert api.instance_subject("r1", "ab12") == "rlbus.r1.sandbox.api.ab12"
-    assert api.event_subject("r1", "ab12-0000beef") == "rlbus.r1.sandbox.events.ab12-0000beef"
+    assert catalog.SANDBOX_REQUESTS.subject("r1", api.CREATE_TARGET) == "rlbus.r1.sandbox.api.create"
+    assert catalog.SANDBOX_REQUESTS.subject("r1", "ab12") == "rlbus.r1.sandbox.api.ab12"
+    assert catalog.SANDBOX_EVENTS.subject("r1", "ab12-0000beef") == "rlbus.r1.sandbox.events.ab12-0000beef"
     assert api.instance_of("ab12-snap-0000beef") == "ab12"
-    stream = catalog.StreamDef(**api.SANDBOX_EVENTS_STREAM)
+    stream = catalog.SANDBOX_EVENTS_STREAM
     assert stream.retention == "limits" and stream.subjects == ["rlbus.*.sandbox.events.>"]
 
 

@@ -27,7 +27,7 @@ from sbx_bus import (
     write_run_file,
 )
 
-from proto import codec, membership
+from proto import catalog, codec, membership
 from proto import sandbox as api
 from services.lib.sandbox_client import SandboxClient, SandboxClientError
 from services.runtime import tracing
@@ -78,12 +78,12 @@ async def test_requests_run_concurrently_and_continue_the_trace(bus):
         headers: dict[str, str] = {}
         tracing.inject(headers)
         req = api.ExecRequest(run_id=RUN, sandbox_id=sid, command=api.Argv(args=["true"]))
-        msg = await bus.nc.request(api.instance_subject(RUN, bus.instances[0].id), codec.encode(req), timeout=10,
+        msg = await bus.nc.request(catalog.SANDBOX_REQUESTS.subject(RUN, bus.instances[0].id), codec.encode(req), timeout=10,
                                    headers=headers)
     assert isinstance(codec.decode(msg.data, api.ExecReply | api.ErrorReply), api.ExecReply)
     assert msg.headers and msg.headers["traceparent"].split("-")[1] == trace.format_trace_id(trace_id)
     # ... and the events it caused carry the same trace
-    events_sub = await bus.js.subscribe(api.event_subject(RUN, sid), ordered_consumer=True)
+    events_sub = await bus.js.subscribe(catalog.SANDBOX_EVENTS.subject(RUN, sid), ordered_consumer=True)
     seen = []
     while len(seen) < 5:  # created, exec started/finished (slow), exec started/finished (traced)
         seen.append(await events_sub.next_msg(timeout=10))
@@ -158,7 +158,7 @@ async def test_two_instances_share_creates_and_verbs_reach_the_owner(bus):
 
 async def test_malformed_requests_get_an_error_reply_and_a_dead_letter(bus):
     inst = bus.instances[0]
-    subject = api.instance_subject(RUN, inst.id)
+    subject = catalog.SANDBOX_REQUESTS.subject(RUN, inst.id)
     garbage = b"\xc1 not msgpack"
     wrong_field = msgspec.msgpack.encode({"type": "sandbox_exec", "run_id": RUN, "sandbox_id": 42,
                                           "command": {"type": "argv", "args": ["true"]}})
@@ -166,7 +166,7 @@ async def test_malformed_requests_get_an_error_reply_and_a_dead_letter(bus):
     other_run = codec.encode(api.CreateRequest(run_id="someone-else"))
     replies = []
     for subj, payload in ((subject, garbage), (subject, wrong_field), (subject, misrouted),
-                          (api.create_subject(RUN), other_run)):
+                          (catalog.SANDBOX_REQUESTS.subject(RUN, api.CREATE_TARGET), other_run)):
         msg = await bus.nc.request(subj, payload, timeout=10)
         replies.append(codec.decode(msg.data, api.ErrorReply))
     assert all(r.code == "invalid" for r in replies)
@@ -203,7 +203,7 @@ async def test_lifecycle_events_are_stored_in_order(bus, tmp_path, nats_url):
     assert forked[0].detail.snapshot_id == snap and forked[0].detail.parent_id == sid
     # `rlbus tap` replays them as JSON lines
     cfg = write_run_file(str(tmp_path / "run.toml"), nats_url, bus.root)
-    out = subprocess.run([sys.executable, "-m", "services.launcher.cli", "tap", api.event_subject(RUN, sid),
+    out = subprocess.run([sys.executable, "-m", "services.launcher.cli", "tap", catalog.SANDBOX_EVENTS.subject(RUN, sid),
                           "--from-start", "--count", "7", "--config", cfg],
                          cwd=REPO, capture_output=True, timeout=60, check=True)
     lines = [json.loads(line) for line in out.stdout.decode().splitlines()]
@@ -229,7 +229,7 @@ async def test_shutdown_finishes_in_flight_requests_then_destroys(bus):
     sid = (await c.create()).sandbox_id
     idle = (await c.create()).sandbox_id
     running = asyncio.create_task(c.exec(sid, "sleep 1; echo finished"))
-    started = await bus.js.subscribe(api.event_subject(RUN, sid), ordered_consumer=True)
+    started = await bus.js.subscribe(catalog.SANDBOX_EVENTS.subject(RUN, sid), ordered_consumer=True)
     while codec.decode((await started.next_msg(timeout=10)).data, api.SandboxEvent).kind != "exec_started":
         pass
     await started.unsubscribe()
@@ -249,7 +249,7 @@ async def test_requests_past_the_drain_bound_are_answered_unavailable(nats_url, 
         inst = await h.start(drain_timeout_s=0.5)
         sid = (await h.client.create()).sandbox_id
         stuck = asyncio.create_task(h.client.exec(sid, "sleep 60", timeout_s=60))
-        sub = await h.js.subscribe(api.event_subject(RUN, sid), ordered_consumer=True)
+        sub = await h.js.subscribe(catalog.SANDBOX_EVENTS.subject(RUN, sid), ordered_consumer=True)
         while codec.decode((await sub.next_msg(timeout=10)).data, api.SandboxEvent).kind != "exec_started":
             pass
         await sub.unsubscribe()

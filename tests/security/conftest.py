@@ -11,7 +11,6 @@ import nats
 import pytest
 
 from proto import catalog
-from proto.sandbox import SANDBOX_EVENTS_STREAM
 from services.launcher.auth import AuthBundle, generate_auth
 from services.runtime import bus
 from services.runtime.natsd import EmbeddedNats
@@ -71,7 +70,7 @@ async def server(tmp_path: Path, bundle: AuthBundle) -> AsyncIterator[EmbeddedNa
                                 **bundle.for_role("launcher").connect_kwargs())
         js = nc.jetstream(timeout=10.0)
         await bus.provision_all(js)
-        await bus.ensure_stream(js, catalog.StreamDef(**SANDBOX_EVENTS_STREAM))
+        await bus.ensure_stream(js, catalog.SANDBOX_EVENTS_STREAM)
         await nc.close()
         yield srv
     finally:

@@ -85,33 +85,33 @@ async def test_the_work_loop_runs_under_its_permissions(login, server):
                 Harness(jc, "judge", "j0") as jctx:
 
             async def on_prompt(t: PromptTicket, d) -> None:
-                await rctx.publish(rctx.subject("rollouts"), Rollout(
+                await rctx.publish(catalog.ROLLOUTS, Rollout(
                     run_id=RUN, task=t.task, group_id=t.group_id, prompt_id=t.prompt_id, sample_index=0,
                     group_size=1, prompt_ids=t.prompt_ids, turns=[Turn(role="assistant", token_ids=[5])],
                     finish_reason="stop", policy_version=t.policy_version))
                 await rctx.report({"rollout/tickets": 1.0})
 
             async def on_rollout(r: Rollout, d) -> None:
-                await jctx.publish(jctx.subject("trajectories"), ScoredTrajectory(run_id=RUN, rollout=r, reward=1.0))
+                await jctx.publish(catalog.TRAJECTORIES, ScoredTrajectory(run_id=RUN, rollout=r, reward=1.0))
 
             async def on_trajectory(t: ScoredTrajectory, d) -> None:
-                await tctx.publish(tctx.subject("outcomes"), TrajectoryOutcome(
+                await tctx.publish(catalog.OUTCOMES, TrajectoryOutcome(
                     run_id=RUN, trajectory_id=t.msg_id, group_id=t.rollout.group_id, outcome="trained", step=1,
                     version=0, sample_version=0))
                 trained.set()
 
             consumers = [
-                asyncio.create_task(rctx.consume(catalog.ROLLOUT_PROMPTS, PromptTicket, on_prompt)),
-                asyncio.create_task(jctx.consume(catalog.JUDGE_ROLLOUTS, Rollout, on_rollout)),
-                asyncio.create_task(tctx.consume(catalog.TRAINER_TRAJECTORIES, ScoredTrajectory, on_trajectory)),
+                asyncio.create_task(rctx.consume(catalog.PROMPTS, on_prompt)),
+                asyncio.create_task(jctx.consume(catalog.ROLLOUTS, on_rollout)),
+                asyncio.create_task(tctx.consume(catalog.TRAJECTORIES, on_trajectory)),
             ]
             section = GangSection(roles={"trainer": 1, "rollout": 1, "judge": 1}, timeout_s=30.0)
             states = await asyncio.gather(*(gang.barrier(c.js, RUN, section, poll_s=0.1) for c in (tctx, rctx, jctx)))
             assert {s.state for s in states} == {"admitted"}  # gang start works under the permissions too
             runs = await bus.ensure_kv(tctx.js, catalog.RUNS)
             await runs.put(f"{RUN}.state", b"running")
-            await tctx.js.publish(tctx.subject("prompts"), b"\xc1 not msgpack")  # poison: the rollout dead-letters it
-            await tctx.publish(tctx.subject("prompts"), PromptTicket(
+            await tctx.js.publish(catalog.PROMPTS.subject(RUN), b"\xc1 not msgpack")  # poison: the rollout dead-letters it
+            await tctx.publish(catalog.PROMPTS, PromptTicket(
                 run_id=RUN, task="t", group_id="g", prompt_id="p", prompt_ids=[1, 2], group_size=1, policy_version=0))
             await tctx.report({"trainer/step": 1.0}, step=1)
             await asyncio.wait_for(trained.wait(), 30)
@@ -199,7 +199,7 @@ async def test_sandbox_service_and_clients_under_permissions(login, server, tmp_
             assert len(await SandboxClient(ac.nc, RUN, timeout_s=20.0).list(expected=1)) == 1
             sctx.stop.set()
             await asyncio.wait_for(task, 30)
-        events = await read_stream(ac, sapi.event_subject(RUN, box.sandbox_id), 2, sapi.SandboxEvent)
+        events = await read_stream(ac, catalog.SANDBOX_EVENTS.subject(RUN, box.sandbox_id), 2, sapi.SandboxEvent)
         assert events[0].kind == "created"
         for c in (sc, rc, jc, ac):
             c.assert_clean()
@@ -213,7 +213,7 @@ async def test_admin_reads_status_and_taps(login, server):
 
     async with login("trainer") as tc, login("admin") as ac:
         async with Harness(tc, "trainer", "t0") as tctx:
-            await tctx.publish(tctx.subject("prompts"), PromptTicket(
+            await tctx.publish(catalog.PROMPTS, PromptTicket(
                 run_id=RUN, task="t", group_id="g", prompt_id="p", prompt_ids=[1], group_size=1, policy_version=0))
             await (await bus.ensure_kv(tctx.js, catalog.MEMBERS)).put(
                 f"{RUN}.trainer.t0", codec.encode(tctx.heartbeat()))

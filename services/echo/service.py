@@ -1,7 +1,7 @@
 """The echo service: a trivial workload that exercises the whole harness.
 
-Consumes ``rlbus.<run>.echo.in`` (EchoRequest) and publishes an EchoReply on
-``rlbus.<run>.echo.out``. ``fail_times`` makes a request fail transiently that
+Consumes channel ``ECHO_REQUESTS`` (``rlbus.<run>.echo.in``, EchoRequest) and publishes an
+EchoReply on ``ECHO_REPLIES`` (``rlbus.<run>.echo.out``). ``fail_times`` makes a request fail transiently that
 many deliveries; a text starting with ``poison`` always fails (dead-lettered
 after max_deliver); ``work_s`` makes the handler take that long.
 """
@@ -10,20 +10,12 @@ from __future__ import annotations
 
 import asyncio
 
-import msgspec
-
 from proto import catalog
 from proto.echo import EchoReply, EchoRequest
+from services.echo.config import EchoConfig
 from services.runtime.config import Loaded
 from services.runtime.consume import Delivery, Retry
 from services.runtime.service import ServiceContext
-
-
-class EchoConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    #: requests handled at once
-    concurrency: int = 8
-    #: text prefix added to every reply
-    prefix: str = ""
 
 
 class EchoService:
@@ -31,8 +23,6 @@ class EchoService:
         self.cfg = cfg
 
     async def run(self, ctx: ServiceContext) -> None:
-        out = ctx.subject("echo", "out")
-
         async def handle(req: EchoRequest, d: Delivery[EchoRequest]) -> None:
             if req.work_s > 0:
                 await asyncio.sleep(req.work_s)  # simulated work
@@ -42,9 +32,9 @@ class EchoService:
                 raise Retry(f"transient failure {d.num_delivered}/{req.fail_times}", delay_s=0.1)
             reply = EchoReply(run_id=ctx.run_id, text=self.cfg.prefix + req.text, worker=ctx.instance,
                               deliveries=d.num_delivered)
-            await ctx.publish(out, reply)
+            await ctx.publish(catalog.ECHO_REPLIES, reply)
 
-        await ctx.consume(catalog.ECHO_IN, EchoRequest, handle, concurrency=self.cfg.concurrency)
+        await ctx.consume(catalog.ECHO_REQUESTS, handle, concurrency=self.cfg.concurrency)
 
 
 def build(loaded: Loaded) -> EchoService:
