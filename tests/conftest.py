@@ -1,12 +1,21 @@
-"""Shared fixtures: a real nats-server with JetStream on a free port."""
+"""Shared fixtures and helpers: a real nats-server with JetStream on a free port, ``wait_for``
+(poll an observable condition with a deadline) and ``run_file`` (the loop tests' run config)."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import json
 import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from services.runtime.natsd import EmbeddedNats
+from services.runtime.natsd import EmbeddedNats, free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -34,3 +43,91 @@ def loop_model_dir(tmp_path_factory):
     from services.tasks.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(tmp_path_factory.mktemp("loop-model-cache"), seed=0, warmup_steps=60)
+
+
+# ---- waiting on an observable condition (never a bare sleep) ----
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll ``predicate()`` until it returns a truthy value (returned) or ``timeout`` seconds pass
+    (AssertionError naming ``what`` and the last value seen)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last value: {value!r})")
+        time.sleep(interval)
+
+
+async def wait_for_async(predicate: Callable[[], Any], timeout: float, what: str,
+                         interval: float = 0.05) -> Any:
+    """``wait_for`` in an event loop; ``predicate`` may be a plain or an async function."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last value: {value!r})")
+        await asyncio.sleep(interval)
+
+
+# ---- run files for the loop and chaos tests ----
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (str, Path)):
+        return json.dumps(str(value))  # a TOML basic string
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
+
+
+def _toml_table(name: str, values: dict[str, Any]) -> str:
+    return f"[{name}]\n" + "".join(f"{_toml_key(k)} = {_toml_value(v)}\n" for k, v in values.items())
+
+
+def run_file(tmp_path: Path, model: Path | str, *, run_id: str, trainer: dict[str, Any],
+             rollout: dict[str, Any] | None = None, services: dict[str, int] | None = None,
+             nats_url: str | None = None, launcher: dict[str, Any] | None = None,
+             common: dict[str, Any] | None = None, extra: str = "") -> Path:
+    """Write ``tmp_path/run.toml`` for a tiny-model run in ``tmp_path/run`` and return its path.
+
+    ``services`` (the launcher's layout, with a free NATS port) is for ``rlbus run`` and the
+    supervisor; ``nats_url`` for a service run by the test against the ``nats_url`` fixture.
+    ``trainer`` and ``rollout`` override the shared defaults below (``rollout=None``: no rollout
+    section); ``launcher``/``common`` add keys to those sections; ``extra`` is TOML appended as is.
+    """
+    parts = [_toml_table("run", {"id": run_id, "dir": tmp_path / "run"})]
+    if nats_url is not None:
+        parts.append(_toml_table("nats", {"url": nats_url}))
+    if services is not None:
+        launcher_keys = {"services": services, "nats_port": free_port(), **(launcher or {})}
+        parts.append(_toml_table("launcher", launcher_keys))
+    if common:
+        parts.append(_toml_table("common", common))
+    parts.append(_toml_table("services.trainer", {
+        "model": model, "group_size": 4, "max_new_tokens": 6, "eval_every": 0, "checkpoint_every": 0,
+        "num_threads": 1, **trainer}))
+    if rollout is not None:
+        parts.append(_toml_table("services.rollout", {
+            "model": model, "engine": {"type": "torch", "num_threads": 1}, **rollout}))
+    if extra:
+        parts.append(extra.strip() + "\n")
+    path = tmp_path / "run.toml"
+    path.write_text("\n".join(parts))
+    return path

@@ -37,7 +37,7 @@ Per token::
 Aggregation of ``l(t)`` over the batch (``aggregation``):
 
 * ``"seq_mean_token_mean"`` (default): mean over each completion's own tokens, then mean
-  over completions. Measured here (FACTS.md): this learnt where the all-token mean
+  over completions. In this project's runs this learnt where the all-token mean
   collapsed at high learning rates.
 * ``"token_mean"``: one mean over every loss token in the batch (longer completions
   weigh more).

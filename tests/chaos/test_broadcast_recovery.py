@@ -15,65 +15,34 @@ import pytest
 
 from services.launcher.accounting import accounting
 from services.launcher.supervisor import Supervisor
-from services.runtime.natsd import EmbeddedNats, free_port
+from services.runtime.natsd import EmbeddedNats
 from tests.chaos.test_chaos import first_step_after, last_step
+from tests.conftest import run_file, wait_for
 
 pytestmark = pytest.mark.slow
 
 
 def test_broadcast_run_survives_engine_and_trainer_kills(tmp_path, loop_model_dir):
     run_dir = tmp_path / "run"
-    cfg = tmp_path / "bcast.toml"
-    transport = '{ type = "broadcast", world_size = 3, backend = "gloo", timeout_s = 8 }'
-    cfg.write_text(f"""
-[run]
-id = "bcastchaos"
-dir = "{run_dir}"
-[launcher]
-services = {{ trainer = 1, rollout = 2, judge = 1 }}
-nats_port = {free_port()}
-max_restarts = 20
-[common]
-heartbeat_s = 1.0
-drain_timeout_s = 3.0
-[services.trainer]
-model = "{loop_model_dir}"
-groups_per_step = 2
-group_size = 4
-max_new_tokens = 6
-total_steps = 100000
-max_staleness = 1
-eval_every = 0
-eval_prompts = 4
-checkpoint_every = 2
-group_timeout_s = 30
-num_threads = 1
-transport = {transport}
-[services.rollout]
-model = "{loop_model_dir}"
-max_tickets = 8
-version_wait_s = 20
-engine = {{ type = "torch", num_threads = 1 }}
-transport = {transport}
-""")
+    transport = {"type": "broadcast", "world_size": 3, "backend": "gloo", "timeout_s": 8}
+    cfg = run_file(tmp_path, loop_model_dir, run_id="bcastchaos",
+                   services={"trainer": 1, "rollout": 2, "judge": 1}, launcher={"max_restarts": 20}, common={"heartbeat_s": 1.0, "drain_timeout_s": 3.0},
+                   trainer={"groups_per_step": 2, "total_steps": 100000, "max_staleness": 1,
+                            "eval_prompts": 4, "checkpoint_every": 2, "group_timeout_s": 30, "transport": transport},
+                   rollout={"max_tickets": 8, "version_wait_s": 20, "transport": transport})
     metrics = run_dir / "metrics.jsonl"
     sup = Supervisor(str(cfg), quiet=True)
     try:
         sup.start()
         sup.start_heartbeat_monitor()
         threading.Thread(target=sup.wait, name="supervisor", daemon=True).start()
-        deadline = time.monotonic() + 240
-        while last_step(metrics)[0] < 3:
-            assert time.monotonic() < deadline, "the run never started"
-            time.sleep(0.5)  # waiting on child processes
+        wait_for(lambda: last_step(metrics)[0] >= 3, 240, "the run to reach step 3", interval=0.5)
         for victim in ("rollout-1", "trainer-0"):
             step, _ = last_step(metrics)
             t_kill = time.time()
             assert sup.kill_child(victim) is not None
-            deadline = time.monotonic() + 180
-            while (first_step_after(metrics, step + 2, t_kill)) is None:  # two more steps after the kill
-                assert time.monotonic() < deadline, f"no progress after killing {victim} at step {step}"
-                time.sleep(0.5)  # waiting on child processes
+            wait_for(lambda step=step, t_kill=t_kill: first_step_after(metrics, step + 2, t_kill), 180,
+                     f"two more steps after killing {victim} at step {step}", interval=0.5)
     finally:
         sup.stop()
     logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}

@@ -22,7 +22,7 @@ import pytest
 
 from services.launcher.accounting import accounting
 from services.launcher.supervisor import Supervisor
-from services.runtime.natsd import free_port
+from tests.conftest import run_file, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -55,36 +55,13 @@ def first_step_after(metrics: Path, step: int, since: float) -> float | None:
 
 def test_chaos_kills_every_role_and_nothing_is_lost(tmp_path, loop_model_dir):
     run_dir = tmp_path / "run"
-    cfg = tmp_path / "chaos.toml"
-    cfg.write_text(f"""
-[run]
-id = "chaos"
-dir = "{run_dir}"
-[launcher]
-services = {{ trainer = 1, rollout = 1, judge = 1 }}
-nats_port = {free_port()}
-max_restarts = 50
-heartbeat_timeout_s = 40
-[common]
-heartbeat_s = 1.0
-drain_timeout_s = 3.0
-[services.trainer]
-model = "{loop_model_dir}"
-groups_per_step = 4
-group_size = 4
-max_new_tokens = 6
-total_steps = 100000
-max_staleness = 1
-eval_every = 0
-eval_prompts = 16
-checkpoint_every = 5
-group_timeout_s = 45
-num_threads = 1
-[services.rollout]
-model = "{loop_model_dir}"
-max_tickets = 16
-engine = {{ type = "torch", num_threads = 1 }}
-""")
+    cfg = run_file(tmp_path, loop_model_dir, run_id="chaos",
+                   services={"trainer": 1, "rollout": 1, "judge": 1},
+                   launcher={"max_restarts": 50, "heartbeat_timeout_s": 40},
+                   common={"heartbeat_s": 1.0, "drain_timeout_s": 3.0},
+                   trainer={"groups_per_step": 4, "total_steps": 100000, "max_staleness": 1,
+                            "eval_prompts": 16, "checkpoint_every": 5, "group_timeout_s": 45},
+                   rollout={"max_tickets": 16})
     sup = Supervisor(str(cfg), quiet=True)
     metrics = run_dir / "metrics.jsonl"
     rng = random.Random(20261202)
@@ -93,10 +70,7 @@ engine = {{ type = "torch", num_threads = 1 }}
         sup.start()
         sup.start_heartbeat_monitor()
         threading.Thread(target=sup.wait, name="supervisor", daemon=True).start()
-        deadline = time.monotonic() + 300
-        while last_step(metrics)[0] < 3:  # the run is going
-            assert time.monotonic() < deadline, "the run never started"
-            time.sleep(1.0)  # waiting on child processes
+        wait_for(lambda: last_step(metrics)[0] >= 3, 300, "the run to reach step 3", interval=1.0)
         # every role dies at least once, the rest at random, at random times
         victims = ["trainer", "nats", "rollout", "judge"]
         rng.shuffle(victims)
@@ -114,10 +88,8 @@ engine = {{ type = "torch", num_threads = 1 }}
                 assert sup.kill_child(f"{victim}-0") is not None, f"{victim} was not running"
             kills.append({"role": victim, "time": t_kill, "step_before": step})
             # the run must make progress again before the next kill
-            wait_until = time.monotonic() + 240
-            while (recovered := first_step_after(metrics, step, t_kill)) is None:
-                assert time.monotonic() < wait_until, f"no progress after killing {victim} at step {step}"
-                time.sleep(0.5)  # waiting on child processes
+            recovered = wait_for(lambda step=step, t_kill=t_kill: first_step_after(metrics, step, t_kill),
+                                 240, f"progress after killing {victim} at step {step}", interval=0.5)
             kills[-1]["recovery_s"] = recovered - t_kill
 
         # end the run: stop the trainer's admission by finishing at the next steps

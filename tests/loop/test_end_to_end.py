@@ -15,38 +15,20 @@ from proto.trajectories import ScoredTrajectory
 from services.launcher.accounting import read_all
 from services.launcher.status import collect, format_status
 from services.lib.weights.objstore import ObjectStoreBlobs
-from services.runtime.natsd import EmbeddedNats, free_port
+from services.runtime.natsd import EmbeddedNats
+from tests.conftest import run_file
 
 pytestmark = pytest.mark.slow
 
 
 def test_short_run_end_to_end(tmp_path, loop_model_dir):
     run_dir = tmp_path / "run"
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text(f"""
-[run]
-id = "e2e"
-dir = "{run_dir}"
-[launcher]
-services = {{ trainer = 1, rollout = 1, judge = 2, weightsync = 1 }}
-nats_port = {free_port()}
-[services.trainer]
-model = "{loop_model_dir}"
-groups_per_step = 4
-group_size = 4
-max_new_tokens = 6
-total_steps = 6
-max_staleness = 1
-eval_every = 3
-eval_prompts = 16
-checkpoint_every = 3
-num_threads = 1
-weights = {{ anchor_every = 2 }}
-[services.rollout]
-model = "{loop_model_dir}"
-max_tickets = 16
-engine = {{ type = "torch", num_threads = 1 }}
-""")
+    cfg = run_file(tmp_path, loop_model_dir, run_id="e2e",
+                   services={"trainer": 1, "rollout": 1, "judge": 2, "weightsync": 1},
+                   trainer={"groups_per_step": 4, "total_steps": 6, "max_staleness": 1, "eval_every": 3,
+                            "eval_prompts": 16, "checkpoint_every": 3,
+                            "transport": {"type": "store", "encoding": {"anchor_every": 2}}},
+                   rollout={"max_tickets": 16})
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

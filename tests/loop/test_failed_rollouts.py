@@ -23,31 +23,16 @@ from services.launcher import registry
 from services.launcher.accounting import read_all
 from services.runtime import service
 from services.runtime.config import load_service_config
+from tests.conftest import run_file
 
 RUN = "failrun"
 
 
 @pytest.mark.slow
 async def test_failed_rollout_is_dropped_with_its_error_and_siblings_train(nats_url, tmp_path, loop_model_dir):
-    cfg = tmp_path / "run.toml"
-    cfg.write_text(f"""
-[run]
-id = "{RUN}"
-dir = "{tmp_path / 'run'}"
-[nats]
-url = "{nats_url}"
-[services.trainer]
-model = "{loop_model_dir}"
-groups_per_step = 1
-group_size = 3
-max_new_tokens = 4
-total_steps = 1
-max_staleness = 0
-eval_every = 0
-eval_prompts = 2
-checkpoint_every = 0
-num_threads = 1
-""")
+    cfg = run_file(tmp_path, loop_model_dir, run_id=RUN, nats_url=nats_url,
+                   trainer={"groups_per_step": 1, "group_size": 3, "max_new_tokens": 4, "total_steps": 1,
+                            "max_staleness": 0, "eval_prompts": 2})
     cfg_cls, factory = registry.load("trainer")
     loaded = load_service_config("trainer", cfg_cls, cfg)
     trainer = asyncio.create_task(service.serve("trainer", factory, loaded, "trainer-0"))

@@ -22,48 +22,27 @@ from services.launcher.accounting import read_all
 from services.launcher.status import collect
 from services.launcher.supervisor import check_weight_transport
 from services.runtime.config import ConfigError
-from services.runtime.natsd import EmbeddedNats, free_port
+from services.runtime.natsd import EmbeddedNats
+from tests.conftest import run_file
 
 LAYOUTS = {
     "broadcast": (
-        '{ trainer = 1, rollout = 2, judge = 1 }',
-        '{ type = "broadcast", world_size = 3, backend = "gloo", timeout_s = 120 }',
+        {"trainer": 1, "rollout": 2, "judge": 1},
+        {"type": "broadcast", "world_size": 3, "backend": "gloo", "timeout_s": 120},
     ),
-    "inproc": ('{ "trainer+rollout" = 1, judge = 1 }', '{ type = "inproc" }'),
+    "inproc": ({"trainer+rollout": 1, "judge": 1}, {"type": "inproc"}),
 }
 
 
-def _run_three_steps(tmp_path, model_dir, run_id: str, services: str, trainer_extra: str = "",
-                     rollout_extra: str = "", extra: str = "") -> dict[str, str]:
+def _run_three_steps(tmp_path, model_dir, run_id: str, services: dict[str, int],
+                     trainer_extra: dict | None = None, rollout_extra: dict | None = None,
+                     extra: str = "") -> dict[str, str]:
     """`rlbus run` of 3 synchronous steps of the tiny model; returns the service logs by file name."""
     run_dir = tmp_path / "run"
-    cfg = tmp_path / "run.toml"
-    cfg.write_text(f"""
-[run]
-id = "{run_id}"
-dir = "{run_dir}"
-[launcher]
-services = {services}
-nats_port = {free_port()}
-[services.trainer]
-model = "{model_dir}"
-groups_per_step = 2
-group_size = 4
-max_new_tokens = 6
-total_steps = 3
-max_staleness = 0
-eval_every = 0
-eval_prompts = 4
-checkpoint_every = 0
-num_threads = 1
-{trainer_extra}
-[services.rollout]
-model = "{model_dir}"
-max_tickets = 8
-engine = {{ type = "torch", num_threads = 1 }}
-{rollout_extra}
-{extra}
-""")
+    cfg = run_file(tmp_path, model_dir, run_id=run_id, services=services, extra=extra,
+                   trainer={"groups_per_step": 2, "total_steps": 3, "max_staleness": 0, "eval_prompts": 4,
+                            **(trainer_extra or {})},
+                   rollout={"max_tickets": 8, **(rollout_extra or {})})
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
                        text=True, timeout=600)
     logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
@@ -78,8 +57,8 @@ def test_loop_runs_with_direct_transport(tmp_path, loop_model_dir, kind):
     services, transport = LAYOUTS[kind]
     run_dir = tmp_path / "run"
     run_id = f"tr-{kind}"
-    logs = _run_three_steps(tmp_path, loop_model_dir, run_id, services, trainer_extra=f"transport = {transport}",
-                            rollout_extra=f"transport = {transport}")
+    logs = _run_three_steps(tmp_path, loop_model_dir, run_id, services, trainer_extra={"transport": transport},
+                            rollout_extra={"transport": transport})
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == 3 and summary["version"] == 3
     if kind == "broadcast":
@@ -133,8 +112,9 @@ def test_launcher_refuses_layouts_the_transport_cannot_serve():
 def test_loop_reads_weights_through_a_relay(tmp_path, loop_model_dir):
     """Engines configured with a relay's scope get every version from the weightsync relay (which
     read it once upstream), not from the trainer's scope: a config change only."""
-    logs = _run_three_steps(tmp_path, loop_model_dir, "tr-relay", "{ trainer = 1, rollout = 1, judge = 1, weightsync = 1 }",
-                            rollout_extra='transport = { type = "store", scope = "node1" }',
+    logs = _run_three_steps(tmp_path, loop_model_dir, "tr-relay",
+                            {"trainer": 1, "rollout": 1, "judge": 1, "weightsync": 1},
+                            rollout_extra={"transport": {"type": "store", "scope": "node1"}},
                             extra='[services.weightsync]\nrelay = { scope = "node1" }')
     for v in (0, 1, 2):
         assert f"relayed v{v} into scope node1" in logs["weightsync-0.log"]

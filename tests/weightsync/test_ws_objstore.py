@@ -11,6 +11,7 @@ import torch
 from services.lib.weights.client import WeightIntegrityError, WeightPublisher, WeightSubscriber
 from services.lib.weights.config import EncodingConfig, ObjStoreConfig
 from services.lib.weights.objstore import ObjectStoreBlobs
+from tests.conftest import wait_for_async
 from tests.weightsync.helpers import assert_bit_identical, make_state
 
 RUN = "ws1"
@@ -133,10 +134,9 @@ async def test_upload_ends_when_the_server_dies_mid_way_instead_of_hanging(tmp_p
         data = memoryview(os.urandom(32 * 1024 * 1024))
         sha = hashlib.sha256(data).hexdigest()
         put = asyncio.create_task(store.put("blob", data, sha))
-        while not nc.stats["out_msgs"] > 100:  # mid-upload
-            await asyncio.sleep(0.001)
+        await wait_for_async(lambda: nc.stats["out_msgs"] > 100, 30, "the upload to be under way", interval=0.001)
         server.kill()
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # the server stays down a while
         server.start()
         t0 = time.monotonic()
         try:
