@@ -228,7 +228,7 @@ JUDGE_ROLLOUTS = ConsumerDef(
 TRAINER_TRAJECTORIES = ConsumerDef(
     stream=TRAJECTORIES_STREAM.name, durable="trainer-{run}", filter_subject="rlbus.{run}.trajectories",
     ack_wait_s=15.0, max_deliver=1000, max_ack_pending=100_000,
-    description="the trainer acks only once the step that used a trajectory is durable",
+    description="the trainer acks a trajectory only once the version trained on it is sent and the state saved",
 )
 ECHO_IN = ConsumerDef(
     stream=ECHO_STREAM.name, durable="echo-{run}", filter_subject="rlbus.{run}.echo.in",

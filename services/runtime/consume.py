@@ -65,7 +65,7 @@ class DeferredAck:
 
     Returned by :meth:`Delivery.defer`. It exists because some work is not done when the
     handler returns: the trainer acks a trajectory only once the training step that used it
-    is durable (checkpoint and state saved), so that a crash in between redelivers it rather
+    is durable (its weight version stored or delivered, and the trainer's state saved), so that a crash in between redelivers it rather
     than losing it. Until the handle is settled the consume loop keeps the message alive with
     ``in_progress()`` (it is never redelivered while held), without holding a concurrency
     slot; the consumer's ``max_ack_pending`` bounds how many messages can be held at once.
