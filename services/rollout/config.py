@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from services.lib.weights.config import ObjStoreConfig, StoreConfig, TransportConfig
+from services.lib.weights.config import StoreTransportConfig, TransportConfig
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -80,14 +80,11 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     initial_weights_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 600.0
     #: seconds a ticket waits for the engine to reach the ticket's admission version
     version_wait_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
-    #: seconds without an announcement after which the latest version is re-read (missed announcements)
-    weights_recheck_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
-    #: weight store (must match the trainer's)
-    store: StoreConfig = msgspec.field(default_factory=ObjStoreConfig)
-    #: how versions arrive; unset = pulled from ``store``. Must match the trainer's ``transport``:
+    #: how weight versions arrive; must match the trainer's ``transport`` (same type, store and scope):
+    #: { type = "store", ... } (the default: pulled from the blob store, the latest re-read every ``recheck_s``;
+    #: ``scope = "<relay scope>"`` and the relay's ``store`` read through a weightsync relay),
     #: { type = "broadcast", world_size = ... } or { type = "inproc" } (colocated: "trainer+rollout")
-    #: or { type = "store", store = ..., scope = "<relay scope>" } to read through a weightsync relay
-    transport: TransportConfig | None = None
+    transport: TransportConfig = msgspec.field(default_factory=StoreTransportConfig)
     #: options per task name, passed to the task factory (must match the trainer's)
     task_options: dict[str, dict[str, int | float | str | bool]] = {}
     #: budgets of agent loops (tasks with tools); single-turn tasks ignore it

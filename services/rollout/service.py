@@ -1,4 +1,4 @@
-"""The rollout service: prompt tickets in, finished rollouts out, weights pulled on its own clock.
+"""The rollout service: prompt tickets in, finished rollouts out, weights taken from the transport as they come.
 
 Each ticket runs ``group_size`` agent loops concurrently; every loop's requests
 go to one shared engine that batches them dynamically, so hundreds of loops
@@ -9,6 +9,7 @@ run multi-turn loops in sandboxes (:class:`services.rollout.agent.AgentLoop`); o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -16,10 +17,19 @@ from typing import Any
 from proto import catalog
 from proto.prompts import PromptTicket
 from proto.rollouts import Rollout, Turn
+from services.lib.engine.base import EngineOverloadedError, SamplingParams
+from services.lib.engine.torch_engine import TorchEngine, TorchEngineConfig
+from services.lib.sandbox_client import SandboxClient
+from services.lib.weights.transport import WeightReceiver, make_receiver
+from services.rollout.agent import AgentLoop
 from services.rollout.config import RolloutConfig
 from services.runtime.config import Loaded
 from services.runtime.consume import Delivery, Poison, Retry
 from services.runtime.service import ServiceContext
+from services.tasks import TaskRegistrationError, UnknownTaskError, get_task
+from services.tasks.base import Prompt, Task
+from services.tasks.models import resolve_model
+from services.tasks.tools import is_agent_task
 
 log = logging.getLogger("rlbus.rollout")
 
@@ -42,17 +52,15 @@ class RolloutService:
     def __init__(self, loaded: Loaded) -> None:
         self.loaded = loaded
         self.cfg: RolloutConfig = loaded.service
-        self.weight_errors = 0
         self.weight_updates = 0
         self.first_weights = asyncio.Event()
         self.version_changed = asyncio.Condition()
-        self.refused_version: int | None = None
-        self.tasks: dict[str, Any] = {}
-        self.agents: Any = None  # services.rollout.agent.AgentLoop once attached
+        self.receiver: WeightReceiver | None = None  # the receiver being followed
+        self.tasks: dict[str, Task | None] = {}
+        self.engine: Any = None  # an Engine (services.lib.engine.base), set by attach()
+        self.agents: AgentLoop | None = None  # set by attach() when the engine has a tokenizer
 
-    def _engine(self) -> Any:
-        from services.lib.engine.torch_engine import TorchEngine, TorchEngineConfig
-        from services.tasks.models import resolve_model
+    def _engine(self) -> TorchEngine:
 
         e = self.cfg.engine
         model_dir = resolve_model(self.cfg.model, self.cfg.cache_dir or None, seed=self.loaded.run.seed)
@@ -61,21 +69,14 @@ class RolloutService:
             num_threads=e.num_threads or None, weight_update_mode=e.weight_update_mode))
 
     async def run(self, ctx: ServiceContext) -> None:
-        from services.lib.sandbox_client import SandboxClient
-        from services.lib.weights.config import StoreTransportConfig
-        from services.lib.weights.transport import store_subscriber
 
         engine = await asyncio.to_thread(self._engine)
         await engine.start()
         self.attach(engine, engine.tokenizer, SandboxClient(
             ctx.nc, ctx.run_id, timeout_s=self.cfg.agent.sandbox_timeout_s,
             default_exec_timeout_s=self.cfg.agent.exec_timeout_s))
-        t = self.cfg.transport or StoreTransportConfig(store=self.cfg.store)
-        if isinstance(t, StoreTransportConfig):
-            self.subscriber = store_subscriber(t, ctx.nc, ctx.run_id)
-            weights = asyncio.create_task(self._follow_weights(ctx), name="rollout-weights")
-        else:
-            weights = asyncio.create_task(self._follow_transport(ctx, t), name="rollout-weights")
+        receiver = make_receiver(self.cfg.transport, ctx.nc, ctx.run_id)
+        weights = asyncio.create_task(self.follow_weights(ctx, receiver), name="rollout-weights")
         reports = asyncio.create_task(self._report(ctx), name="rollout-metrics")
         try:
             try:
@@ -84,23 +85,26 @@ class RolloutService:
                 log.warning("no weight version announced within %.0fs; serving the local weights",
                             self.cfg.initial_weights_timeout_s)
             if not ctx.stop.is_set():
-                await ctx.consume(catalog.ROLLOUT_PROMPTS, PromptTicket, lambda t, d: self.handle(ctx, t, d),
+                await ctx.consume(catalog.PROMPTS, lambda t, d: self.handle(ctx, t, d),
                                   concurrency=self.cfg.max_tickets)
         finally:
             weights.cancel()
             reports.cancel()
+            await asyncio.wait({weights, reports})
+            try:
+                await receiver.close()
+            except Exception as e:
+                log.debug("closing the weight receiver: %s", e)
             await self.engine.stop()
 
     def attach(self, engine: Any, tokenizer: Any, sandboxes: Any) -> None:
         """Serve with ``engine`` (an Engine); agent loops use ``tokenizer`` and ``sandboxes`` (a SandboxClient)."""
-        from services.rollout.agent import AgentLoop
 
         self.engine = engine
         self.agents = AgentLoop(engine, tokenizer, sandboxes, self.cfg.agent) if tokenizer is not None else None
 
-    def task(self, name: str) -> Any:
+    def task(self, name: str) -> Task | None:
         """The registered task ``name`` (built once), or None when this process does not know it."""
-        from services.tasks import TaskRegistrationError, UnknownTaskError, get_task
 
         if name not in self.tasks:
             try:
@@ -110,88 +114,32 @@ class RolloutService:
                 self.tasks[name] = None
         return self.tasks[name]
 
-    async def _follow_weights(self, ctx: ServiceContext) -> None:
-        """Apply each newer announced version; survive server restarts (the watch is re-made,
-        and the latest version is re-read now and then in case an announcement was missed)."""
-        while True:
-            try:
-                watch = self.subscriber.watch()
-                while True:
-                    try:
-                        ann = await asyncio.wait_for(anext(watch), timeout=self.cfg.weights_recheck_s)
-                        manifest = ann.manifest
-                    except TimeoutError:
-                        manifest = await self.subscriber.latest()
-                    if manifest is not None:
-                        await self._apply(ctx, manifest)
-            except (StopAsyncIteration, asyncio.CancelledError) as e:
-                if isinstance(e, asyncio.CancelledError):
-                    raise
-            except Exception as e:
-                log.warning("weight watch interrupted (%s); re-subscribing", e)
-                await asyncio.sleep(1.0)  # the server is likely restarting
+    async def follow_weights(self, ctx: Any, receiver: WeightReceiver) -> None:
+        """Apply each newer verified version ``receiver`` (a WeightReceiver) delivers. The receiver owns
+        the watching, re-checks, re-subscriptions, group rejoins and refusals (counted in ``refused``)."""
+        self.receiver = receiver
+        async with contextlib.aclosing(aiter(receiver)) as versions:
+            async for version, state in versions:
+                t0 = time.perf_counter()
+                await self.engine.update_weights(state, version)
+                async with self.version_changed:
+                    self.version_changed.notify_all()
+                self.weight_updates += 1
+                ctx.gauges["rollout/weight_version"] = float(version)
+                ctx.gauges["rollout/weight_apply_s"] = time.perf_counter() - t0
+                ctx.gauges["rollout/weight_errors"] = float(receiver.refused)
+                self.first_weights.set()
 
-    async def _follow_transport(self, ctx: ServiceContext, config: Any) -> None:
-        """Apply each version a direct transport (broadcast, inproc) delivers; a broken or replaced
-        broadcast group is left and the new one joined (the trainer re-forms it after failures)."""
-        from services.lib.weights.blobs import WeightIntegrityError
-        from services.lib.weights.transport import make_receiver
-
-        while True:
-            receiver = make_receiver(config, ctx.nc, ctx.run_id)
-            try:
-                await receiver.start()
-                while True:
-                    try:
-                        version, state = await receiver.receive()
-                    except WeightIntegrityError as e:
-                        self._refused(ctx, e.version, e)
-                        continue
-                    await self._install(ctx, state, version, time.perf_counter())
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("weight transport interrupted (%s); joining again", e)
-                await asyncio.sleep(1.0)
-            finally:
-                try:
-                    await receiver.close()
-                except Exception as e:
-                    log.debug("closing the weight receiver: %s", e)
-
-    def _refused(self, ctx: ServiceContext, version: int, err: Exception) -> None:
-        if self.refused_version != version:
-            self.refused_version = version
-            self.weight_errors += 1
-            log.error("refused weight version %d: %s (keeping version %d)", version, err, self.engine.version)
-        ctx.gauges["rollout/weight_errors"] = float(self.weight_errors)
-
-    async def _install(self, ctx: ServiceContext, state: Any, version: int, t0: float) -> None:
-        await self.engine.update_weights(state, version)
-        async with self.version_changed:
-            self.version_changed.notify_all()
-        self.weight_updates += 1
-        ctx.gauges["rollout/weight_version"] = float(version)
-        ctx.gauges["rollout/weight_apply_s"] = time.perf_counter() - t0
-        self.first_weights.set()
-
-    async def _apply(self, ctx: ServiceContext, manifest: Any) -> None:
-        from services.lib.weights.blobs import WeightIntegrityError
-
-        if manifest.version <= self.engine.version and self.first_weights.is_set():
-            return
-        t0 = time.perf_counter()
-        try:
-            state = await self.subscriber.fetch(manifest)
-        except WeightIntegrityError as e:
-            self._refused(ctx, manifest.version, e)
-            return
-        await self._install(ctx, state, manifest.version, t0)
+    @property
+    def weight_errors(self) -> int:
+        """Weight versions refused so far (failed verification; the engine kept its version)."""
+        return 0 if self.receiver is None else self.receiver.refused
 
     async def _report(self, ctx: ServiceContext) -> None:
         while True:
             await asyncio.sleep(self.cfg.report_every_s)  # reporting period
             st = self.engine.stats()
+            ctx.gauges["rollout/weight_errors"] = float(self.weight_errors)  # refusals apply nothing
             await ctx.report({
                 "rollout/pending_requests": float(st.pending), "rollout/running": float(st.running),
                 "rollout/tokens_per_s": float(st.tokens_per_s), "rollout/tokens_total": float(st.total_generated_tokens),
@@ -203,8 +151,6 @@ class RolloutService:
             })
 
     async def handle(self, ctx: ServiceContext, ticket: PromptTicket, d: Delivery[PromptTicket]) -> None:
-        from services.lib.engine.base import EngineOverloadedError, SamplingParams
-        from services.tasks.tools import is_agent_task
 
         # a ticket admitted at version v is generated by weights no older than v: otherwise the
         # weight pull's lag would make samples stale beyond what admission control promises
@@ -228,7 +174,6 @@ class RolloutService:
                                              for _ in range(ticket.group_size)), return_exceptions=True)
         except EngineOverloadedError as e:
             raise Retry(str(e), delay_s=2.0) from e
-        subject = ctx.subject("rollouts")
         for i, res in enumerate(results):
             if isinstance(res, EngineOverloadedError):
                 raise Retry(str(res), delay_s=2.0)
@@ -240,11 +185,10 @@ class RolloutService:
                 turn = Turn(role="assistant", token_ids=res.token_ids, logprobs=res.logprobs, versions=res.versions,
                             text=res.text)
                 rollout = Rollout(**common, turns=[turn], finish_reason=res.finish_reason)
-            await ctx.publish(subject, rollout)
+            await ctx.publish(catalog.ROLLOUTS, rollout)
 
     async def _handle_agent(self, ctx: ServiceContext, ticket: PromptTicket, task: Any, params: Any) -> None:
         """``group_size`` agent loops in sandboxes; each rollout is published, failed ones with their error."""
-        from services.tasks.base import Prompt
 
         if self.agents is None:
             raise Poison(f"task {ticket.task!r} runs agent loops, which need a tokenizer; the engine has none")
@@ -253,7 +197,6 @@ class RolloutService:
             self.agents.run(task, prompt, ticket.prompt_ids, params, labels={
                 "task": ticket.task, "group": ticket.group_id, "sample": str(i), "prompt": ticket.prompt_id})
             for i in range(ticket.group_size)), return_exceptions=True)
-        subject = ctx.subject("rollouts")
         for i, out in enumerate(outcomes):
             common = _rollout_fields(ctx, ticket, i)
             if isinstance(out, BaseException):
@@ -262,7 +205,7 @@ class RolloutService:
             else:
                 rollout = Rollout(**common, turns=out.turns, finish_reason=out.finish_reason,
                                   sandbox_id=out.sandbox_id, error=out.error)
-            ack = await ctx.publish(subject, rollout)
+            ack = await ctx.publish(catalog.ROLLOUTS, rollout)
             if ack.duplicate and not isinstance(out, BaseException) and out.handed_off and out.sandbox_id:
                 # a redelivered ticket: the judge already has the first copy of this rollout, not this sandbox
                 await self.agents.destroy_quietly(out.sandbox_id)

@@ -21,7 +21,8 @@ CLI ``--set services.rollout.concurrency=64`` overrides both. Values from the
 environment and the CLI are parsed as TOML values (``64``, ``true``,
 ``[1, 2]``, ``"text"``) with a bare word taken as a string. Any key that is
 unknown or of the wrong type stops start-up with a :class:`ConfigError` naming
-the key and the expected type.
+the key and the expected type; a key that moved (:data:`MOVED_KEYS`) names the
+key that replaced it, whichever of the three sources set it.
 """
 
 from __future__ import annotations
@@ -86,6 +87,33 @@ class CommonSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_message_bytes: int = 4 * 1024 * 1024
 
 
+#: keys that were replaced: old dotted path -> the key (and form) that replaced it. Checked on the merged
+#: tree before anything is decoded, so a TOML file, an RLBUS__ variable and a --set override all get it.
+MOVED_KEYS: dict[str, str] = {
+    "services.trainer.store":
+        'services.trainer.transport.store (transport = { type = "store", store = {...} })',
+    "services.trainer.weights":
+        'services.trainer.transport.encoding (transport = { type = "store", encoding = { anchor_every = ..., '
+        'dtype = ... } })',
+    "services.rollout.store":
+        'services.rollout.transport.store (transport = { type = "store", store = {...} })',
+    "services.rollout.weights_recheck_s":
+        'services.rollout.transport.recheck_s (transport = { type = "store", recheck_s = ... })',
+}
+
+
+def check_moved_keys(tree: Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigError` naming the replacement of the first moved key ``tree`` still sets."""
+    for old, new in MOVED_KEYS.items():
+        node: Any = tree
+        for key in old.split("."):
+            if not isinstance(node, Mapping) or key not in node:
+                break
+            node = node[key]
+        else:
+            raise ConfigError(f"config key {old} was replaced by {new}")
+
+
 def parse_value(text: str) -> Any:
     """Parse an env/CLI value as a TOML value; a bare word stays a string."""
     try:
@@ -109,7 +137,8 @@ def load_tree(
     env: Mapping[str, str] | None = None,
     overrides: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The merged raw config tree: file, then ``RLBUS__...`` env vars, then ``key=value`` overrides."""
+    """The merged raw config tree: file, then ``RLBUS__...`` env vars, then ``key=value`` overrides
+    (a moved key raises :class:`ConfigError` naming its replacement)."""
     tree: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -129,6 +158,7 @@ def load_tree(
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not of the form key.path=value")
         _set_path(tree, key.strip().split("."), parse_value(value.strip()))
+    check_moved_keys(tree)
     return tree
 
 

@@ -53,10 +53,7 @@ class ServiceContext:
         self.dead_letters = DeadLetterSink(self.js, self.run_id, name)
         self.log = logging.getLogger(f"rlbus.{name}")
 
-    def subject(self, family: str, *rest: str) -> str:  # transitional: removed once trainer/rollout use channels
-        return subjects.subject(self.run_id, family, *rest)
-
-    async def publish(self, channel: catalog.Channel | str, msg: msgspec.Struct, *subject_suffix: str,
+    async def publish(self, channel: catalog.Channel, msg: msgspec.Struct, *subject_suffix: str,
                       run_id: str | None = None) -> api.PubAck | None:
         """Publish ``msg`` on ``channel`` of this run (``subject_suffix`` fills its suffix wildcards).
 
@@ -65,30 +62,21 @@ class ServiceContext:
         other a core-NATS publish (returns None). ``run_id``: another run's subject (the sandbox files
         events of a predecessor's orphans under their own run).
         """
-        if isinstance(channel, str):  # transitional: removed once trainer/rollout use channels
-            return await bus.publish(self.js, channel, msg)
         return await bus.publish_on(self.nc, self.js, channel, run_id or self.run_id, msg, *subject_suffix)
 
-    async def consume(self, channel: catalog.Channel | catalog.ConsumerDef, handler: Handler | Any,
-                      *transitional: Handler, concurrency: int = 16) -> Consumer[Any]:
+    async def consume(self, channel: catalog.Channel, handler: Handler, *, concurrency: int = 16) -> Consumer[Any]:
         """Provision this run's durable consumer of ``channel`` and run the consume loop until ``stop``;
         ``handler(msg, delivery)`` gets each message decoded as the channel's type.
 
         Raises ValueError when the channel has no consumer (nothing to share: read its stream or subject).
         """
-        if isinstance(channel, catalog.ConsumerDef):  # transitional: removed once trainer/rollout use channels
-            consumer, msg_type, (handler,) = channel, handler, transitional
-        else:
-            if transitional:
-                raise TypeError(f"consume({channel.name}, handler): the channel gives the message type")
-            if channel.consumer is None:
-                raise ValueError(f"channel {channel.name} has no durable consumer: consume(channel, handler) "
-                                 "works for " + ", ".join(c.name for c in catalog.CHANNELS.values() if c.consumer))
-            consumer, msg_type = channel.consumer, channel.msg_type
-        cdef = consumer.for_run(self.run_id)
+        if channel.consumer is None:
+            raise ValueError(f"channel {channel.name} has no durable consumer: consume(channel, handler) "
+                             "works for " + ", ".join(c.name for c in catalog.CHANNELS.values() if c.consumer))
+        cdef = channel.consumer.for_run(self.run_id)
         await bus.ensure_consumer(self.js, cdef)
         c: Consumer[Any] = Consumer(
-            self.js, cdef, msg_type, handler, run_id=self.run_id, dead_letters=self.dead_letters,
+            self.js, cdef, channel.msg_type, handler, run_id=self.run_id, dead_letters=self.dead_letters,
             concurrency=concurrency, max_message_bytes=self.cfg.common.max_message_bytes,
             name=f"{self.name}:{cdef.durable}",
         )

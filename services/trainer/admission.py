@@ -74,7 +74,9 @@ class Sample:
     sample_index: int
     version: int  # oldest token's weight version
     item: Any  # the ScoredTrajectory
-    token: Any = None  # what the service resolves to ack it (a future)
+    #: the message's deferred-ack handle (``services.runtime.consume.DeferredAck``): acked once the
+    #: step that used the sample is durable, or once the sample is dropped and its outcome recorded
+    ack: Any = None
 
 
 @dataclass

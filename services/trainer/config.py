@@ -6,19 +6,10 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from services.lib.weights.config import ObjStoreConfig, StoreConfig, TransportConfig
+from services.lib.weights.config import StoreTransportConfig, TransportConfig
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
-
-
-class WeightsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """How weight versions are encoded (see services/weightsync); the store is ``store``."""
-
-    #: full anchor every this many versions, sparse deltas between
-    anchor_every: Pos = 10
-    #: "native" keeps the training dtype (lossless); "bf16" halves the bytes
-    dtype: Literal["native", "bf16"] = "native"
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -87,14 +78,13 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     checkpoint_every: NonNeg = 20
     #: torch intra-op threads (0: torch's default)
     num_threads: NonNeg = 0
-    weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
-    #: where weight blobs go: { type = "objstore" } (default), "s3" or "fs" (see services/weightsync/config.py)
-    store: StoreConfig = msgspec.field(default_factory=ObjStoreConfig)
-    #: how versions reach the engines; unset = through ``store`` with ``weights`` encoding. Or
+    #: how weight versions reach the engines (the rollouts' ``transport`` must match), chosen by ``type``:
+    #: { type = "store", store = {...}, encoding = {...} } (the default: anchors + deltas in a blob store,
+    #: objstore, s3 or fs; sends retried while the bus is away, the newest version kept for resuming),
     #: { type = "broadcast", world_size = 1 + rollout engines } (torch.distributed, rendezvous over the bus),
-    #: { type = "inproc" } (trainer and rollout colocated: ``[launcher] services = { "trainer+rollout" = 1 }``),
-    #: { type = "store", ... } (a full StoreTransportConfig). The rollout's ``transport`` must match.
-    transport: TransportConfig | None = None
+    #: { type = "inproc" } (trainer and rollout colocated: ``[launcher] services = { "trainer+rollout" = 1 }``).
+    #: See services/lib/weights/config.py for every field.
+    transport: TransportConfig = msgspec.field(default_factory=StoreTransportConfig)
 
     @property
     def max_groups_in_flight(self) -> int:

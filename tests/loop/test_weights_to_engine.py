@@ -10,12 +10,14 @@ import torch
 from services.lib.engine.base import SamplingParams
 from services.lib.engine.torch_engine import TorchEngine, TorchEngineConfig
 from services.lib.model_io import load_policy
-from services.lib.weights.client import WeightPublisher, WeightSubscriber
-from services.lib.weights.config import EncodingConfig
+from services.lib.weights.client import WeightPublisher
+from services.lib.weights.config import EncodingConfig, StoreTransportConfig
 from services.lib.weights.objstore import ObjectStoreBlobs
+from services.lib.weights.transport import make_receiver
 from services.rollout.config import RolloutConfig
 from services.rollout.service import RolloutService
 from services.runtime.config import CommonSection, Loaded, NatsSection, RunSection
+from tests.conftest import wait_for_async
 
 RUN = "wt"
 
@@ -45,8 +47,8 @@ async def test_publish_pull_apply_changes_outputs_and_refuses_corruption(nats_ur
     svc = RolloutService(loaded)
     svc.engine = TorchEngine(TorchEngineConfig(model_dir=str(loop_model_dir)))
     await svc.engine.start()
-    svc.subscriber = WeightSubscriber(nc, RUN, ObjectStoreBlobs(nc))
-    follower = asyncio.create_task(svc._follow_weights(Gauges()))
+    receiver = make_receiver(StoreTransportConfig(recheck_s=0.2), nc, RUN)
+    follower = asyncio.create_task(svc.follow_weights(Gauges(), receiver))
     try:
         await asyncio.wait_for(svc.first_weights.wait(), 30)
         assert svc.engine.version == 0
@@ -64,6 +66,7 @@ async def test_publish_pull_apply_changes_outputs_and_refuses_corruption(nats_ur
         # version 2 with a corrupted chunk: refused, engine stays on version 1 with the same outputs
         # (the follower is paused so the chunk is corrupted before it first reads version 2)
         follower.cancel()
+        await asyncio.wait({follower})
         bad = {k: v.clone() for k, v in new_state.items()}
         bad["model.norm.weight"] += 1.0
         m2 = await pub.publish(bad, version=2)
@@ -72,16 +75,15 @@ async def test_publish_pull_apply_changes_outputs_and_refuses_corruption(nats_ur
         await store.read_into(victim.name, memoryview(buf))
         buf[victim.size // 2] ^= 0xFF
         await store.put(victim.name, memoryview(buf), victim.sha256)
-        follower = asyncio.create_task(svc._follow_weights(Gauges()))
-        for _ in range(100):
-            if svc.weight_errors:
-                break
-            await asyncio.sleep(0.1)  # the follower works on its own clock
-        assert svc.weight_errors == 1
+        follower = asyncio.create_task(svc.follow_weights(Gauges(), receiver))
+        await wait_for_async(lambda: svc.weight_errors, 10, "the follower to refuse the corrupted version")
+        assert svc.weight_errors == 1 and "sha256" in receiver.last_error
         assert svc.engine.version == 1
         assert await greedy(svc.engine, prompt) == after
         assert torch.equal(svc.engine._model.lm_head.weight.detach(), new_state["lm_head.weight"])
     finally:
         follower.cancel()
+        await asyncio.wait({follower})
+        await receiver.close()
         await svc.engine.stop()
         await nc.close()

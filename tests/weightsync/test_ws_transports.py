@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 
 from services.lib.weights.broadcast import BroadcastError
-from services.lib.weights.config import BroadcastConfig, TransportConfig
+from services.lib.weights.config import BroadcastConfig, InprocConfig, TransportConfig
 from services.lib.weights.transport import make_receiver, make_sender
 from tests.weightsync.helpers import assert_bit_identical, make_state, perturb
 
@@ -41,18 +41,37 @@ async def test_round_trip_by_config(nc, tmp_path, raw):
     sender, receiver = make_sender(_config(raw), nc, run), make_receiver(_config(raw), nc, run)
     await sender.start()
     await receiver.start()
+    versions = aiter(receiver)
     s1 = make_state(0, torch.bfloat16, scale=4)
     s2 = perturb(s1, 0.05, seed=1)
     for version, state in ((1, s1), (2, s2)):
         await sender.send(state, version)
-        got_version, got = await asyncio.wait_for(receiver.receive(), 10)
+        got_version, got = await asyncio.wait_for(anext(versions), 10)
         assert got_version == version and receiver.version == version
         assert_bit_identical(got, state)
-    if raw["type"] == "inproc":
-        # handed over, not copied
-        assert got["embed.weight"].data_ptr() == s2["embed.weight"].data_ptr()
+    assert receiver.refused == 0 and receiver.last_error == ""
+    # the sender's caller may change its tensors once send returns (the learner's next step)
+    expected = got["embed.weight"].clone()
+    s2["embed.weight"].add_(1.0)
+    assert torch.equal(got["embed.weight"], expected)
+    await versions.aclose()
     await sender.close()
     await receiver.close()
+
+
+async def test_inproc_without_snapshot_hands_the_tensors_over():
+    cfg = InprocConfig(channel="c2", snapshot=False)
+    sender, receiver = make_sender(cfg, None, "tr-hand"), make_receiver(cfg, None, "tr-hand")
+    state = make_state(1)
+    await sender.send(state, 1)
+    version, got = await asyncio.wait_for(receiver.receive(), 10)
+    assert version == 1
+    assert got["embed.weight"].data_ptr() == state["embed.weight"].data_ptr()  # handed over, not copied
+
+
+async def test_direct_transports_keep_nothing_to_resume_from(nc):
+    assert await make_sender(InprocConfig(), None, "tr-keep").latest() is None
+    assert await make_sender(BroadcastConfig(world_size=2), nc, "tr-keep").latest() is None
 
 
 async def test_broadcast_between_two_processes(nc, nats_url, tmp_path):
@@ -82,12 +101,14 @@ async def test_broadcast_between_two_processes(nc, nats_url, tmp_path):
             engine.wait()
 
 
-async def test_broadcast_without_engines_times_out_and_says_so(nc):
-    sender = make_sender(BroadcastConfig(world_size=2, backend="gloo", timeout_s=1.0), nc, "bc2")
+async def test_broadcast_without_engines_times_out_and_says_so(nc, caplog):
+    """Forming the group is re-tried (a new group each time) for ``reform_for_s``, then it raises."""
+    sender = make_sender(BroadcastConfig(world_size=2, backend="gloo", timeout_s=1.0, reform_for_s=2.5), nc, "bc2")
     t0 = time.monotonic()
     with pytest.raises(BroadcastError, match="join|broadcast"):
         await sender.start()
     assert time.monotonic() - t0 < 30
+    assert any("re-forming the broadcast group" in r.getMessage() for r in caplog.records)
 
 
 async def test_broadcast_receiver_leaves_a_replaced_group_at_once_and_joins_the_new_one(nc):
@@ -118,3 +139,41 @@ async def test_broadcast_receiver_leaves_a_replaced_group_at_once_and_joins_the_
     assert_bit_identical(got, s2)
     await again.close()
     await new.close()
+
+
+async def test_broadcast_send_reforms_the_group_after_an_engine_died_and_a_following_engine_rejoins(
+        nc, nats_url, tmp_path, caplog):
+    """An engine process takes v1 and exits (it died); the next send fails on it, withdraws the group,
+    forms a new one and sends again; an engine following with ``async for`` (its restart) joins the new
+    group and gets v2 — no retry loop in the caller."""
+    cfg = BroadcastConfig(world_size=2, backend="gloo", timeout_s=10, bucket_bytes=4096, reform_for_s=60)
+    run = "bc4"
+    engine = subprocess.Popen(
+        [sys.executable, str(REPO / "tests/weightsync/bcast_engine.py"), nats_url, run, str(tmp_path / "e"), "1"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    sender = make_sender(cfg, nc, run)
+    follower = make_receiver(cfg, nc, run)
+    versions = aiter(follower)
+    try:
+        await sender.start()
+        s1 = make_state(7, torch.float32, scale=2)
+        await sender.send(s1, 1)
+        assert await asyncio.wait_for(asyncio.to_thread(engine.wait), 60) == 0  # took v1, then gone
+        first_group = sender.group_id
+        following = asyncio.ensure_future(anext(versions))
+        s2 = perturb(s1, 0.2, seed=8)
+        await asyncio.wait_for(sender.send(s2, 2), 90)
+        version, got = await asyncio.wait_for(following, 30)
+        assert version == 2 and follower.version == 2
+        assert_bit_identical(got, s2)
+        assert sender.group_id != first_group
+        assert any("re-forming the broadcast group" in r.getMessage() for r in caplog.records)
+    finally:
+        await versions.aclose()
+        await follower.close()
+        await sender.close()
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()

@@ -15,7 +15,12 @@ both sides compute bucket by bucket while the next bucket is on the wire. Gloo c
 tensors; NCCL carries CUDA tensors (``backend="auto"`` picks NCCL when CUDA is
 available). Every join and collective is bounded by ``timeout_s`` and fails
 with :class:`BroadcastError` — never a silent hang. Receivers must be inside
-``receive()`` when a version is sent (run it in its own task).
+``receive()`` when a version is sent (iterate in a task of their own).
+
+Recovery lives here, not in the callers: a failed ``start``/``send`` withdraws
+the group, forms a new one (engines that died rejoin when they restart) and
+tries again for up to ``reform_for_s``; a receiver iterated with ``async for``
+leaves a broken or replaced group and joins the new one.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from datetime import timedelta
 
 import torch
@@ -32,6 +38,7 @@ import torch.distributed as dist
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
+from proto import catalog
 from proto.codec import decode, encode
 from proto.weights import (
     BroadcastGroup,
@@ -39,19 +46,20 @@ from proto.weights import (
     broadcast_group_key,
     broadcast_rank_key,
     broadcast_ready_key,
-    broadcast_subject,
 )
 from services.lib.weights.blobs import WeightIntegrityError
 from services.lib.weights.client import cast_for_publish
 from services.lib.weights.config import BroadcastConfig
 from services.lib.weights.encoding import layout, torch_dtype
 from services.lib.weights.index import VersionIndex
+from services.lib.weights.transport import Weights, follow
 from services.runtime.natsd import free_port
 
 log = logging.getLogger("rlbus.weightsync.broadcast")
 
-_SLACK_S = 5.0
-_DIGEST_BYTES = 32  # extra wall time over the collective's own timeout before we give up on its thread
+_SLACK_S = 5.0  # extra wall time over the collective's own timeout before we give up on its thread
+_DIGEST_BYTES = 32
+_REFORM_PAUSE_S = 1.0  # between withdrawing a failed group and forming the next
 
 
 class BroadcastError(RuntimeError):
@@ -143,6 +151,35 @@ class BroadcastSender:
         self.group_id = uuid.uuid4().hex[:16]
 
     async def start(self) -> None:
+        """Form the group (bounded wait until every engine joined); re-formed on failure for up to
+        ``reform_for_s``."""
+        await self._reforming("forming the broadcast group", None)
+
+    async def send(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Broadcast ``version`` to every engine; a failure re-forms the group and sends again."""
+        await self._reforming(f"sending version {version}", lambda: self._send(state_dict, version))
+
+    async def latest(self) -> Weights | None:
+        """None: a broadcast keeps nothing (a restarted trainer continues from its checkpoint)."""
+        return None
+
+    async def _reforming(self, what: str, action: Callable[[], Awaitable[None]] | None) -> None:
+        deadline = time.monotonic() + self.config.reform_for_s
+        while True:
+            try:
+                if self.group.pg is None:
+                    await self._form()
+                if action is not None:
+                    await action()
+                return
+            except BroadcastError as err:
+                await self._withdraw()
+                if time.monotonic() + _REFORM_PAUSE_S > deadline:
+                    raise
+                log.warning("%s failed (%s); re-forming the broadcast group", what, err)
+                await asyncio.sleep(_REFORM_PAUSE_S)  # engines notice the new group and leave the old one
+
+    async def _form(self) -> None:
         """Open the TCPStore, announce the group, wait (bounded) until every engine joined."""
         await self.index.ensure()
         port = self.config.master_port or free_port(self.config.master_addr)
@@ -165,7 +202,7 @@ class BroadcastSender:
         )
         await self.group.join(self.config.master_addr, port, self.group_id, 0, is_master=True)
 
-    async def send(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    async def _send(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         sd = (
             cast_for_publish(state_dict, self.config.dtype)
             if self.config.dtype == "bf16"
@@ -186,7 +223,7 @@ class BroadcastSender:
         data = encode(ready)
         kv = await self.index.kv()
         await kv.put(broadcast_ready_key(self.run_id), data)
-        await self.nc.publish(broadcast_subject(self.run_id, self.config.scope), data)
+        await self.nc.publish(catalog.WEIGHT_BROADCASTS.subject(self.run_id, self.config.scope), data)
         await self.nc.flush()
 
         async def flush(view: torch.Tensor) -> None:
@@ -217,14 +254,23 @@ class BroadcastSender:
         await self.group.bcast(trailer)
         log.info("broadcast v%d: %d bytes to %d engines", version, nbytes, self.config.world_size - 1)
 
+    async def _withdraw(self) -> None:
+        """Take the group off the bus and drop it; the next one gets a new id (engines rejoin that)."""
+        try:
+            await self.close()
+        except Exception as e:  # the bus may be away too: the next group's announcement replaces this one
+            log.debug("withdrawing broadcast group %s: %s", self.group_id, e)
+        self.group = _Group(self.config, self.backend)
+        self.group_id = uuid.uuid4().hex[:16]
+
     async def close(self) -> None:
         """Withdraw the group from the bus and drop the process group."""
+        self.group.pg = None
+        self.group.store = None
         kv = await self.index.kv()
         await kv.purge(broadcast_group_key(self.run_id))
         for rank in range(1, self.config.world_size):
             await kv.purge(broadcast_rank_key(self.run_id, self.group_id, rank))
-        self.group.pg = None
-        self.group.store = None
 
 
 class BroadcastReceiver:
@@ -238,28 +284,46 @@ class BroadcastReceiver:
         self.group_info: BroadcastGroup | None = None
         self.rank: int | None = None
         self._version: int | None = None
+        #: the newest version of the group joined now: each group's versions are taken whatever was held
+        #: before (a re-formed group re-sends a version, a restarted trainer may start a new timeline)
+        self._group_version: int | None = None
         self._ready: AsyncIterator[BroadcastReady] | None = None
         self._next_ready: asyncio.Task | None = None  # survives receive() calls (an anext() in flight)
         self._replaced = asyncio.Event()  # the trainer announced another group
         self._group_watch: asyncio.Task | None = None
+        self.refused = 0
+        self.last_error = ""
 
     @property
     def version(self) -> int | None:
         return self._version
 
-    async def _first(self, key: str, typ: type) -> AsyncIterator:
+    def __aiter__(self) -> AsyncIterator[Weights]:
+        """Each version broadcast; a broken or replaced group is left (``close``) and the next one joined."""
+        return follow(self, self.close)
+
+    async def _first(self, key: str, typ: type, after: int = 0) -> AsyncIterator:
+        """Values of ``key``: the current one, then each update (revisions up to ``after`` skipped)."""
         kv = await self.index.kv()
         watcher = await kv.watch(key, ignore_deletes=True)
         try:
             async for entry in watcher:
-                if entry is not None and entry.value:
+                if entry is not None and entry.value and (entry.revision or 0) > after:
                     yield decode(entry.value, typ, max_bytes=None)
         finally:
             await watcher.stop()
 
+    async def _revision(self, key: str) -> int:
+        kv = await self.index.kv()
+        try:
+            return (await kv.get(key)).revision or 0
+        except KeyNotFoundError:
+            return 0
+
     async def start(self) -> None:
         """Find the group on the bus, claim a rank, join (bounded by the timeout)."""
         await self.index.ensure()
+        self.rank, self._group_version, self._replaced = None, None, asyncio.Event()
         groups = self._first(broadcast_group_key(self.run_id), BroadcastGroup)
         try:
             info = await asyncio.wait_for(anext(groups), self.config.timeout_s)
@@ -280,9 +344,14 @@ class BroadcastReceiver:
             break
         if self.rank is None:
             raise BroadcastError(f"broadcast group {info.group_id} already has {info.world_size - 1} engines")
+        if await self._current_group_id() != info.group_id:  # withdrawn while we claimed a rank
+            raise BroadcastError(f"broadcast group {info.group_id} was withdrawn; join the next one")
         self.group_info = info
         self.group = _Group(self.config, info.backend)
-        self._ready = self._first(broadcast_ready_key(self.run_id), BroadcastReady)
+        # a version of this group announced before we joined is stale (a send that failed before we came):
+        # the sender announces only once every rank joined
+        ready_key = broadcast_ready_key(self.run_id)
+        self._ready = self._first(ready_key, BroadcastReady, after=await self._revision(ready_key))
         self._group_watch = asyncio.create_task(self._watch_group(info.group_id), name="broadcast-group-watch")
         await self.group.join(info.master_addr, info.master_port, info.group_id, self.rank, is_master=False)
         log.info("joined broadcast group %s as rank %d", info.group_id, self.rank)
@@ -301,7 +370,7 @@ class BroadcastReceiver:
                         f"the trainer replaced broadcast group {info.group_id}; restart this receiver to rejoin"
                     )
                 continue  # a stale announcement of an older group
-            if self._version is None or ready.policy_version > self._version:
+            if self._group_version is None or ready.policy_version > self._group_version:
                 break
         flat = torch.empty(ready.data_nbytes, dtype=torch.uint8, device=_device(info.backend))
         h = None if flat.is_cuda else hashlib.sha256()
@@ -328,7 +397,7 @@ class BroadcastReceiver:
             e.name: flat[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
             for e in ready.tensors
         }
-        self._version = ready.policy_version
+        self._version = self._group_version = ready.policy_version
         return ready.policy_version, tensors
 
     async def _watch_group(self, group_id: str) -> None:
@@ -374,7 +443,7 @@ class BroadcastReceiver:
                 except (asyncio.CancelledError, Exception):
                     pass
         self._next_ready = self._group_watch = None
+        self.group, self.group_info = None, None  # the next receive() joins the group announced then
         if self._ready is not None:
-            await self._ready.aclose()  # type: ignore[attr-defined]
-            self._ready = None
-        self.group = None
+            ready, self._ready = self._ready, None
+            await ready.aclose()  # type: ignore[attr-defined]

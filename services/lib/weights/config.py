@@ -1,10 +1,12 @@
 """Configuration of weight stores, encoding and transports (msgspec only).
 
 Every pluggable part is chosen by a ``type`` field, so switching store or
-transport is a config change, never a code change::
+transport is a config change, never a code change (one key, ``transport``, in
+the trainer's and the rollouts' sections)::
 
-    store = {type = "s3", endpoint_url = "http://127.0.0.1:9000", bucket = "weights"}
+    transport = {type = "store", store = {type = "s3", endpoint_url = "http://127.0.0.1:9000", bucket = "weights"}}
     transport = {type = "broadcast", world_size = 3}
+    transport = {type = "inproc"}
 """
 
 from __future__ import annotations
@@ -109,6 +111,12 @@ class StoreTransportConfig(
     hmac_key_env: str = ""
     #: chunks transferred concurrently
     parallel: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    #: sender: seconds a send keeps retrying (back-off 0.5 s doubling to 10 s) while the bus or store is
+    #: away (a restarting server) before it raises; integrity and ordering errors raise at once
+    retry_for_s: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    #: receiver: seconds without an announcement after which the latest version is re-read from KV
+    #: (catches an announcement the watch missed, e.g. across a server restart)
+    recheck_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
 
 
 class BroadcastConfig(
@@ -131,6 +139,9 @@ class BroadcastConfig(
     #: dtype of sent weights, as for the store transport
     dtype: Literal["bf16", "native"] = "native"
     scope: str = "main"
+    #: sender: seconds a failed send keeps re-forming the group (engines that died rejoin when they
+    #: restart) and sending again before it raises BroadcastError
+    reform_for_s: Annotated[float, msgspec.Meta(ge=0)] = 600.0
 
 
 class InprocConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="inproc"):
@@ -138,8 +149,9 @@ class InprocConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag
 
     #: name of the in-process channel (one per trainer/engine pair)
     channel: str = "default"
-    #: clone tensors on send (set when the trainer may modify them before the engine applies them)
-    snapshot: bool = False
+    #: clone tensors on send, so the sender may change its tensors (the next optimiser step) as soon as
+    #: send returns; false hands the very tensors over (the engine must apply before they change)
+    snapshot: bool = True
 
 
 TransportConfig = StoreTransportConfig | BroadcastConfig | InprocConfig

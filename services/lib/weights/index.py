@@ -10,12 +10,12 @@ from nats.js import api
 from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
+from proto import catalog
 from proto.codec import decode, encode
 from proto.weights import (
     MAIN_SCOPE,
     WeightAnnouncement,
     WeightManifest,
-    announce_subject,
     kv_bucket,
     latest_key,
     version_key,
@@ -36,7 +36,7 @@ class VersionIndex:
         self.run_id = run_id
         self.scope = scope
         self.bucket = kv_bucket(scope)
-        self.subject = announce_subject(run_id, scope)
+        self.subject = catalog.WEIGHT_ANNOUNCEMENTS.subject(run_id, scope)
         self._kv: KeyValue | None = None
 
     async def ensure(self) -> None:
@@ -102,6 +102,7 @@ class VersionIndex:
     async def announce(self, ann: WeightAnnouncement) -> None:
         """Record ``ann`` as the latest (durable) and publish it on the subject (wake-up)."""
         await self.ensure()
+        catalog.WEIGHT_ANNOUNCEMENTS.check(ann)
         data = encode(ann)
         await self._kv.put(latest_key(self.run_id), data)
         await self.nc.publish(self.subject, data, headers={"Nats-Msg-Id": ann.msg_id})

@@ -1,22 +1,24 @@
 """Colocated trainer and engine in one process: weights are handed over as tensors, not bytes.
 
-The sender publishes the trainer's tensors (detached, same storage; cloned only
-with ``snapshot=True``) on a named in-process channel; receivers wake up and
-get the same tensor objects. Nothing is serialised or copied through the bus.
-With ``snapshot=False`` the engine must apply a version before the trainer
-changes its weights again (the colocated time-slicing does exactly that).
-All parties run on one asyncio event loop.
+The sender puts the trainer's tensors on a named in-process channel, cloned by
+default (``snapshot=True``: the learner changes its tensors in place on the next
+step, and the sender leaves the caller free to do so once ``send`` returns);
+``snapshot=False`` hands the very tensors over (same storage), and the engine
+must then apply a version before the trainer changes its weights again.
+Receivers wake up and get the channel's newest version. Nothing is serialised
+or copied through the bus. All parties run on one asyncio event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 
 import torch
 
 from services.lib.weights.config import InprocConfig
+from services.lib.weights.transport import Weights, follow
 
 
 class InprocChannel:
@@ -70,6 +72,10 @@ class InprocSender:
         }
         await channel(self.run_id, self.config.channel).put(version, tensors)
 
+    async def latest(self) -> Weights | None:
+        """None: a channel keeps nothing across a restart of the process."""
+        return None
+
     async def close(self) -> None:
         """Nothing to release."""
 
@@ -81,10 +87,15 @@ class InprocReceiver:
         self.config = config
         self.run_id = run_id
         self._version: int | None = None
+        self.refused = 0  # nothing is verified in process: never refused
+        self.last_error = ""
 
     @property
     def version(self) -> int | None:
         return self._version
+
+    def __aiter__(self) -> AsyncIterator[Weights]:
+        return follow(self, None)
 
     async def start(self) -> None:
         """Nothing to set up."""

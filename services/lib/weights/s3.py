@@ -4,7 +4,7 @@ Uploads above ``part_bytes`` go as multipart uploads with ``parallel`` parts in
 flight; downloads are ranged GETs of ``part_bytes`` each, ``parallel`` at once,
 written straight into the caller's buffer. Path-style addressing and
 ``request_checksum_calculation="when_required"`` keep self-hosted servers
-(moto, s3rver, MinIO, Ceph) working (FACTS.md, "S3 API servers").
+(moto, s3rver, MinIO, Ceph) working (buckets by path; not all accept botocore's default checksums).
 """
 
 from __future__ import annotations

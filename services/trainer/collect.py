@@ -1,0 +1,171 @@
+"""From prompt tickets out to complete batches in: admission, the staleness filter, the group buffer.
+
+Flow::
+
+    admission has room ──▶ next training prompt ──▶ ticket (PROMPTS)
+    trajectory (TRAJECTORIES) ──▶ handle(): eval round | stale → dropped | buffered (ack deferred)
+    collect() ──▶ the oldest ``groups_per_step`` complete groups
+
+A buffered trajectory's message is *deferred* (``Delivery.defer()``): the handler returns at
+once and the trainer acks it only after the step that used it is durable (its weight version
+sent, the state saved), or after its
+``dropped`` outcome is recorded and the freed admission slot saved. A crash in between
+redelivers it. Every trajectory ends with exactly one outcome on OUTCOMES
+(trained | dropped | eval), so ``published = trained + dropped + eval + pending`` holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+from proto import catalog
+from proto.accounting import TrajectoryOutcome
+from proto.trajectories import ScoredTrajectory
+from services.runtime.consume import Delivery
+from services.runtime.service import ServiceContext
+from services.trainer.admission import Admission, GroupBuffer, Sample, is_stale
+from services.trainer.config import TrainerConfig
+from services.trainer.evaluation import EvalRound, Evaluations
+from services.trainer.state import TrainerState
+
+log = logging.getLogger("rlbus.trainer.collect")
+
+#: how often collect() re-checks staleness and group timeouts while nothing arrives
+RECHECK_S = 5.0
+
+
+class Outcomes:
+    """Records what became of trajectories (stream OUTCOMES) and counts it in the state."""
+
+    def __init__(self, ctx: ServiceContext, state: TrainerState) -> None:
+        self.ctx = ctx
+        self.state = state
+
+    async def record(self, samples: list[Sample], outcome: str, reason: str = "") -> None:
+        """One outcome per sample, published concurrently (one round trip for a batch)."""
+        self.state.count(outcome, len(samples))
+        await asyncio.gather(*(self._publish(s, outcome, reason) for s in samples))
+
+    async def _publish(self, s: Sample, outcome: str, reason: str) -> None:
+        t: ScoredTrajectory = s.item
+        msg = TrajectoryOutcome(run_id=self.ctx.run_id, trajectory_id=t.msg_id, group_id=s.group_id,
+                                outcome=outcome, reason=reason, step=self.state.step, version=self.state.version,
+                                sample_version=s.version)
+        msg.msg_id = f"{t.msg_id}-outcome"  # one outcome per trajectory, even across trainer restarts
+        try:
+            await self.ctx.publish(catalog.OUTCOMES, msg)
+        except Exception as e:  # accounting must not stop training; the trajectory itself is safe
+            log.warning("could not record the outcome of %s: %s", t.msg_id, e)
+
+
+class Collector:
+    """Admission, the staleness filter and the group buffer between the bus and the learner."""
+
+    def __init__(self, cfg: TrainerConfig, state: TrainerState, prompts: Iterator[Any],
+                 send_ticket: Callable[[Any, str], Awaitable[None]], evals: Evaluations, outcomes: Outcomes,
+                 save_state: Callable[[], Awaitable[None]],
+                 on_eval: Callable[[EvalRound], Awaitable[None]]) -> None:
+        self.cfg = cfg
+        self.state = state
+        self.prompts = prompts
+        self.send_ticket = send_ticket
+        self.evals = evals
+        self.outcomes = outcomes
+        self.save_state = save_state
+        self.on_eval = on_eval
+        self.admission = Admission(cfg.max_groups_in_flight)
+        self.admission.restore(state.in_flight)
+        self.buffer = GroupBuffer()
+        self.arrived = asyncio.Event()
+
+    def sync_state(self) -> None:
+        """Copy the admission bookkeeping into the state before it is saved."""
+        self.state.in_flight = self.admission.state()
+
+    # --- trajectories in ---------------------------------------------------------------------------
+
+    async def handle(self, traj: ScoredTrajectory, d: Delivery[ScoredTrajectory]) -> None:
+        """The consume handler: returns at once; the message is settled through its deferred ack."""
+        r = traj.rollout
+        sample = Sample(key=traj.msg_id, group_id=r.group_id, sample_index=r.sample_index,
+                        version=r.min_version(), item=traj, ack=d.defer())
+        if r.is_eval:
+            finished = self.evals.record(traj)
+            await self.outcomes.record([sample], "eval")
+            await sample.ack.ack()
+            if finished is not None:
+                await self.on_eval(finished)
+            return
+        if r.group_id in self.buffer.dropped_groups:
+            await self.drop([sample], "group already dropped for staleness")
+            return
+        if is_stale(sample.version, self.state.version, self.cfg.max_staleness):
+            reason = (f"stale: oldest token from version {sample.version}, trainer at {self.state.version}, "
+                      f"max_staleness {self.cfg.max_staleness}")
+            await self.drop([sample, *self._give_up(r.group_id)], reason)
+            return
+        displaced = self.buffer.add(sample, r.group_size)
+        if displaced is not None:  # a redelivery of a sample already held: the newer delivery is kept
+            self.state.count("duplicate")
+            await displaced.ack.ack()
+        self.arrived.set()
+
+    async def drop(self, samples: list[Sample], reason: str) -> None:
+        """Record ``dropped`` outcomes, make the freed admission slots durable, then ack."""
+        await self.outcomes.record(samples, "dropped", reason)
+        # a restarted trainer must not wait for groups whose trajectories were taken off the stream
+        await self.save_state()
+        await asyncio.gather(*(s.ack.ack() for s in samples))
+        self.arrived.set()  # a slot may be free: admit more
+
+    def _give_up(self, group_id: str) -> list[Sample]:
+        self.admission.finish(group_id)
+        return self.buffer.drop_group(group_id)
+
+    # --- batches out -------------------------------------------------------------------------------
+
+    async def collect(self, stop: asyncio.Event) -> list[list[Sample]]:
+        """Top up admission and expire what went stale until ``groups_per_step`` groups are complete.
+
+        Returns them (taken out of the buffer), or ``[]`` once ``stop`` is set.
+        """
+        n = self.cfg.groups_per_step
+        while not stop.is_set():
+            await self._top_up()
+            await self._expire()
+            if len(self.buffer.complete_groups()) >= n:
+                return self.buffer.take(n)
+            self.arrived.clear()
+            arrived = asyncio.create_task(self.arrived.wait(), name="trainer-arrived")
+            stopped = asyncio.create_task(stop.wait(), name="trainer-stopped")
+            await asyncio.wait({arrived, stopped}, timeout=RECHECK_S, return_when=asyncio.FIRST_COMPLETED)
+            arrived.cancel()
+            stopped.cancel()
+        return []
+
+    def finish(self, groups: list[list[Sample]]) -> None:
+        """The groups were trained on (or all their samples dropped): their admission slots are free."""
+        for g in groups:
+            self.admission.finish(g[0].group_id)
+
+    async def _top_up(self) -> None:
+        """Admit prompt groups while there is room (the staleness-derived bound)."""
+        while self.admission.room() > 0:
+            group_id = f"g{self.state.data_position:08d}"
+            prompt = next(self.prompts)
+            self.admission.admit(group_id, self.state.version)
+            self.state.data_position += 1
+            await self.send_ticket(prompt, group_id)
+
+    async def _expire(self) -> None:
+        """Drop groups that went stale while waiting, and free slots of groups that never came back."""
+        cfg = self.cfg
+        for gid in self.buffer.stale_groups(self.state.version, cfg.max_staleness):
+            await self.drop(self._give_up(gid), f"stale: waited past max_staleness {cfg.max_staleness} "
+                                                f"(trainer at version {self.state.version})")
+        for gid in self.admission.overdue(cfg.group_timeout_s):
+            log.warning("group %s did not complete within %.0fs; its slot is freed", gid, cfg.group_timeout_s)
+            await self.drop(self._give_up(gid), f"stale: group incomplete after {cfg.group_timeout_s:.0f}s")

@@ -1,0 +1,79 @@
+"""Where a (re)started trainer continues from: its checkpoint, its saved state, the newest kept weights.
+
+Three durable things survive a trainer crash:
+
+* the newest **checkpoint** (``<run dir>/checkpoints``): weights, optimiser moments, RNG and the
+  :class:`~services.trainer.state.TrainerState` of that step — written every ``checkpoint_every`` steps;
+* the **saved state** in KV, written after every step once its weight version was sent;
+* the **weights the transport keeps** (``WeightSender.latest()``): the store transport keeps every
+  version it published; broadcast and inproc keep none.
+
+The trainer continues from the saved state when it is newer than the checkpoint and the transport
+still holds exactly that version's weights (only the optimiser moments then come from the older
+checkpoint). Otherwise it continues from the checkpoint, and versions published after it belong to
+a lost timeline: the checkpoint's weights go out under a newer version number, so every engine
+takes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.lib.weights.transport import WeightSender
+from services.tasks import get_task
+from services.tasks.base import Task
+from services.tasks.models import resolve_model
+from services.trainer.config import TrainerConfig
+from services.trainer.learner import Learner
+from services.trainer.state import TrainerState, from_checkpoint
+
+log = logging.getLogger("rlbus.trainer.resume")
+
+
+@dataclass
+class Start:
+    """What the trainer starts from: its task, learner (weights loaded) and bookkeeping."""
+
+    task: Task
+    learner: Learner
+    state: TrainerState
+    checkpoint: Path | None
+
+
+def load(cfg: TrainerConfig, checkpoints: Path, seed: int) -> Start:
+    """Build the task and the learner from the newest checkpoint, else from the configured model (blocking)."""
+    task = get_task(cfg.task, **cfg.task_options)
+    ckpt = Learner.latest_checkpoint(checkpoints)
+    learner = Learner(cfg, ckpt or resolve_model(cfg.model, cfg.cache_dir or None, seed=seed))
+    state = from_checkpoint(learner.load_optimizer(ckpt)) if ckpt is not None else TrainerState()
+    state.state = "running"
+    return Start(task=task, learner=learner, state=state, checkpoint=ckpt)
+
+
+async def continue_from_saved(start: Start, saved: TrainerState | None, sender: WeightSender) -> None:
+    """Move ``start`` to the newest durable point (see the module docstring); changes it in place."""
+    if saved is None:
+        return  # the run's first start
+    kept = await _latest_kept(sender)
+    if saved.state == "running" and saved.step > start.state.step and kept is not None and kept[0] == saved.version:
+        start.learner.model.load_state_dict(kept[1], strict=False)
+        start.state = saved
+        log.info("resumed at step %d from kept version %d (optimiser from %s)", saved.step, saved.version,
+                 start.checkpoint or "scratch")
+        return
+    newest = max(saved.version, kept[0] if kept is not None else -1)
+    if newest >= start.state.version:
+        start.state.version = newest + 1
+    log.info("resumed from %s: step %d, now version %d", start.checkpoint or "the initial model",
+             start.state.step, start.state.version)
+
+
+async def _latest_kept(sender: WeightSender) -> tuple[int, dict[str, Any]] | None:
+    try:
+        return await sender.latest()
+    except Exception as e:  # unreadable or corrupted: the checkpoint is the fallback
+        log.warning("could not read the newest kept weight version (%s); using the checkpoint", e)
+        return None
