@@ -36,7 +36,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from services.lib.engine.base import SamplingParams  # noqa: E402
-from services.lib.engine.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
+from services.lib.engine.torch_config import TorchEngineConfig  # noqa: E402
+from services.lib.engine.torch_engine import TorchEngine  # noqa: E402
 
 
 def build_model(path: Path) -> Path:

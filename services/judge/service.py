@@ -24,7 +24,8 @@ from services.runtime.config import Loaded
 from services.runtime.consume import Delivery, Poison
 from services.runtime.service import ServiceContext
 from services.tasks import UnknownTaskError, get_task
-from services.tasks.graders import GraderFactory, JudgeCache, grade_all
+from services.tasks.graders import GraderFactory, grade_all
+from services.tasks.judge_backends import JudgeCache
 
 log = logging.getLogger("rlbus.judge")
 

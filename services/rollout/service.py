@@ -18,7 +18,8 @@ from proto import catalog
 from proto.prompts import PromptTicket
 from proto.rollouts import Rollout, Turn
 from services.lib.engine.base import EngineOverloadedError, SamplingParams
-from services.lib.engine.torch_engine import TorchEngine, TorchEngineConfig
+from services.lib.engine.torch_config import TorchEngineConfig
+from services.lib.engine.torch_engine import TorchEngine
 from services.lib.sandbox_client import SandboxClient
 from services.lib.weights.transport import WeightReceiver, make_receiver
 from services.rollout.agent import AgentLoop

@@ -11,7 +11,9 @@ it exits or the sandbox is destroyed; that is how long-running processes (a
 server, a counter loop) live in a sandbox. Processes of different execs share
 the filesystem, limits and freezer but not pid or network namespaces.
 
-How one exec is started (and joins the cgroup without a race) is in :mod:`.bwrap_exec`.
+How one exec is started (and joins the cgroup without a race) is in :mod:`.bwrap_exec`; one sandbox's
+record, events and exec bookkeeping are in :mod:`.bwrap_sandbox`. This module is the backend: the
+instance (start, reaping, shutdown), the registry of sandboxes and snapshots, and the verbs.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import os
 import secrets
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
 
 from proto import sandbox as api
 from services.sandbox import common, execio, files
@@ -34,54 +35,15 @@ from services.sandbox.backend import (
     InvalidRequest,
     NotFound,
 )
-from services.sandbox.bwrap_exec import Exec, command_prefix, smoke_test, spawn
-from services.sandbox.cgroups import Cgroup, Hierarchy
-from services.sandbox.config import LimitsConfig, SandboxConfig
+from services.sandbox.bwrap_exec import command_prefix, smoke_test, spawn
+from services.sandbox.bwrap_sandbox import Sandbox, Snapshot, Spec
+from services.sandbox.cgroups import Hierarchy
+from services.sandbox.config import SandboxConfig
 from services.sandbox.egress import Allowlist, EgressProxy
 from services.sandbox.host import base_args, check_prerequisites, reap_instance
-from services.sandbox.overlay import Layers, WorkTree, rmtree
+from services.sandbox.overlay import Layers, rmtree
 
 log = logging.getLogger("rlbus.sandbox.bwrap")
-
-@dataclass(frozen=True)
-class Spec:
-    """What a sandbox was made with; a snapshot keeps it so forks inherit it."""
-
-    base: str
-    limits: LimitsConfig
-    env: dict[str, str]
-    egress: tuple[str, ...]
-    lease_ttl_s: float
-    labels: dict[str, str]
-
-
-@dataclass
-class Sandbox:
-    id: str
-    run_id: str
-    spec: Spec
-    tree: WorkTree
-    cgroup: Cgroup
-    roots: files.Roots
-    allowlist: Allowlist
-    argv_prefix: list[str]
-    created_at: float
-    parent_id: str | None = None
-    state: str = "running"  # running | paused | destroying
-    seq: int = 0
-    oom_seen: int = 0
-    exec_count: int = 0
-    execs: dict[str, Exec] = field(default_factory=dict)
-    snapshots: set[str] = field(default_factory=set)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    id: str
-    sandbox_id: str
-    layers: tuple[str, ...]
-    spec: Spec
 
 
 class BwrapBackend:
@@ -175,21 +137,6 @@ class BwrapBackend:
 
     # --- helpers -----------------------------------------------------------------------------
 
-    def _emit(self, sb: Sandbox, detail: api.EventDetail) -> None:
-        sb.seq += 1
-        event = api.SandboxEvent(run_id=sb.run_id, sandbox_id=sb.id, instance_id=self.instance_id, seq=sb.seq,
-                                 detail=detail)
-        try:
-            self.on_event(event)
-        except Exception:  # a failing sink must not fail the operation that changed the state
-            log.exception("event sink failed on %s of %s", event.kind, sb.id)
-
-    @staticmethod
-    def _alive(sb: Sandbox) -> None:
-        """Under ``sb.lock``: refuse to work on a sandbox a concurrent destroy got to first."""
-        if sb.state == "destroying":
-            raise NotFound(f"sandbox {sb.id} was destroyed", sb.id)
-
     def _ready(self) -> tuple[Layers, Hierarchy]:
         if self.layers is None or self.hierarchy is None:
             raise BackendUnavailable("the sandbox backend is not started: call start() first")
@@ -220,7 +167,8 @@ class BwrapBackend:
         with open(os.path.join(tree.dir, "meta.json"), "w") as f:
             json.dump({"sandbox_id": sid, "run_id": run_id}, f)
         sb = Sandbox(
-            id=sid, run_id=run_id, spec=spec, tree=tree, cgroup=cgroup,
+            id=sid, run_id=run_id, instance_id=self.instance_id, on_event=self.on_event, spec=spec,
+            tree=tree, cgroup=cgroup,
             roots=files.Roots(workdir=self.cfg.workdir, work_host=tree.merged, tmp_host=tree.tmp),
             allowlist=Allowlist(list(spec.egress)),
             argv_prefix=command_prefix(self.cfg, self._base_args[spec.base], tree.merged, tree.tmp,
@@ -251,7 +199,7 @@ class BwrapBackend:
             await self._destroy(sb, "failed", emit=False)
             raise
         expires = self.leases.set(sb.id, spec.lease_ttl_s)
-        self._emit(sb, api.Created(
+        sb.emit(api.Created(
             base=spec.base, limits=api.Limits(memory_mb=spec.limits.memory_mb, pids=spec.limits.pids,
                                               cpus=spec.limits.cpus),
             egress=list(spec.egress), lease_ttl_s=spec.lease_ttl_s, labels=spec.labels,
@@ -280,16 +228,16 @@ class BwrapBackend:
             listen = None
             if sb.allowlist:
                 def refused(host: str, port: int, reason: str) -> None:
-                    self._emit(sb, api.EgressRefused(host=host, port=port, reason=reason, exec_id=exec_id))
+                    sb.emit(api.EgressRefused(host=host, port=port, reason=reason, exec_id=exec_id))
 
                 def listen(pid: int) -> Awaitable[asyncio.Server]:
                     return self.egress.listen(pid, sb.allowlist, refused)
             ex = await spawn(sb.argv_prefix, argv, env, cwd, req.detach, listen)
             ex.exec_id = exec_id
             sb.execs[exec_id] = ex
-        self._emit(sb, api.ExecStarted(exec_id=exec_id, argv=[a[:200] for a in argv], detach=req.detach))
+        sb.emit(api.ExecStarted(exec_id=exec_id, argv=[a[:200] for a in argv], detach=req.detach))
         if req.detach:
-            self._spawn_task(self._wait_detached(sb, ex, timeout), f"sandbox-detached-{exec_id}")
+            self._spawn_task(sb.wait_detached(ex, timeout), f"sandbox-detached-{exec_id}")
             return api.ExecReply(run_id=req.run_id, sandbox_id=sb.id, exec_id=exec_id, exit_code=None, detached=True)
         try:
             out = await execio.communicate(ex.proc, req.stdin, cap, timeout or self.cfg.max_timeout_s, ex.kill)
@@ -299,61 +247,24 @@ class BwrapBackend:
             ex.kill()
             raise
         finally:
-            self._exec_done(sb, ex)
-        oom = self._check_oom(sb, exec_id)
+            sb.exec_done(ex)
+        oom = sb.check_oom(exec_id)
         code = execio.exit_code(out.returncode)
         duration = time.monotonic() - ex.started
         if out.timed_out:
-            self._emit(sb, api.Timeout(exec_id=exec_id, timeout_s=timeout or self.cfg.max_timeout_s))
-        self._emit(sb, api.ExecFinished(exec_id=exec_id, exit_code=code, duration_s=duration, timed_out=out.timed_out,
-                                        oom_killed=oom, stdout_bytes=out.stdout_bytes, stderr_bytes=out.stderr_bytes))
+            sb.emit(api.Timeout(exec_id=exec_id, timeout_s=timeout or self.cfg.max_timeout_s))
+        sb.emit(api.ExecFinished(exec_id=exec_id, exit_code=code, duration_s=duration, timed_out=out.timed_out,
+                                 oom_killed=oom, stdout_bytes=out.stdout_bytes, stderr_bytes=out.stderr_bytes))
         return api.ExecReply(
             run_id=req.run_id, sandbox_id=sb.id, exec_id=exec_id, exit_code=code, stdout=out.stdout,
             stderr=out.stderr, stdout_truncated=out.stdout_truncated, stderr_truncated=out.stderr_truncated,
             duration_s=duration, timed_out=out.timed_out, oom_killed=oom,
         )
 
-    def _exec_done(self, sb: Sandbox, ex: Exec) -> None:
-        sb.execs.pop(ex.exec_id, None)
-        ex.close()
-
-    def _check_oom(self, sb: Sandbox, exec_id: str | None) -> bool:
-        try:
-            kills = sb.cgroup.oom_kills()
-        except OSError:
-            return False
-        if kills <= sb.oom_seen:
-            return False
-        sb.oom_seen = kills
-        self._emit(sb, api.Oom(exec_id=exec_id, memory_mb=sb.spec.limits.memory_mb, kills=kills))
-        return True
-
-    async def _wait_detached(self, sb: Sandbox, ex: Exec, timeout: float | None) -> None:
-        timed_out = False
-        try:
-            if timeout is None:
-                await ex.proc.wait()
-            else:
-                try:
-                    await asyncio.wait_for(ex.proc.wait(), timeout)
-                except TimeoutError:
-                    timed_out = True
-                    ex.kill()
-                    self._emit(sb, api.Timeout(exec_id=ex.exec_id, timeout_s=timeout))
-                    await ex.proc.wait()
-            await ex.gone()
-        finally:
-            self._exec_done(sb, ex)
-        if sb.state == "destroying":
-            return
-        oom = self._check_oom(sb, ex.exec_id)
-        self._emit(sb, api.ExecFinished(exec_id=ex.exec_id, exit_code=execio.exit_code(ex.proc.returncode),
-                                        duration_s=time.monotonic() - ex.started, timed_out=timed_out, oom_killed=oom))
-
     async def write_files(self, req: api.WriteFilesRequest) -> api.WriteFilesReply:
         sb = self._get(req.sandbox_id)
         async with sb.lock:
-            self._alive(sb)
+            sb.ensure_alive()
             total = await self._maybe_thread(
                 files.write_files, sb.roots, req.files, self.cfg.sandbox_uid, self.cfg.sandbox_gid,
                 big=sum(len(f.data) for f in req.files) > (1 << 20),
@@ -366,7 +277,7 @@ class BwrapBackend:
         if limit > self.cfg.max_output_bytes:
             raise InvalidRequest(f"max_bytes={limit} exceeds the maximum {self.cfg.max_output_bytes}")
         async with sb.lock:
-            self._alive(sb)
+            sb.ensure_alive()
             out = [await self._maybe_thread(files.read_file, sb.roots, p, limit, big=limit > (1 << 20))
                    for p in req.paths]
         return api.ReadFilesReply(run_id=req.run_id, sandbox_id=sb.id, files=out)
@@ -378,21 +289,21 @@ class BwrapBackend:
     async def pause(self, req: api.PauseRequest) -> api.PauseReply:
         sb = self._get(req.sandbox_id)
         async with sb.lock:
-            self._alive(sb)
+            sb.ensure_alive()
             if sb.state == "running":
                 await sb.cgroup.freeze()
                 sb.state = "paused"
-                self._emit(sb, api.Paused())
+                sb.emit(api.Paused())
         return api.PauseReply(run_id=req.run_id, sandbox_id=sb.id, state="paused")
 
     async def resume(self, req: api.ResumeRequest) -> api.ResumeReply:
         sb = self._get(req.sandbox_id)
         async with sb.lock:
-            self._alive(sb)
+            sb.ensure_alive()
             if sb.state == "paused":
                 sb.cgroup.thaw()
                 sb.state = "running"
-                self._emit(sb, api.Resumed())
+                sb.emit(api.Resumed())
         return api.ResumeReply(run_id=req.run_id, sandbox_id=sb.id, state="running")
 
     async def _take_snapshot(self, sb: Sandbox) -> tuple[Snapshot, bool]:
@@ -415,13 +326,13 @@ class BwrapBackend:
         store.acquire(layers)
         self.snapshots[snap.id] = snap
         sb.snapshots.add(snap.id)
-        self._emit(sb, api.Snapshotted(snapshot_id=snap.id, copied=copied))
+        sb.emit(api.Snapshotted(snapshot_id=snap.id, copied=copied))
         return snap, copied
 
     async def snapshot(self, req: api.SnapshotRequest) -> api.SnapshotReply:
         sb = self._get(req.sandbox_id)
         async with sb.lock:
-            self._alive(sb)
+            sb.ensure_alive()
             snap, copied = await self._take_snapshot(sb)
         return api.SnapshotReply(run_id=req.run_id, sandbox_id=sb.id, snapshot_id=snap.id, copied=copied)
 
@@ -431,7 +342,7 @@ class BwrapBackend:
             parent = self._get(req.source.sandbox_id)
             parent_id = parent.id
             async with parent.lock:
-                self._alive(parent)
+                parent.ensure_alive()
                 snap, _ = await self._take_snapshot(parent)
         else:
             found = self.snapshots.get(req.source.snapshot_id)
@@ -444,7 +355,7 @@ class BwrapBackend:
                     lease_ttl_s=ttl, labels=dict(req.labels) if req.labels else snap.spec.labels)
         child = await self._new_sandbox(req.run_id, spec, snap.layers, parent_id)
         expires = self.leases.set(child.id, ttl)
-        self._emit(child, api.Forked(snapshot_id=snap.id, parent_id=parent_id, lease_ttl_s=ttl, labels=spec.labels))
+        child.emit(api.Forked(snapshot_id=snap.id, parent_id=parent_id, lease_ttl_s=ttl, labels=spec.labels))
         return api.ForkReply(run_id=req.run_id, sandbox_id=child.id, instance_id=self.instance_id,
                              snapshot_id=snap.id, lease_expires_at=expires)
 
@@ -474,7 +385,7 @@ class BwrapBackend:
         self.sandboxes.pop(sb.id, None)
         self._discard(doomed)
         if emit:
-            self._emit(sb, api.Destroyed(reason=reason))
+            sb.emit(api.Destroyed(reason=reason))
 
     def _discard(self, dirs: list[str]) -> None:
         """Move ``dirs`` into the trash (a rename each) and delete them in a background thread.
@@ -498,7 +409,7 @@ class BwrapBackend:
         sb = self.sandboxes.get(sandbox_id)
         if sb is None or sb.state == "destroying":
             return
-        self._emit(sb, api.LeaseExpired(lease_ttl_s=sb.spec.lease_ttl_s))
+        sb.emit(api.LeaseExpired(lease_ttl_s=sb.spec.lease_ttl_s))
         self._spawn_task(self._destroy(sb, "lease_expired"), f"sandbox-expire-{sandbox_id}")
 
     async def renew_lease(self, req: api.RenewLeaseRequest) -> api.RenewLeaseReply:

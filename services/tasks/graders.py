@@ -3,9 +3,10 @@
 * :class:`RewardGrader` — the task's reward function on the assistant's text;
 * :class:`SandboxTestsGrader` — forks the rollout's sandbox, runs the task's hidden tests in the fork and
   scores the share that passed; the rollout's own sandbox is never touched and the fork is destroyed;
-* :class:`LlmJudgeGrader` — a judge model (the torch engine in-process, or an OpenAI-compatible endpoint)
-  rates the transcript against a rubric; malformed judge output is a recorded parse failure, not a crash;
-  results are cached per (rollout, rubric, judge).
+* :class:`LlmJudgeGrader` — a judge model rates the transcript against a rubric; malformed judge output is a
+  recorded parse failure, not a crash; results are cached per (rollout, rubric, judge). The judge models
+  themselves (backends, output parsing, the cache) are in :mod:`services.tasks.judge_backends`, and
+  :meth:`GraderFactory.backend` picks one per judge spec.
 
 Every grader returns a :class:`proto.trajectories.GraderScore` (score in [0, 1], weight, explanation, error)
 and never raises for a failure of what it grades with; :func:`grade_all` runs them concurrently and combines
@@ -18,12 +19,7 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
-import re
-import urllib.error
-import urllib.request
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -36,11 +32,22 @@ from services.lib.sandbox_client import SandboxClient, SandboxClientError
 from services.tasks.base import Prompt
 from services.tasks.grader_specs import (
     GraderSpec,
+    JudgeModel,
     LlmJudgeSpec,
     OpenAIJudgeModel,
     RewardGraderSpec,
     SandboxTestsSpec,
     TorchJudgeModel,
+)
+from services.tasks.judge_backends import (
+    EngineJudgeBackend,
+    JudgeBackend,
+    JudgeBackendError,
+    JudgeCache,
+    JudgeParseError,
+    Messages,
+    OpenAIJudgeBackend,
+    parse_judge_score,
 )
 
 log = logging.getLogger("rlbus.judge.graders")
@@ -192,191 +199,6 @@ class SandboxTestsGrader:
 # --- LLM-as-judge ----------------------------------------------------------------------------------------
 
 
-class JudgeParseError(ValueError):
-    """The judge's output holds no usable score."""
-
-
-class JudgeBackendError(RuntimeError):
-    """The judge model could not be asked (endpoint down, bad reply)."""
-
-
-_JSON_SCORE = re.compile(r'"score"\s*:\s*"?(-?\d+(?:\.\d+)?)')
-_LABELLED = re.compile(r"(?:score|rating|grade)\s*(?:is|of|=|:)?\s*[*_`\"']*\s*(-?\d+(?:\.\d+)?)"
-                       r"(?:\s*(?:/|out of)\s*(\d+(?:\.\d+)?))?", re.IGNORECASE)
-_FRACTION = re.compile(r"(-?\d+(?:\.\d+)?)\s*(?:/|out of)\s*(\d+(?:\.\d+)?)", re.IGNORECASE)
-_BARE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*[.!]?\s*$")
-
-
-def parse_judge_score(text: str, scale: float) -> tuple[float, str]:
-    """A judge's output → (score in [0, 1], its explanation).
-
-    Accepts ``Score: 7``, ``score = 7/10``, ``**Rating:** 7 out of 10``, ``{"score": 7}``, ``7/10`` or a bare
-    ``7``. Raises :class:`JudgeParseError` (with the output quoted) when none is found or it is out of range.
-    """
-    found: tuple[str, str | None] | None = None
-    for pattern in (_JSON_SCORE, _LABELLED, _FRACTION):
-        m = pattern.search(text)
-        if m is not None:
-            found = (m.group(1), m.group(2) if pattern.groups > 1 else None)
-            break
-    if found is None:
-        first = text.strip().splitlines()[0] if text.strip() else ""
-        m = _BARE.match(first)
-        if m is not None:
-            found = (m.group(1), None)
-    snippet = text.strip()[:200]
-    if found is None:
-        raise JudgeParseError(f"no score in the judge's output {snippet!r}")
-    value, denominator = float(found[0]), float(found[1]) if found[1] else scale
-    if denominator <= 0 or not 0 <= value <= denominator:
-        raise JudgeParseError(f"score {found[0]} is outside 0..{denominator:g} in the judge's output {snippet!r}")
-    explanation = re.sub(r"\s+", " ", text.strip())[:300]
-    return value / denominator, explanation
-
-
-Messages = list[dict[str, str]]
-
-
-class JudgeBackend(Protocol):
-    """Where judge completions come from."""
-
-    identity: str
-
-    async def complete(self, messages: Messages, max_tokens: int, prefill: str = "") -> str:
-        """The judge's answer to ``messages``; backends that can start the answer with ``prefill`` do (and
-        return it as part of the answer), others ignore it."""
-        ...
-
-    async def close(self) -> None:
-        ...
-
-
-class EngineJudgeBackend:
-    """A judge on any :class:`services.lib.engine.base.Engine` (greedy), prompted through its chat template."""
-
-    def __init__(self, engine: Any, tokenizer: Any, identity: str, *, owns_engine: bool = False) -> None:
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.identity = identity
-        self.owns_engine = owns_engine
-        self._started = not owns_engine
-        self._lock = asyncio.Lock()
-
-    @classmethod
-    def from_spec(cls, spec: TorchJudgeModel, seed: int = 0) -> EngineJudgeBackend:
-        """A torch engine for ``spec``, loaded on first use (in a worker thread)."""
-        from services.lib.engine.torch_engine import TorchEngine, TorchEngineConfig
-        from services.tasks.models import resolve_model
-
-        model_dir = resolve_model(spec.model, spec.cache_dir or None, seed=seed)
-        engine = TorchEngine(TorchEngineConfig(model_dir=str(model_dir), dtype=spec.dtype, device=spec.device or None,
-                                               max_batch_size=spec.max_batch_size,
-                                               num_threads=spec.num_threads or None))
-        return cls(engine, None, f"torch:{model_dir}", owns_engine=True)
-
-    async def complete(self, messages: Messages, max_tokens: int, prefill: str = "") -> str:
-        from services.lib.engine.base import EngineError, SamplingParams
-        from services.tasks.base import encode_chat, encode_text
-
-        async with self._lock:
-            if not self._started:
-                await self.engine.start()
-                self.tokenizer = self.engine.tokenizer
-                self._started = True
-        if getattr(self.tokenizer, "chat_template", None):
-            ids = encode_chat(self.tokenizer, messages)
-        else:  # a base model: a plain transcript ending where the judge answers
-            ids = encode_text(self.tokenizer, "\n\n".join(f"{m['role'].capitalize()}: {m['content']}"
-                                                          for m in messages) + "\n\nAssistant:")
-        if prefill:  # the answer starts with it: small judges then write the number next
-            ids += list(self.tokenizer.encode(prefill, add_special_tokens=False))
-        try:
-            result = await self.engine.generate(ids, SamplingParams(max_new_tokens=max_tokens, temperature=0.0))
-        except EngineError as e:
-            raise JudgeBackendError(f"judge engine failed: {e}") from e
-        return prefill + result.text
-
-    async def close(self) -> None:
-        if self.owns_engine and self._started:
-            await self.engine.stop()
-
-
-class OpenAIJudgeBackend:
-    """An OpenAI-compatible ``/chat/completions`` endpoint (stdlib HTTP in a worker thread; greedy)."""
-
-    def __init__(self, spec: OpenAIJudgeModel) -> None:
-        self.spec = spec
-        self.url = spec.base_url.rstrip("/") + "/chat/completions"
-        self.identity = f"openai:{self.url}:{spec.model}"
-
-    def _post(self, body: bytes) -> bytes:
-        headers = {"Content-Type": "application/json"}
-        key = os.environ.get(self.spec.api_key_env)
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
-        with urllib.request.urlopen(req, timeout=self.spec.timeout_s) as resp:
-            return resp.read()
-
-    async def complete(self, messages: Messages, max_tokens: int, prefill: str = "") -> str:
-        """``prefill`` is not sent: chat-completions endpoints have no portable way to start the answer."""
-        body = json.dumps({"model": self.spec.model, "messages": messages, "temperature": 0.0,
-                           "max_tokens": max_tokens}).encode()
-        try:
-            raw = await asyncio.to_thread(self._post, body)
-        except (urllib.error.URLError, OSError, TimeoutError) as e:
-            raise JudgeBackendError(f"POST {self.url} failed: {e}") from e
-        try:
-            content = json.loads(raw)["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise JudgeBackendError(f"{self.url} answered without choices[0].message.content: {raw[:200]!r}") from e
-        return str(content or "")
-
-    async def close(self) -> None:
-        return None
-
-
-class JudgeCache:
-    """LRU of LLM-judge verdicts by key; concurrent requests for one key share a single judge call."""
-
-    def __init__(self, max_entries: int = 10_000) -> None:
-        self.max_entries = max_entries
-        self.entries: OrderedDict[str, GraderScore] = OrderedDict()
-        self.pending: dict[str, asyncio.Future[GraderScore]] = {}
-        self.hits = 0
-        self.misses = 0
-
-    async def get_or_compute(self, key: str, compute: Callable[[], Awaitable[tuple[GraderScore, bool]]]) -> GraderScore:
-        """The cached verdict, or ``compute()``'s (kept when its flag says it is cacheable)."""
-        if key in self.entries:
-            self.hits += 1
-            self.entries.move_to_end(key)
-            return self.entries[key]
-        if key in self.pending:
-            self.hits += 1
-            return await asyncio.shield(self.pending[key])
-        self.misses += 1
-        future: asyncio.Future[GraderScore] = asyncio.get_running_loop().create_future()
-        self.pending[key] = future
-        try:
-            score, cacheable = await compute()
-        except Exception as e:  # the waiters get the same failure
-            future.set_exception(e)
-            future.exception()  # retrieved: no "never retrieved" warning when nobody waits
-            raise
-        else:
-            future.set_result(score)
-        finally:
-            self.pending.pop(key, None)
-            if not future.done():  # cancelled: so are the waiters
-                future.cancel()
-        if cacheable and self.max_entries > 0:
-            self.entries[key] = score
-            while len(self.entries) > self.max_entries:
-                self.entries.popitem(last=False)
-        return score
-
-
 JUDGE_SYSTEM = "You are a careful, strict grader. You read a task, a response and a rubric, and rate the response."
 JUDGE_USER = ("Task:\n{prompt}\n\nResponse:\n{response}\n\nRubric:\n{rubric}\n\n"
               "Rate the response from 0 to {scale:g} following the rubric. Answer with one line \"Score: N\", "
@@ -435,11 +257,16 @@ class GraderFactory:
         self.seed = seed
         self.backends: dict[str, JudgeBackend] = {}
 
-    def backend(self, spec: TorchJudgeModel | OpenAIJudgeModel) -> JudgeBackend:
+    def backend(self, spec: JudgeModel) -> JudgeBackend:
+        """The backend for a judge spec, by the spec's type (the one place that chooses); one per distinct spec."""
         key = repr(spec)
         if key not in self.backends:
-            self.backends[key] = (OpenAIJudgeBackend(spec) if isinstance(spec, OpenAIJudgeModel)
-                                  else EngineJudgeBackend.from_spec(spec, seed=self.seed))
+            if isinstance(spec, OpenAIJudgeModel):
+                self.backends[key] = OpenAIJudgeBackend(spec)
+            elif isinstance(spec, TorchJudgeModel):
+                self.backends[key] = EngineJudgeBackend.from_spec(spec, seed=self.seed)
+            else:
+                raise TypeError(f"no judge backend for {type(spec).__name__}")
         return self.backends[key]
 
     def build(self, task_name: str, specs: Sequence[GraderSpec]) -> list[Grader]:

@@ -14,15 +14,12 @@ from proto.rollouts import Rollout, Turn
 from services.lib.sandbox_client import SandboxClientError
 from services.tasks import get_task
 from services.tasks.grader_specs import LlmJudgeSpec, OpenAIJudgeModel, RewardGraderSpec, SandboxTestsSpec
-from services.tasks.graders import (
+from services.tasks.graders import GraderFactory, LlmJudgeGrader, SandboxTestsGrader, grade_all
+from services.tasks.judge_backends import (
     EngineJudgeBackend,
-    GraderFactory,
     JudgeCache,
     JudgeParseError,
-    LlmJudgeGrader,
     OpenAIJudgeBackend,
-    SandboxTestsGrader,
-    grade_all,
     parse_judge_score,
 )
 

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import sys, threading
-from services.lib.engine.torch_engine import TorchEngine, TorchEngineConfig
+from services.lib.engine.torch_config import TorchEngineConfig
+from services.lib.engine.torch_engine import TorchEngine
 from services.lib.model_io import load_policy
 
 model_dir = sys.argv[1]

@@ -8,7 +8,8 @@ import nats
 import torch
 
 from services.lib.engine.base import SamplingParams
-from services.lib.engine.torch_engine import TorchEngine, TorchEngineConfig
+from services.lib.engine.torch_config import TorchEngineConfig
+from services.lib.engine.torch_engine import TorchEngine
 from services.lib.model_io import load_policy
 from services.lib.weights.client import WeightPublisher
 from services.lib.weights.config import EncodingConfig, StoreTransportConfig

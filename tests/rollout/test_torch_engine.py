@@ -20,7 +20,8 @@ from services.lib.engine.base import (
     WeightUpdateError,
 )
 from services.lib.engine.kv_cache import PaddedBatchCache
-from services.lib.engine.torch_engine import TorchEngine, TorchEngineConfig
+from services.lib.engine.torch_config import TorchEngineConfig
+from services.lib.engine.torch_engine import TorchEngine
 
 PROMPTS = ["hello world", "a", "the quick brown fox jumps", "1+2=", "RL on a bus"]
 

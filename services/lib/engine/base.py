@@ -16,16 +16,25 @@ Conventions every engine follows:
 * **Stops**: ``token_ids`` keep every generated token, including the EOS or stop
   token and the tokens that completed a stop string; ``text`` omits special
   tokens and ends *before* a matched stop string.
+
+At the end are small helpers any engine may use: :func:`resolve_threadsafe` (an
+engine thread answering a coroutine's future) and :class:`TokenRate` (the
+tokens/s figure of :class:`EngineStats`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch is only needed by engines, not by users of the types
     import torch
+
+log = logging.getLogger("rlbus.engine")
 
 FinishReason = Literal["stop", "length", "eos"]
 WeightUpdateMode = Literal["in_flight", "between_requests"]
@@ -149,3 +158,54 @@ class Engine(Protocol):
     def stats(self) -> EngineStats:
         """Current load figures."""
         ...
+
+
+# --- helpers for engines ----------------------------------------------------------------------------------
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # cancelled by its caller meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def resolve_threadsafe(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any = None,
+                       error: BaseException | None = None) -> None:
+    """From any thread, complete ``future`` (of ``loop``) with ``result`` or ``error``, on ``loop`` itself.
+
+    A future already done (cancelled by its caller) stays as it is; if ``loop`` is closed, nobody is waiting
+    any more and the result is dropped.
+    """
+    try:
+        loop.call_soon_threadsafe(_settle, future, result, error)
+    except RuntimeError:  # the caller's event loop is closed
+        log.debug("dropping a result for a closed event loop")
+
+
+class TokenRate:
+    """Generated tokens: the total, and the rate over the last ``window_s`` seconds (not locked: callers do)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.total = 0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+
+    def add(self, n: int, now: float) -> None:
+        """Count ``n`` tokens generated at ``now`` (``time.monotonic()``)."""
+        self.total += n
+        self._recent.append((now, n))
+        self._forget(now)
+
+    def per_s(self, now: float) -> float:
+        """Tokens per second over the window ending at ``now`` (or since the first token, if more recent)."""
+        self._forget(now)
+        recent = sum(n for _, n in self._recent)
+        span = min(self.window_s, now - self._recent[0][0]) if self._recent else self.window_s
+        return recent / span if span > 0 else 0.0
+
+    def _forget(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - self.window_s:
+            self._recent.popleft()

@@ -9,8 +9,9 @@ Each loop iteration, at a decode-step boundary:
 1. applies pending weight updates (``in_flight``: always; ``between_requests``:
    once no row is running, holding back newcomers meanwhile);
 2. admits queued requests up to ``max_batch_size``: prefills them together
-   (left-padded), samples their first token, and merges their KV cache into the
-   running batch (:class:`~services.lib.engine.kv_cache.PaddedBatchCache`);
+   (left-padded, grouped as :mod:`~services.lib.engine.prefill` says), samples
+   their first token, and merges their KV cache into the running batch
+   (:class:`~services.lib.engine.kv_cache.PaddedBatchCache`);
 3. runs one decode step for every running row and samples the next tokens for
    the whole batch at once;
 4. removes finished rows from the cache at once and trims leading columns that
@@ -19,6 +20,8 @@ Each loop iteration, at a decode-step boundary:
 In-flight updates keep the KV cache computed under the old weights: tokens
 sampled after the update use the new weights attending to old-version keys and
 values. Every token's version says which weights sampled it.
+
+The engine's settings are :class:`~services.lib.engine.torch_config.TorchEngineConfig`.
 """
 
 from __future__ import annotations
@@ -29,9 +32,8 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -43,59 +45,16 @@ from services.lib.engine.base import (
     GenerationResult,
     InvalidRequestError,
     SamplingParams,
+    TokenRate,
     WeightUpdateError,
-    WeightUpdateMode,
+    resolve_threadsafe,
 )
 from services.lib.engine.kv_cache import PaddedBatchCache
+from services.lib.engine.prefill import left_padded, prefill_chunks
 from services.lib.engine.sampling import DecodeState, sample_tokens
+from services.lib.engine.torch_config import DTYPES, TorchEngineConfig
 
 log = logging.getLogger("rlbus.rollout.torch_engine")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class TorchEngineConfig:
-    """Settings of the torch engine."""
-
-    model_dir: str = ""
-    """Hugging Face model directory (config, safetensors, tokenizer); unused with ``TorchEngine.from_model``."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Model weights and activations dtype; sampling always runs in float32."""
-    device: str | None = None
-    """torch device; ``None`` picks ``cuda`` when available, else ``cpu``."""
-    max_batch_size: int = 64
-    """Most rows in the running batch; more requests wait in the queue."""
-    max_queued: int = 4096
-    """Most queued (not yet running) requests; beyond it ``generate`` raises EngineOverloadedError."""
-    max_prefill_tokens: int = 16384
-    """Most padded prompt tokens prefilled in one step (at least one request is always admitted)."""
-    num_threads: int | None = None
-    """``torch.set_num_threads`` at start (process-wide); ``None`` leaves torch's default."""
-    weight_update_mode: WeightUpdateMode = "in_flight"
-    """``in_flight``: apply between decode steps; ``between_requests``: once no request runs."""
-    initial_version: int = 0
-    """Weight version of the weights loaded at start."""
-    attn_implementation: str = "sdpa"
-    """transformers attention backend (``sdpa`` or ``eager``)."""
-    stats_window_s: float = 10.0
-    """Window of the tokens/s figure in :meth:`TorchEngine.stats`."""
-    seed: int | None = None
-    """Seed of the generator shared by unseeded requests; ``None`` draws a fresh one (engines must
-    not share it, or their samples would be correlated)."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        for name in ("max_batch_size", "max_queued", "max_prefill_tokens"):
-            if getattr(self, name) < 1:
-                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise InvalidRequestError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.weight_update_mode not in ("in_flight", "between_requests"):
-            raise InvalidRequestError(
-                f"weight_update_mode must be 'in_flight' or 'between_requests', got {self.weight_update_mode!r}"
-            )
 
 
 class _Request:
@@ -116,24 +75,6 @@ class _WeightUpdate:
         self.tensors, self.version, self.loop, self.future = tensors, version, loop, future
 
 
-def _resolve(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
-    """Complete ``future`` on its own loop (called there via call_soon_threadsafe)."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def _post(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any = None,
-          error: BaseException | None = None) -> None:
-    try:
-        loop.call_soon_threadsafe(_resolve, future, result, error)
-    except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
-        log.debug("dropping a result for a closed event loop")
-
-
 class TorchEngine:
     """Continuous-batching engine over a transformers causal LM (implements ``Engine``)."""
 
@@ -151,8 +92,7 @@ class TorchEngine:
         self._running = False
         self._thread: threading.Thread | None = None
         self._n_pending = 0
-        self._total_tokens = 0
-        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._rate = TokenRate(config.stats_window_s)
         # running batch (engine thread only)
         self._rows: list[_Request] = []
         self._cache: PaddedBatchCache | None = None
@@ -203,7 +143,7 @@ class TorchEngine:
     def _load(self) -> None:
         from services.runtime.loading import HF_LOAD_LOCK
 
-        dtype = _DTYPES[self.config.dtype]
+        dtype = DTYPES[self.config.dtype]
         if self._model is None:
             if not self.config.model_dir or not Path(self.config.model_dir).is_dir():
                 raise EngineError(f"model_dir {self.config.model_dir!r} is not a directory; "
@@ -247,15 +187,9 @@ class TorchEngine:
     def stats(self) -> EngineStats:
         """Pending/running requests, recent tokens/s, total tokens, version."""
         with self._cond:
-            now = time.monotonic()
-            window = self.config.stats_window_s
-            while self._recent and self._recent[0][0] < now - window:
-                self._recent.popleft()
-            recent = sum(n for _, n in self._recent)
-            span = min(window, now - self._recent[0][0]) if self._recent else window
             return EngineStats(pending=self._n_pending, running=len(self._rows),
-                               tokens_per_s=recent / span if span > 0 else 0.0,
-                               total_generated_tokens=self._total_tokens, version=self._version)
+                               tokens_per_s=self._rate.per_s(time.monotonic()),
+                               total_generated_tokens=self._rate.total, version=self._version)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         """Generate one completion; see :class:`~services.lib.engine.base.Engine`."""
@@ -360,7 +294,8 @@ class TorchEngine:
             self._reset_batch()
             self._fail(queued + running, EngineNotRunningError("the torch engine stopped before this request finished"))
             for update in updates:
-                _post(update.loop, update.future, error=EngineNotRunningError("engine stopped before the update"))
+                resolve_threadsafe(update.loop, update.future,
+                                   error=EngineNotRunningError("engine stopped before the update"))
 
     def _take_newcomers(self) -> list[_Request]:
         """Pop queued requests that fit (batch size, prefill budget); called under the lock."""
@@ -384,7 +319,7 @@ class TorchEngine:
         with self._cond:
             self._n_pending -= len(requests)
         for request in requests:
-            _post(request.loop, request.future, error=error)
+            resolve_threadsafe(request.loop, request.future, error=error)
 
     def _reset_batch(self) -> None:
         self._rows = []
@@ -399,14 +334,14 @@ class TorchEngine:
                     self._targets[name].copy_(tensor)
         except (RuntimeError, TypeError) as exc:  # the update's caller hears of it; generation goes on
             log.exception("weight update to version %d failed", update.version)
-            _post(update.loop, update.future, error=WeightUpdateError(
+            resolve_threadsafe(update.loop, update.future, error=WeightUpdateError(
                 f"copying version {update.version} failed ({exc!r}); the model may hold a mix of versions "
                 f"{self._version} and {update.version}: send a full state dict again"))
             return
         self._version = update.version
         log.info("applied weights version %d (%d tensors, %d rows running)",
                  update.version, len(update.tensors), len(self._rows))
-        _post(update.loop, update.future)
+        resolve_threadsafe(update.loop, update.future)
 
     def _drop_cancelled(self) -> None:
         cancelled = [i for i, r in enumerate(self._rows) if r.cancelled]
@@ -417,15 +352,7 @@ class TorchEngine:
 
     def _prefill(self, prompts: list[tuple[int, ...]]) -> tuple[PaddedBatchCache, torch.Tensor]:
         """Left-padded forward pass over ``prompts``: their cache and last-position logits."""
-        longest = max(len(p) for p in prompts)
-        ids = torch.zeros((len(prompts), longest), dtype=torch.long)
-        valid = torch.zeros((len(prompts), longest), dtype=torch.bool)
-        positions = torch.zeros((len(prompts), longest), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            n = len(prompt)
-            ids[i, longest - n:] = torch.tensor(prompt, dtype=torch.long)
-            valid[i, longest - n:] = True
-            positions[i, longest - n:] = torch.arange(n)
+        ids, valid, positions = left_padded(prompts)
         cache = PaddedBatchCache(self._num_layers)
         mask = cache.extend(valid.to(self._device))
         logits = self._model(input_ids=ids.to(self._device), attention_mask=mask,
@@ -438,20 +365,13 @@ class TorchEngine:
         """Prefill ``newcomers``, sample their first token, append them to the running batch.
 
         Identical prompts (a GRPO group) are prefilled once and their cache rows
-        copied. Distinct prompts are prefilled longest first, in chunks of similar
-        length (each at least 3/4 of its chunk's longest), so little padding is computed.
+        copied; distinct ones in chunks of similar length (:func:`prefill_chunks`).
         """
         device = self._device
         groups: dict[tuple[int, ...], list[_Request]] = {}
         for request in newcomers:
             groups.setdefault(tuple(request.seq.prompt_ids), []).append(request)
-        prompts = sorted(groups, key=len, reverse=True)
-        chunks: list[list[tuple[int, ...]]] = []
-        for prompt in prompts:
-            if chunks and 4 * len(prompt) >= 3 * len(chunks[-1][0]):
-                chunks[-1].append(prompt)
-            else:
-                chunks.append([prompt])
+        chunks = prefill_chunks(groups)
         if self._cache is None:
             self._cache = PaddedBatchCache(self._num_layers, batch_capacity=self.config.max_batch_size)
         admitted: list[_Request] = []
@@ -498,10 +418,7 @@ class TorchEngine:
                 finished.append(i)
         now = time.monotonic()
         with self._cond:
-            self._total_tokens += len(token_list)
-            self._recent.append((now, len(token_list)))
-            while self._recent[0][0] < now - self.config.stats_window_s:
-                self._recent.popleft()
+            self._rate.add(len(token_list), now)
         if finished:  # leave the batch first, so stats never count a returned request as running
             done_requests = [self._rows[i] for i in finished]
             self._remove_rows(finished)
@@ -512,7 +429,7 @@ class TorchEngine:
         result = request.seq.result()
         with self._cond:
             self._n_pending -= 1
-        _post(request.loop, request.future, result)
+        resolve_threadsafe(request.loop, request.future, result)
 
     def _remove_rows(self, removed: list[int]) -> None:
         """Drop rows ``removed`` from the batch (cache, per-row state); trim columns that became all padding."""

@@ -1,0 +1,123 @@
+"""One sandbox of the bwrap backend: what it was made with, what it holds, and what happens inside it.
+
+:class:`~services.sandbox.bwrap.BwrapBackend` keeps the registry (ids, leases, capacity, the layer store) and
+answers the verbs; a :class:`Sandbox` is one entry of that registry: its work tree, cgroup and command line,
+its state, its running execs, and its own numbered event stream. What concerns one sandbox alone (emitting
+its events, noticing OOM kills, settling an exec that finished) lives here, so the backend reads as the
+verbs. A :class:`Snapshot` is the frozen layers of a sandbox and the :class:`Spec` forks inherit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from proto import sandbox as api
+from services.sandbox import execio, files
+from services.sandbox.backend import EventSink, NotFound
+from services.sandbox.bwrap_exec import Exec
+from services.sandbox.cgroups import Cgroup
+from services.sandbox.config import LimitsConfig
+from services.sandbox.egress import Allowlist
+from services.sandbox.overlay import WorkTree
+
+log = logging.getLogger("rlbus.sandbox.bwrap")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a sandbox was made with; a snapshot keeps it so forks inherit it."""
+
+    base: str
+    limits: LimitsConfig
+    env: dict[str, str]
+    egress: tuple[str, ...]
+    lease_ttl_s: float
+    labels: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    id: str
+    sandbox_id: str
+    layers: tuple[str, ...]
+    spec: Spec
+
+
+@dataclass
+class Sandbox:
+    id: str
+    run_id: str
+    instance_id: str
+    on_event: EventSink
+    spec: Spec
+    tree: WorkTree
+    cgroup: Cgroup
+    roots: files.Roots
+    allowlist: Allowlist
+    argv_prefix: list[str]
+    created_at: float
+    parent_id: str | None = None
+    state: str = "running"  # running | paused | destroying
+    seq: int = 0
+    oom_seen: int = 0
+    exec_count: int = 0
+    execs: dict[str, Exec] = field(default_factory=dict)
+    snapshots: set[str] = field(default_factory=set)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def emit(self, detail: api.EventDetail) -> None:
+        """Publish the sandbox's next event; a failing sink is logged, never raised."""
+        self.seq += 1
+        event = api.SandboxEvent(run_id=self.run_id, sandbox_id=self.id, instance_id=self.instance_id, seq=self.seq,
+                                 detail=detail)
+        try:
+            self.on_event(event)
+        except Exception:  # a failing sink must not fail the operation that changed the state
+            log.exception("event sink failed on %s of %s", event.kind, self.id)
+
+    def ensure_alive(self) -> None:
+        """Under :attr:`lock`: refuse to work on a sandbox a concurrent destroy got to first."""
+        if self.state == "destroying":
+            raise NotFound(f"sandbox {self.id} was destroyed", self.id)
+
+    def exec_done(self, ex: Exec) -> None:
+        self.execs.pop(ex.exec_id, None)
+        ex.close()
+
+    def check_oom(self, exec_id: str | None) -> bool:
+        """Whether the cgroup counted new OOM kills (then an ``Oom`` event says so)."""
+        try:
+            kills = self.cgroup.oom_kills()
+        except OSError:
+            return False
+        if kills <= self.oom_seen:
+            return False
+        self.oom_seen = kills
+        self.emit(api.Oom(exec_id=exec_id, memory_mb=self.spec.limits.memory_mb, kills=kills))
+        return True
+
+    async def wait_detached(self, ex: Exec, timeout: float | None) -> None:
+        """Follow a detached exec to its end (killed at ``timeout``) and report it, unless the sandbox went."""
+        timed_out = False
+        try:
+            if timeout is None:
+                await ex.proc.wait()
+            else:
+                try:
+                    await asyncio.wait_for(ex.proc.wait(), timeout)
+                except TimeoutError:
+                    timed_out = True
+                    ex.kill()
+                    self.emit(api.Timeout(exec_id=ex.exec_id, timeout_s=timeout))
+                    await ex.proc.wait()
+            await ex.gone()
+        finally:
+            self.exec_done(ex)
+        if self.state == "destroying":
+            return
+        oom = self.check_oom(ex.exec_id)
+        self.emit(api.ExecFinished(exec_id=ex.exec_id, exit_code=execio.exit_code(ex.proc.returncode),
+                                   duration_s=time.monotonic() - ex.started, timed_out=timed_out, oom_killed=oom))
