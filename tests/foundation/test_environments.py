@@ -1,0 +1,39 @@
+"""The launcher runs a service configured with a vLLM engine under an environment that has vLLM."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from services.launcher import environments
+from services.launcher.environments import MissingEnvironment, needs_vllm, python_for
+
+VLLM_TREE = {"services": {"rollout": {"engine": {"type": "vllm"}}, "trainer": {}}}
+
+
+def test_only_parts_with_a_vllm_engine_need_it():
+    assert needs_vllm("rollout", VLLM_TREE) and needs_vllm("trainer+rollout", VLLM_TREE)
+    assert not needs_vllm("trainer", VLLM_TREE) and not needs_vllm("judge", VLLM_TREE)
+    assert not needs_vllm("rollout", {"services": {"rollout": {"engine": {"type": "torch"}}}})
+    assert not needs_vllm("rollout", {})
+    assert python_for("trainer", VLLM_TREE) == sys.executable
+
+
+def test_the_vllm_environment_is_found_or_the_error_says_how_to_install_it(tmp_path, monkeypatch):
+    if environments.has_vllm():
+        pytest.skip("this environment has vLLM itself: every service runs here (the case tested is its absence)")
+    monkeypatch.setattr(environments, "REPO", tmp_path)  # a checkout without .venv-vllm
+    monkeypatch.delenv(environments.VLLM_PYTHON_ENV, raising=False)
+    with pytest.raises(MissingEnvironment, match=r"\./rlbus setup vllm"):
+        python_for("rollout", VLLM_TREE)
+    monkeypatch.setenv(environments.VLLM_PYTHON_ENV, str(tmp_path / "nope"))
+    with pytest.raises(MissingEnvironment, match="not an executable Python"):
+        python_for("rollout", VLLM_TREE)
+    monkeypatch.setenv(environments.VLLM_PYTHON_ENV, sys.executable)
+    assert python_for("rollout", VLLM_TREE) == sys.executable
+    monkeypatch.delenv(environments.VLLM_PYTHON_ENV)
+    venv = tmp_path / ".venv-vllm" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)
+    assert python_for("rollout", VLLM_TREE) == str(venv / "python")
