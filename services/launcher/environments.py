@@ -27,13 +27,22 @@ class MissingEnvironment(ConfigError):
 
 
 def needs_vllm(service: str, tree: dict[str, Any]) -> bool:
-    """True when a part of ``service`` ("rollout", "trainer+rollout", ...) is configured with a vLLM engine."""
+    """True when a part of ``service`` ("rollout", "trainer+rollout", ...) is configured with a vLLM engine
+    (a rollout's ``engine``, or a judge's ``llm_judge`` grader with ``judge = { type = "vllm" }``)."""
     services = tree.get("services", {}) if isinstance(tree, dict) else {}
     for part in service.split("+"):
         section = services.get(part, {})
-        engine = section.get("engine", {}) if isinstance(section, dict) else {}
+        if not isinstance(section, dict):
+            continue
+        engine = section.get("engine", {})
         if isinstance(engine, dict) and engine.get("type") == "vllm":
             return True
+        graders = section.get("graders", {}) if part == "judge" else {}
+        for specs in graders.values() if isinstance(graders, dict) else ():
+            for spec in specs if isinstance(specs, list) else ():
+                judge = spec.get("judge", {}) if isinstance(spec, dict) else {}
+                if isinstance(judge, dict) and judge.get("type") == "vllm":
+                    return True
     return False
 
 

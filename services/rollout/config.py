@@ -25,7 +25,37 @@ class TorchEngineSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     weight_update_mode: Literal["in_flight", "between_requests"] = "in_flight"
 
 
-EngineSection = TorchEngineSection
+class VllmEngineSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="vllm"):
+    """vLLM's async engine (``services/lib/engine/vllm_engine.py``): what GPU fleets generate with.
+
+    Needs vLLM in the rollout's environment: ``pip install "rlbus[rollout,vllm]"`` on a CUDA machine, or
+    ``./rlbus setup vllm`` here (the CPU build in ``.venv-vllm``, which the launcher then runs the rollout in).
+    """
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    #: most sequences in one engine step (further requests queue inside vLLM)
+    max_num_seqs: Pos = 256
+    #: longest prompt + completion in tokens (0: the model's own)
+    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: share of GPU memory vLLM may take (weights, activations, KV cache); GPU only
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
+    #: KV cache size in GiB (0: from gpu_memory_utilization on GPUs, 1 GiB on CPU)
+    kv_cache_gib: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    #: reuse KV blocks of shared prompt prefixes (a GRPO group shares its prompt); reset on every weight update
+    enable_prefix_caching: bool = True
+    #: GPUs one model is sharded over
+    tensor_parallel_size: Pos = 1
+    #: no torch.compile / CUDA graphs (faster start, slower steps)
+    enforce_eager: bool = False
+    #: apply new weights between engine steps (in_flight) or only when no request runs
+    weight_update_mode: Literal["in_flight", "between_requests"] = "in_flight"
+    #: allow sleep/wake (release memory while a colocated trainer steps); GPU only
+    enable_sleep_mode: bool = False
+    #: further vLLM engine arguments, passed through as given (e.g. { block_size = 16 })
+    engine_args: dict[str, int | float | str | bool] = {}
+
+
+EngineSection = TorchEngineSection | VllmEngineSection
 
 
 class SandboxSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -17,13 +17,18 @@ from typing import Any
 from proto import catalog
 from proto.prompts import PromptTicket
 from proto.rollouts import Rollout, Turn
-from services.lib.engine.base import EngineOverloadedError, SamplingParams
-from services.lib.engine.torch_config import TorchEngineConfig
-from services.lib.engine.torch_engine import TorchEngine
+from services.lib.engine.base import (
+    Engine,
+    EngineError,
+    EngineNotRunningError,
+    EngineOverloadedError,
+    SamplingParams,
+)
 from services.lib.sandbox_client import SandboxClient
 from services.lib.weights.transport import WeightReceiver, make_receiver
 from services.rollout.agent import AgentLoop
 from services.rollout.config import RolloutConfig
+from services.rollout.engines import build_engine
 from services.runtime.config import Loaded
 from services.runtime.consume import Delivery, Poison, Retry
 from services.runtime.service import ServiceContext
@@ -58,16 +63,13 @@ class RolloutService:
         self.version_changed = asyncio.Condition()
         self.receiver: WeightReceiver | None = None  # the receiver being followed
         self.tasks: dict[str, Task | None] = {}
-        self.engine: Any = None  # an Engine (services.lib.engine.base), set by attach()
+        self.engine: Any = None  # an Engine, set by attach()
         self.agents: AgentLoop | None = None  # set by attach() when the engine has a tokenizer
+        self.engine_failure: BaseException | None = None  # set when the engine died under requests
 
-    def _engine(self) -> TorchEngine:
-
-        e = self.cfg.engine
+    def _engine(self) -> Engine:
         model_dir = resolve_model(self.cfg.model, self.cfg.cache_dir or None, seed=self.loaded.run.seed)
-        return TorchEngine(TorchEngineConfig(
-            model_dir=str(model_dir), dtype=e.dtype, device=e.device or None, max_batch_size=e.max_batch_size,
-            num_threads=e.num_threads or None, weight_update_mode=e.weight_update_mode))
+        return build_engine(self.cfg.engine, model_dir)
 
     async def run(self, ctx: ServiceContext) -> None:
 
@@ -97,6 +99,17 @@ class RolloutService:
             except Exception as e:
                 log.debug("closing the weight receiver: %s", e)
             await self.engine.stop()
+        if self.engine_failure is not None:
+            raise EngineError(f"the engine died: {self.engine_failure}") from self.engine_failure
+
+    def _engine_died(self, ctx: ServiceContext, error: BaseException) -> None:
+        """The engine stopped under running requests (its process died): stop this service with an error,
+        so the launcher (or the orchestrator) restarts it; the ticket is handed back for redelivery."""
+        if self.engine_failure is None:
+            self.engine_failure = error
+            log.error("the engine died (%s); stopping so that the rollout is restarted", error)
+            ctx.stop.set()
+        raise Retry(f"the engine died: {error}", delay_s=0.0)
 
     def attach(self, engine: Any, tokenizer: Any, sandboxes: Any) -> None:
         """Serve with ``engine`` (an Engine); agent loops use ``tokenizer`` and ``sandboxes`` (a SandboxClient)."""
@@ -175,9 +188,12 @@ class RolloutService:
                                              for _ in range(ticket.group_size)), return_exceptions=True)
         except EngineOverloadedError as e:
             raise Retry(str(e), delay_s=2.0) from e
-        for i, res in enumerate(results):
+        for res in results:
             if isinstance(res, EngineOverloadedError):
                 raise Retry(str(res), delay_s=2.0)
+            if isinstance(res, EngineNotRunningError) and not ctx.stop.is_set():
+                self._engine_died(ctx, res)
+        for i, res in enumerate(results):
             common = _rollout_fields(ctx, ticket, i)
             if isinstance(res, BaseException):
                 log.warning("generation failed for %s/%d: %s", ticket.group_id, i, res)

@@ -67,7 +67,26 @@ class OpenAIJudgeModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
 
 
-JudgeModel = TorchJudgeModel | OpenAIJudgeModel
+class VllmJudgeModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="vllm"):
+    """A judge model run in the judge process by vLLM's engine (greedy decoding); needs vLLM in the judge's
+    environment (the launcher runs such a judge under ``.venv-vllm`` on CPU machines)."""
+
+    #: builtin model (smollm2, tiny-addition) or a Hugging Face directory
+    model: str = "smollm2"
+    #: where builtin models are cached (default ~/.cache/rlbus or $RLBUS_CACHE)
+    cache_dir: str = ""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    #: most sequences in one engine step
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 64
+    #: longest prompt + answer in tokens (0: the model's own)
+    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: share of GPU memory this judge may take; GPU only
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
+    #: KV cache size in GiB (0: from gpu_memory_utilization on GPUs, 1 GiB on CPU)
+    kv_cache_gib: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+
+
+JudgeModel = TorchJudgeModel | OpenAIJudgeModel | VllmJudgeModel
 
 
 class LlmJudgeSpec(_GraderBase, tag_field="type", tag="llm_judge"):

@@ -38,6 +38,7 @@ from services.tasks.grader_specs import (
     RewardGraderSpec,
     SandboxTestsSpec,
     TorchJudgeModel,
+    VllmJudgeModel,
 )
 from services.tasks.judge_backends import (
     EngineJudgeBackend,
@@ -263,7 +264,7 @@ class GraderFactory:
         if key not in self.backends:
             if isinstance(spec, OpenAIJudgeModel):
                 self.backends[key] = OpenAIJudgeBackend(spec)
-            elif isinstance(spec, TorchJudgeModel):
+            elif isinstance(spec, TorchJudgeModel | VllmJudgeModel):
                 self.backends[key] = EngineJudgeBackend.from_spec(spec, seed=self.seed)
             else:
                 raise TypeError(f"no judge backend for {type(spec).__name__}")

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from proto.trajectories import GraderScore
-from services.tasks.grader_specs import OpenAIJudgeModel, TorchJudgeModel
+from services.tasks.grader_specs import OpenAIJudgeModel, TorchJudgeModel, VllmJudgeModel
 
 
 class JudgeParseError(ValueError):
@@ -99,13 +99,23 @@ class EngineJudgeBackend:
         self._lock = asyncio.Lock()
 
     @classmethod
-    def from_spec(cls, spec: TorchJudgeModel, seed: int = 0) -> EngineJudgeBackend:
-        """A torch engine for ``spec``, loaded on first use (in a worker thread)."""
-        from services.lib.engine.torch_config import TorchEngineConfig
-        from services.lib.engine.torch_engine import TorchEngine
+    def from_spec(cls, spec: TorchJudgeModel | VllmJudgeModel, seed: int = 0) -> EngineJudgeBackend:
+        """A torch or vLLM engine for ``spec``, started on first use."""
         from services.tasks.models import resolve_model
 
         model_dir = resolve_model(spec.model, spec.cache_dir or None, seed=seed)
+        if isinstance(spec, VllmJudgeModel):
+            from services.lib.engine.vllm_config import VllmEngineConfig
+            from services.lib.engine.vllm_engine import VllmEngine
+
+            engine: Any = VllmEngine(VllmEngineConfig(
+                model_dir=str(model_dir), dtype=spec.dtype, max_num_seqs=spec.max_num_seqs,
+                max_model_len=spec.max_model_len or None, gpu_memory_utilization=spec.gpu_memory_utilization,
+                kv_cache_gib=spec.kv_cache_gib or None, seed=seed))
+            return cls(engine, None, f"vllm:{model_dir}", owns_engine=True)
+        from services.lib.engine.torch_config import TorchEngineConfig
+        from services.lib.engine.torch_engine import TorchEngine
+
         engine = TorchEngine(TorchEngineConfig(model_dir=str(model_dir), dtype=spec.dtype, device=spec.device or None,
                                                max_batch_size=spec.max_batch_size,
                                                num_threads=spec.num_threads or None))

@@ -17,6 +17,9 @@ def test_only_parts_with_a_vllm_engine_need_it():
     assert not needs_vllm("trainer", VLLM_TREE) and not needs_vllm("judge", VLLM_TREE)
     assert not needs_vllm("rollout", {"services": {"rollout": {"engine": {"type": "torch"}}}})
     assert not needs_vllm("rollout", {})
+    judged = {"services": {"judge": {"graders": {"coding": [{"type": "reward"},
+                                                           {"type": "llm_judge", "judge": {"type": "vllm"}}]}}}}
+    assert needs_vllm("judge", judged) and not needs_vllm("judge", {"services": {"judge": {"graders": {}}}})
     assert python_for("trainer", VLLM_TREE) == sys.executable
 
 

@@ -146,7 +146,9 @@ class Engine(Protocol):
         """Copy ``state_dict`` into the model and set :attr:`version`; returns once applied.
 
         Applied between two decode steps (``in_flight``) or once no request runs
-        (``between_requests``), according to the engine's configuration.
+        (``between_requests``), according to the engine's configuration. Every transport sends whole
+        state dicts; a partial one must hold whole layers (vLLM rebuilds a fused layer, e.g. q/k/v,
+        from the tensors given). A refused update raises and leaves the version unchanged.
         """
         ...
 
