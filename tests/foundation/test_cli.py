@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from services.launcher.auth import AUTH_DIR
 from services.runtime.natsd import free_port
 from tests.conftest import wait_for
 
@@ -37,6 +38,8 @@ def test_up_tap_status_and_ctrl_c(tmp_path):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"nats://127.0.0.1:{port}"
+        # `rlbus up` writes the run's generated logins before it starts the server; tap reads them
+        wait_for(lambda: (run_dir / AUTH_DIR / "credentials.json").is_file(), 60, "rlbus up's generated logins")
         # both services heartbeat: tap decodes them to JSON lines
         tap = subprocess.run([sys.executable, "-m", "services.launcher.cli", "tap", "heartbeat", "--nats-url", url,
                               "--run-id", "clitest", "--count", "6", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
