@@ -22,3 +22,17 @@ if not HAVE_VLLM:
         raise pytest.UsageError("RLBUS_REQUIRE_VLLM=1 but vLLM is not importable here: run `./rlbus setup vllm` "
                                 "and the lane with .venv-vllm/bin/python (./rlbus test tests/vllm)")
     collect_ignore_glob = ["test_*.py"]
+
+
+def vllm_workers() -> list:
+    """This process's live vLLM worker processes (zombies and exited children of earlier engines skipped)."""
+    import psutil
+
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "Worker" in " ".join(p.cmdline()) or "Worker" in p.name():
+                found.append(p)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found

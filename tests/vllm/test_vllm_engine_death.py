@@ -7,13 +7,13 @@ import asyncio
 import os
 import signal
 
-import psutil
 import pytest
 
 from services.lib.engine.base import EngineNotRunningError, SamplingParams
 from services.lib.engine.vllm_config import VllmEngineConfig
 from services.lib.engine.vllm_engine import VllmEngine
 from tests.conftest import wait_for_async
+from tests.vllm.conftest import vllm_workers
 
 
 async def test_killed_worker_fails_pending_requests(loop_model_dir):
@@ -24,9 +24,8 @@ async def test_killed_worker_fails_pending_requests(loop_model_dir):
         params = SamplingParams(max_new_tokens=55, temperature=1.0, ignore_eos=True)
         first = await engine.generate([1, 9, 6, 9, 18], SamplingParams(max_new_tokens=3, ignore_eos=True))
         assert len(first.token_ids) == 3 and not engine.errored
-        workers = [p for p in psutil.Process().children(recursive=True)
-                   if "Worker" in " ".join(p.cmdline()) or "Worker" in p.name()]
-        assert workers, [p.cmdline() for p in psutil.Process().children(recursive=True)]
+        workers = vllm_workers()
+        assert workers, "no vLLM worker process found"
         pending = [asyncio.create_task(engine.generate([1, 9, 6, 9, 18], params)) for _ in range(4)]
         await wait_for_async(lambda: engine.stats().total_generated_tokens > 3, 30, "tokens to flow")
         for worker in workers:

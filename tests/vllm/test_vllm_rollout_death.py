@@ -8,7 +8,6 @@ import os
 import signal
 
 import nats
-import psutil
 
 from proto import catalog, codec
 from proto.prompts import PromptTicket, Sampling
@@ -17,6 +16,7 @@ from services.launcher import registry
 from services.runtime import bus, service
 from services.runtime.config import load_service_config
 from tests.conftest import run_file, wait_for_async
+from tests.vllm.conftest import vllm_workers
 
 RUN = "vdeath"
 TICKETS = 6
@@ -54,8 +54,7 @@ async def test_a_dead_engine_stops_the_rollout_with_an_error_and_loses_no_ticket
         t.msg_id = f"{RUN}-g{i}"
         await js.publish(catalog.PROMPTS.subject(RUN), codec.encode(t), headers={"Nats-Msg-Id": t.msg_id})
     await wait_for_async(consumer_holds_tickets, 180, "the rollout to take tickets")
-    workers = [p for p in psutil.Process().children(recursive=True)
-               if "Worker" in " ".join(p.cmdline()) or "Worker" in p.name()]
+    workers = vllm_workers()
     assert workers, "no vLLM worker process found"
     for w in workers:
         os.kill(w.pid, signal.SIGKILL)
