@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from pathlib import Path
-from typing import Any
 
+import nats
 import pytest
 
 from proto import catalog, registry, subjects
@@ -13,6 +14,7 @@ from proto.echo import EchoReply, EchoRequest
 from proto.membership import Heartbeat
 from proto.metrics import MetricsReport
 from proto.prompts import PromptTicket
+from services.runtime import bus
 from services.runtime.config import CommonSection, Loaded, NatsSection, RunSection
 from services.runtime.service import ServiceContext
 
@@ -122,50 +124,41 @@ def test_a_bad_channel_is_refused():
 # --- the harness enforces the table --------------------------------------------------------------
 
 
-class FakeJS:
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, bytes]] = []
-
-    async def publish(self, subject: str, data: bytes, headers: Any = None, timeout: float = 0.0) -> str:
-        self.sent.append((subject, data))
-        return "ack"
-
-
-class FakeNC:
-    def __init__(self) -> None:
-        self.js = FakeJS()
-        self.sent: list[tuple[str, bytes]] = []
-
-    def jetstream(self, timeout: float = 0.0) -> FakeJS:
-        return self.js
-
-    async def publish(self, subject: str, data: bytes, headers: Any = None) -> None:
-        self.sent.append((subject, data))
+async def make_ctx(nats_url: str) -> ServiceContext:
+    """A service context on a real nats-server, with the run's streams provisioned."""
+    nc = await nats.connect(nats_url)
+    await bus.provision_all(nc.jetstream())
+    loaded = Loaded(run=RunSection(id=RUN), nats=NatsSection(url=nats_url), common=CommonSection(), service=None,
+                    tree={})
+    return ServiceContext("echo", "e0", loaded, nc)
 
 
-def make_ctx() -> tuple[ServiceContext, FakeNC]:
-    nc = FakeNC()
-    loaded = Loaded(run=RunSection(id=RUN), nats=NatsSection(), common=CommonSection(), service=None, tree={})
-    return ServiceContext("echo", "e0", loaded, nc), nc  # type: ignore[arg-type]
+async def test_publish_checks_the_message_type_and_builds_the_subject(nats_url):
+    ctx = await make_ctx(nats_url)
+    core: asyncio.Queue[str] = asyncio.Queue()
 
+    async def seen(m) -> None:
+        core.put_nowait(m.subject)
 
-async def test_publish_checks_the_message_type_and_builds_the_subject():
-    ctx, nc = make_ctx()
+    await ctx.nc.subscribe(f"rlbus.{RUN}.>", cb=seen)
     with pytest.raises(TypeError, match="echo_replies"):
         await ctx.publish(catalog.ECHO_REPLIES, EchoRequest(run_id=RUN, text="wrong way round"))
     with pytest.raises(TypeError, match="heartbeats"):
         await ctx.publish(catalog.HEARTBEATS, MetricsReport(run_id=RUN, service="echo", instance="e0"), "echo")
-    assert nc.sent == [] and nc.js.sent == []
-    assert await ctx.publish(catalog.ECHO_REPLIES, EchoReply(run_id=RUN, text="hi", worker="e0", deliveries=1)) == "ack"
-    assert [s for s, _ in nc.js.sent] == ["rlbus.r1.echo.out"]  # a stream channel: JetStream
-    assert await ctx.publish(catalog.HEARTBEATS, ctx.heartbeat(), "echo") is None
-    assert [s for s, _ in nc.sent] == ["rlbus.r1.heartbeat.echo"]  # core NATS
+    ack = await ctx.publish(catalog.ECHO_REPLIES, EchoReply(run_id=RUN, text="hi", worker="e0", deliveries=1))
+    assert ack is not None and ack.stream == catalog.ECHO_STREAM.name  # a stream channel: JetStream
+    assert await asyncio.wait_for(core.get(), 5) == f"rlbus.{RUN}.echo.out"  # the wrongly typed ones sent nothing
+    assert await ctx.publish(catalog.HEARTBEATS, ctx.heartbeat(), "echo") is None  # core NATS: no ack
+    assert await asyncio.wait_for(core.get(), 5) == f"rlbus.{RUN}.heartbeat.echo"
+    assert (await ctx.js.stream_info(catalog.ECHO_STREAM.name)).state.messages == 1
     with pytest.raises(ValueError, match="role"):
         await ctx.publish(catalog.METRICS, MetricsReport(run_id=RUN, service="echo", instance="e0"))
     assert isinstance(ctx.heartbeat(), Heartbeat)
+    await ctx.nc.close()
 
 
-async def test_consume_needs_a_channel_with_a_consumer():
-    ctx, _ = make_ctx()
+async def test_consume_needs_a_channel_with_a_consumer(nats_url):
+    ctx = await make_ctx(nats_url)
     with pytest.raises(ValueError, match="no durable consumer"):
         await ctx.consume(catalog.ECHO_REPLIES, lambda m, d: None)
+    await ctx.nc.close()

@@ -22,6 +22,7 @@ from proto.deadletter import DeadLetter
 from proto.echo import EchoRequest
 from services.runtime import bus
 from services.runtime.consume import Consumer, DeadLetterSink, DeferredAck, Delivery
+from tests.conftest import wait_for_async
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,14 +50,15 @@ class Log:
 
 
 async def until(probe: Callable[[], Awaitable[Any]], ok: Callable[[Any], bool], timeout: float = 5.0) -> Any:
-    """Poll ``probe`` until ``ok`` holds for its value (or fail after ``timeout`` seconds)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = await probe()
-        if ok(value):
-            return value
-        assert asyncio.get_running_loop().time() < deadline, f"condition not reached in {timeout}s: {value}"
-        await asyncio.sleep(0.05)  # polling interval
+    """Wait until ``ok`` holds for ``probe()``'s value (the shared ``wait_for_async``); returns that value."""
+    seen: list[Any] = []
+
+    async def holds() -> bool:
+        seen.append(await probe())
+        return ok(seen[-1])
+
+    await wait_for_async(holds, timeout, "the condition")
+    return seen[-1]
 
 
 def spy(h: DeferredAck) -> list[str]:

@@ -22,6 +22,7 @@ from services.launcher import registry
 from services.runtime import bus, service
 from services.runtime.config import load_service_config
 from services.trainer.state import TrainerState, load_from_kv, read_checkpoint_state
+from tests.conftest import wait_for_async
 
 RUN = "resumerun"
 
@@ -87,11 +88,12 @@ async def test_trainer_resumes_from_the_kept_version_then_from_its_checkpoint(na
     stop = asyncio.Event()
     first = asyncio.create_task(service.serve("trainer", factory, _config(tmp_path, nats_url, loop_model_dir, 10, 0),
                                               "trainer-0", stop=stop))
-    deadline = asyncio.get_running_loop().time() + 240
-    while (st := await _saved_state(js)) is None or st.step < 2:
+    async def at_step_2() -> bool:
         assert not first.done(), "the trainer stopped before step 2"
-        assert asyncio.get_running_loop().time() < deadline, "the trainer did not reach step 2 in 240 s"
-        await asyncio.sleep(0.2)  # polling the KV state the trainer writes after every step
+        st = await _saved_state(js)
+        return st is not None and st.step >= 2
+
+    await wait_for_async(at_step_2, 240, "the trainer's saved state to reach step 2")
     stop.set()
     assert await asyncio.wait_for(first, 60) == 0
     stopped = await _saved_state(js)
