@@ -41,6 +41,8 @@ class Start:
     learner: Learner
     state: TrainerState
     checkpoint: Path | None
+    #: the transport already holds the weights of ``state.version`` (resumed from them): no need to send again
+    version_kept: bool = False
 
 
 def load(cfg: TrainerConfig, checkpoints: Path, seed: int) -> Start:
@@ -61,6 +63,7 @@ async def continue_from_saved(start: Start, saved: TrainerState | None, sender: 
     if saved.state == "running" and saved.step > start.state.step and kept is not None and kept[0] == saved.version:
         start.learner.model.load_state_dict(kept[1], strict=False)
         start.state = saved
+        start.version_kept = True
         log.info("resumed at step %d from kept version %d (optimiser from %s)", saved.step, saved.version,
                  start.checkpoint or "scratch")
         return

@@ -75,6 +75,7 @@ class Trainer:
         self.task = start.task
         self.learner: Learner = start.learner
         self.state: TrainerState = start.state
+        self.version_kept = start.version_kept
         self.sender = sender
         self.runs_kv = runs_kv
         self.started = time.time()
@@ -89,7 +90,8 @@ class Trainer:
 
     async def run(self) -> None:
         ctx = self.ctx
-        await self._send_weights()  # the engines' first version (or the resumed one under a new number)
+        if not self.version_kept:  # the engines' first version (or the checkpoint's under a new number)
+            await self._send_weights()
         await self.save_state()
         consumer = asyncio.create_task(
             ctx.consume(catalog.TRAJECTORIES, self.collector.handle, concurrency=64),
