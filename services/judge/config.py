@@ -14,6 +14,12 @@ mean of their scores (each in [0, 1])::
     judge = { type = "torch", model = "smollm2" }      # or { type = "openai", base_url = "...", model = "..." }
 
 A task without an entry is graded by its reward function alone (``[{ type = "reward" }]``).
+
+The tasks' own code (reward functions, hidden-test builders) runs in worker processes, each call bounded::
+
+    [services.judge.user_code]
+    workers = 2
+    timeout_s = 10.0                # then the worker is killed and the sample scored failed
 """
 
 from __future__ import annotations
@@ -23,6 +29,19 @@ from typing import Annotated
 import msgspec
 
 from services.tasks.grader_specs import GraderSpec
+
+
+class UserCodeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Bounds on the tasks' own code (see ``services/judge/user_code.py``)."""
+
+    #: worker processes running the tasks' reward functions and hidden-test builders
+    workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
+    #: seconds one call may run; then its worker is killed (and replaced) and the sample is scored failed
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    #: address-space limit of each worker in MiB (0: none); a reward needing more raises MemoryError (failed)
+    memory_mb: Annotated[int, msgspec.Meta(ge=0)] = 4096
+    #: seconds a new worker may take to start (Python, the task's imports); not charged to any call
+    start_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
 
 
 class JudgeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -38,3 +57,8 @@ class JudgeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sandbox_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     #: LLM-judge results kept in the per-process cache (least recently used go first)
     judge_cache_entries: Annotated[int, msgspec.Meta(ge=0)] = 10_000
+    #: bounds on the tasks' own code (reward functions): worker processes, per-call timeout, memory
+    user_code: UserCodeConfig = msgspec.field(default_factory=UserCodeConfig)
+    #: a rollout delivered more often than this without being settled (it killed or hung a judge each time)
+    #: is scored failed and dead-lettered instead of handed to the next judge (the consumer gives up at 5)
+    poison_after_deliveries: Annotated[int, msgspec.Meta(ge=1, le=4)] = 3

@@ -5,6 +5,14 @@ function) score a rollout concurrently; the reward is their weighted mean and ev
 explanation travel with the trajectory, so ``rlbus tap trajectories`` shows why a rollout got its reward.
 A rollout that failed upstream is scored 0 with the error recorded (it still reaches the trainer's accounting).
 
+**User code cannot stall the judge.** Reward functions run in worker processes with a per-call timeout
+(``[services.judge.user_code]``, ``user_code.py``): the event loop, and so the heartbeats, never wait on them.
+When the task's code raises, hangs (its worker is killed), dies, or returns NaN/inf or a value outside [0, 1],
+the trajectory is published with ``rollout.error = "grading failed: <grader>: <reason>"`` so the trainer
+records it as dropped with that reason, and the failure is counted (``judge/failed/<kind>``). A rollout that
+came back more than ``poison_after_deliveries`` times without being settled (it killed or hung a judge each
+time) is published the same way and dead-lettered, instead of crash-looping the fleet.
+
 **Sandbox ownership.** An agent rollout arrives with its sandbox handed over (paused, lease extended): the
 judge forks it for hidden tests and, once the trajectory is published, destroys it. Publishing first means a
 judge that dies mid-way leaves the sandbox for the redelivered rollout; the lease reclaims it otherwise.
@@ -15,16 +23,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
+
 from proto import catalog
 from proto.rollouts import Rollout
 from proto.trajectories import GraderScore, ScoredTrajectory
 from services.judge.config import JudgeConfig
+from services.judge.user_code import ProcessUserCode
 from services.lib.sandbox_client import SandboxClient, SandboxClientError
 from services.runtime.config import Loaded
 from services.runtime.consume import Delivery, Poison
 from services.runtime.service import ServiceContext
 from services.tasks import UnknownTaskError, get_task
-from services.tasks.graders import GraderFactory, grade_all
+from services.tasks.graders import GraderFactory, Grading, grade_all
 from services.tasks.judge_backends import JudgeCache
 
 log = logging.getLogger("rlbus.judge")
@@ -38,8 +49,11 @@ class JudgeService:
         self.tasks: dict[str, Any] = {}
         self.graders: dict[str, list[Any]] = {}
         self.cache = JudgeCache(self.cfg.judge_cache_entries)
-        self.factory = GraderFactory(None, self.cache, seed=self.seed)
+        self.user_code = ProcessUserCode(self.cfg.user_code, self.cfg.task_options)
+        self.factory = GraderFactory(None, self.cache, seed=self.seed, user_code=self.user_code)
         self.sandboxes: Any = None
+        #: samples scored failed, by why (timeout, exception, crash, bad_value, out_of_range, poison)
+        self.failed: dict[str, int] = {}
 
     def attach(self, sandboxes: Any) -> None:
         """Use ``sandboxes`` (a SandboxClient) for sandbox graders and for destroying handed-over sandboxes."""
@@ -60,23 +74,42 @@ class JudgeService:
             self.graders[task] = self.factory.build(task, self.cfg.graders.get(task, []))
         return self.graders[task]
 
-    async def score(self, rollout: Rollout) -> tuple[float, list[GraderScore]]:
+    async def score(self, rollout: Rollout) -> Grading:
 
         if rollout.error is not None:
-            return 0.0, [GraderScore(grader="rollout", score=0.0, error=rollout.error,
-                                     explanation=f"the rollout failed before finishing ({rollout.finish_reason})")]
+            return Grading(0.0, [GraderScore(grader="rollout", score=0.0, error=rollout.error,
+                                             explanation=f"the rollout failed before finishing ({rollout.finish_reason})")])
         task = self.task(rollout.task)
         return await grade_all(self.graders_for(rollout.task), rollout, task)
 
     async def handle(self, ctx: ServiceContext, rollout: Rollout, d: Delivery[Rollout]) -> None:
-        reward, scores = await self.score(rollout)
-        traj = ScoredTrajectory(run_id=ctx.run_id, rollout=rollout, reward=reward, scores=scores, judge=ctx.instance,
-                                msg_id=f"{rollout.msg_id}-scored")
-        await ctx.publish(catalog.TRAJECTORIES, traj)
+        if d.num_delivered > self.cfg.poison_after_deliveries:
+            reason = (f"delivered {d.num_delivered} times without being settled (it killed or hung a judge each "
+                      f"time; poison_after_deliveries = {self.cfg.poison_after_deliveries})")
+            await self._publish(ctx, rollout, Grading(0.0, [], reason, None), "poison")
+            raise Poison(f"rollout {rollout.msg_id} {reason}; published as failed")
+        grading = await self.score(rollout)
+        await self._publish(ctx, rollout, grading, grading.failure_kind)
         if rollout.sandbox_id is not None and self.cfg.destroy_sandboxes and self.sandboxes is not None:
             await self._destroy(rollout.sandbox_id)
         ctx.gauges["judge/llm_cache_hits"] = float(self.cache.hits)
         ctx.gauges["judge/llm_cache_misses"] = float(self.cache.misses)
+
+    async def _publish(self, ctx: ServiceContext, rollout: Rollout, grading: Grading, failure_kind: str | None) -> None:
+        """The scored trajectory; a sample that could not be scored carries the reason as its rollout's error
+        (the trainer records it as dropped with it) and is counted in ``judge/failed/<kind>``."""
+        if grading.failure is not None:
+            rollout = msgspec.structs.replace(rollout, error=f"grading failed: {grading.failure}")
+        traj = ScoredTrajectory(run_id=ctx.run_id, rollout=rollout, reward=grading.reward, scores=grading.scores,
+                                judge=ctx.instance, msg_id=f"{rollout.msg_id}-scored")
+        await ctx.publish(catalog.TRAJECTORIES, traj)
+        if grading.failure is not None:
+            kind = failure_kind or "other"
+            self.failed[kind] = self.failed.get(kind, 0) + 1
+            log.warning("rollout %s scored failed: %s", rollout.msg_id, grading.failure)
+            await ctx.report({"judge/failed_total": float(sum(self.failed.values())),
+                              f"judge/failed/{kind}": float(self.failed[kind]),
+                              "judge/user_code_restarts": float(self.user_code.restarts)})
 
     async def _destroy(self, sandbox_id: str) -> None:
 
@@ -93,6 +126,7 @@ class JudgeService:
                               concurrency=self.cfg.concurrency)
         finally:
             await self.factory.close()
+            await self.user_code.close()
 
 
 def build(loaded: Loaded) -> JudgeService:

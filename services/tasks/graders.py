@@ -11,6 +11,14 @@
 Every grader returns a :class:`proto.trajectories.GraderScore` (score in [0, 1], weight, explanation, error)
 and never raises for a failure of what it grades with; :func:`grade_all` runs them concurrently and combines
 them into the reward (weighted mean).
+
+**User code is bounded.** A task's own methods (``reward``, ``hidden_tests``) are user code: graders call
+them through a :class:`UserCode` runner, never directly. The judge service's runner
+(``services/judge/user_code.py``) runs them in worker processes with a per-call timeout and kills a worker
+whose call does not return. When the task's code raises, hangs, kills its worker, or its reward is not a
+finite number in [0, 1], the grader raises :class:`UserCodeError` and :func:`grade_all` reports the sample as
+**failed** (``Grading.failure``, with the grader's name and the reason) instead of scoring it: a
+broken reward says nothing about the policy. A grader configured ``on_error = "skip"`` is left out instead.
 """
 
 from __future__ import annotations
@@ -19,9 +27,10 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -29,7 +38,7 @@ from proto import sandbox as api
 from proto.rollouts import Rollout
 from proto.trajectories import GraderScore
 from services.lib.sandbox_client import SandboxClient, SandboxClientError
-from services.tasks.base import Prompt
+from services.tasks.base import Prompt, Reward
 from services.tasks.grader_specs import (
     GraderSpec,
     JudgeModel,
@@ -94,7 +103,8 @@ def assistant_text(rollout: Rollout) -> str:
 
 
 class Grader(Protocol):
-    """Scores one rollout; failures are returned as a GraderScore with ``error`` set, not raised."""
+    """Scores one rollout; failures of what it grades with are returned as a GraderScore with ``error`` set,
+    not raised; a failure of the task's own code raises :class:`UserCodeError` (the sample fails)."""
 
     name: str
     spec: GraderSpec
@@ -107,16 +117,89 @@ def _failed(grader: Grader, error: str, explanation: str = "") -> GraderScore:
     return GraderScore(grader=grader.name, score=0.0, weight=grader.spec.weight, error=error, explanation=explanation)
 
 
-async def grade_all(graders: Sequence[Grader], rollout: Rollout, task: Any) -> tuple[float, list[GraderScore]]:
-    """Every grader's score (concurrently) and their weighted mean; failed graders count per ``on_error``."""
-    scores = list(await asyncio.gather(*(g.grade(rollout, task) for g in graders)))
+# --- user code, bounded ----------------------------------------------------------------------------------
+
+#: how a task's code failed: raised, did not return in time, its worker died, or returned something unusable
+UserCodeFailure = Literal["exception", "timeout", "crash", "bad_value", "out_of_range"]
+
+
+class UserCodeError(Exception):
+    """The task's own code failed on this rollout; the sample cannot be scored (see the module docstring)."""
+
+    def __init__(self, kind: UserCodeFailure, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class UserCode(Protocol):
+    """Runs a task's methods (user code) on behalf of the graders."""
+
+    async def call(self, task_name: str, task: Any, method: str, *args: Any) -> Any:
+        """``task.<method>(*args)``; raises :class:`UserCodeError` when it raises, does not return within the
+        runner's bound, or its process dies."""
+        ...
+
+
+class DirectUserCode:
+    """Calls the task in the caller's thread, unbounded: for tools and tests that build graders by hand.
+
+    The judge service never uses it: a hang here would stop the event loop (and its heartbeats).
+    """
+
+    async def call(self, task_name: str, task: Any, method: str, *args: Any) -> Any:
+        try:
+            return getattr(task, method)(*args)
+        except Exception as e:  # user code: reported as the sample's failure, with its type
+            raise UserCodeError("exception", f"{method}() raised {type(e).__name__}: {e}") from e
+
+
+def check_reward(r: Any, method: str = "reward") -> Reward:
+    """``r`` as a Reward whose value is a finite number in [0, 1] (the task contract), else UserCodeError."""
+    value = getattr(r, "value", r)
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise UserCodeError("bad_value", f"{method}() returned {r!r}, not a Reward with a numeric value") from None
+    if not math.isfinite(v):
+        raise UserCodeError("bad_value", f"{method}() returned {v} (not a finite number)")
+    if not 0.0 <= v <= 1.0:
+        raise UserCodeError("out_of_range", f"{method}() returned {v:g}, outside the task's range [0, 1]")
+    explanation = r.explanation if isinstance(r, Reward) else ""
+    return Reward(v, explanation)
+
+
+@dataclass(frozen=True)
+class Grading:
+    """What :func:`grade_all` found: the reward, every grader's score, and why the sample failed (if it did)."""
+
+    reward: float
+    scores: list[GraderScore]
+    #: ``"<grader>: <reason>"`` when a grader's user code failed (the sample is not trainable), else None
+    failure: str | None = None
+    failure_kind: UserCodeFailure | None = None
+
+
+async def _grade_one(g: Grader, rollout: Rollout, task: Any) -> tuple[GraderScore, UserCodeError | None]:
+    try:
+        return await g.grade(rollout, task), None
+    except UserCodeError as e:
+        return _failed(g, str(e), "the task's code failed: the sample is scored as failed"), e
+
+
+async def grade_all(graders: Sequence[Grader], rollout: Rollout, task: Any) -> Grading:
+    """Every grader's score (concurrently) and their weighted mean; failed graders count per ``on_error``,
+    and a failure of the task's own code fails the sample (unless that grader is ``on_error = "skip"``)."""
+    results = list(await asyncio.gather(*(_grade_one(g, rollout, task) for g in graders)))
+    scores = [s for s, _ in results]
     total = weight = 0.0
-    for g, s in zip(graders, scores, strict=True):
+    for g, (s, user_error) in zip(graders, results, strict=True):
         if s.error is not None and g.spec.on_error == "skip":
             continue
+        if user_error is not None:
+            return Grading(0.0, scores, f"{g.name}: {user_error}", user_error.kind)
         total += s.weight * s.score
         weight += s.weight
-    return (total / weight if weight > 0 else 0.0), scores
+    return Grading(total / weight if weight > 0 else 0.0, scores)
 
 
 # --- reward functions ------------------------------------------------------------------------------------
@@ -125,13 +208,15 @@ async def grade_all(graders: Sequence[Grader], rollout: Rollout, task: Any) -> t
 class RewardGrader:
     """The task's reward function (what single-turn tasks always used)."""
 
-    def __init__(self, spec: RewardGraderSpec, task_name: str) -> None:
+    def __init__(self, spec: RewardGraderSpec, task_name: str, user_code: UserCode | None = None) -> None:
         self.spec = spec
         self.name = spec.name or f"{task_name}.reward"
+        self.user_code: UserCode = user_code or DirectUserCode()
 
     async def grade(self, rollout: Rollout, task: Any) -> GraderScore:
-        r = task.reward(prompt_of(rollout), assistant_text(rollout))
-        return GraderScore(grader=self.name, score=float(r.value), weight=self.spec.weight, explanation=r.explanation)
+        r = check_reward(await self.user_code.call(rollout.task, task, "reward", prompt_of(rollout),
+                                                   assistant_text(rollout)))
+        return GraderScore(grader=self.name, score=r.value, weight=self.spec.weight, explanation=r.explanation)
 
 
 # --- hidden tests in a fork ------------------------------------------------------------------------------
@@ -164,10 +249,11 @@ def score_test_run(reply: api.ExecReply) -> tuple[float, str]:
 class SandboxTestsGrader:
     """Hidden tests in a fork of the rollout's sandbox (the original stays as the rollout left it)."""
 
-    def __init__(self, spec: SandboxTestsSpec, sandboxes: SandboxClient) -> None:
+    def __init__(self, spec: SandboxTestsSpec, sandboxes: SandboxClient, user_code: UserCode | None = None) -> None:
         self.spec = spec
         self.name = spec.name or "sandbox_tests"
         self.sandboxes = sandboxes
+        self.user_code: UserCode = user_code or DirectUserCode()
 
     async def grade(self, rollout: Rollout, task: Any) -> GraderScore:
         if rollout.sandbox_id is None:
@@ -175,7 +261,9 @@ class SandboxTestsGrader:
                                  "was created)")
         if not isinstance(task, TestedTask):
             return _failed(self, f"task {rollout.task!r} has no hidden_tests(prompt); configure another grader")
-        tests = task.hidden_tests(prompt_of(rollout))
+        tests = await self.user_code.call(rollout.task, task, "hidden_tests", prompt_of(rollout))
+        if not isinstance(tests, HiddenTests):
+            raise UserCodeError("bad_value", f"hidden_tests() returned {type(tests).__name__}, not HiddenTests")
         timeout = self.spec.timeout_s or tests.timeout_s
         try:
             fork = await self.sandboxes.fork(sandbox_id=rollout.sandbox_id, lease_ttl_s=self.spec.fork_lease_s,
@@ -252,10 +340,13 @@ class LlmJudgeGrader:
 class GraderFactory:
     """Builds each task's graders once, sharing judge backends (one engine per judge model) and the cache."""
 
-    def __init__(self, sandboxes: SandboxClient | None, cache: JudgeCache, seed: int = 0) -> None:
+    def __init__(self, sandboxes: SandboxClient | None, cache: JudgeCache, seed: int = 0,
+                 user_code: UserCode | None = None) -> None:
         self.sandboxes = sandboxes
         self.cache = cache
         self.seed = seed
+        #: runs the tasks' own code (the judge passes its bounded process pool; default: direct, unbounded)
+        self.user_code: UserCode = user_code or DirectUserCode()
         self.backends: dict[str, JudgeBackend] = {}
 
     def backend(self, spec: JudgeModel) -> JudgeBackend:
@@ -274,11 +365,11 @@ class GraderFactory:
         graders: list[Grader] = []
         for spec in specs or [RewardGraderSpec()]:
             if isinstance(spec, RewardGraderSpec):
-                graders.append(RewardGrader(spec, task_name))
+                graders.append(RewardGrader(spec, task_name, self.user_code))
             elif isinstance(spec, SandboxTestsSpec):
                 if self.sandboxes is None:
                     raise ValueError("sandbox_tests graders need a sandbox client")
-                graders.append(SandboxTestsGrader(spec, self.sandboxes))
+                graders.append(SandboxTestsGrader(spec, self.sandboxes, self.user_code))
             else:
                 graders.append(LlmJudgeGrader(spec, self.backend(spec.judge), self.cache))
         return graders

@@ -144,11 +144,11 @@ async def test_llm_judge_malformed_output_is_a_recorded_failure_and_verdicts_are
     # composed with weights: the malformed judge is skipped (on_error="skip") or counts as zero
     format_reward = GraderFactory(None, cache).build("coding", [RewardGraderSpec(weight=1.0)])[0]
     skip = LlmJudgeGrader(LlmJudgeSpec(rubric="MALFORMED rubric", on_error="skip"), backend, cache)
-    reward, scores = await grade_all([format_reward, good, skip], r, task)
-    assert reward == pytest.approx((1.0 * 1.0 + 0.5 * 0.8) / 1.5)
-    assert [x.grader for x in scores] == ["coding.reward", "llm_judge", "llm_judge"]
-    reward, _ = await grade_all([format_reward, good, bad], r, task)
-    assert reward == pytest.approx((1.0 + 0.4 + 0.0) / 2.5)
+    grading = await grade_all([format_reward, good, skip], r, task)
+    assert grading.reward == pytest.approx((1.0 * 1.0 + 0.5 * 0.8) / 1.5) and grading.failure is None
+    assert [x.grader for x in grading.scores] == ["coding.reward", "llm_judge", "llm_judge"]
+    grading = await grade_all([format_reward, good, bad], r, task)
+    assert grading.reward == pytest.approx((1.0 + 0.4 + 0.0) / 2.5) and grading.failure is None
 
 
 async def test_llm_judge_endpoint_down_is_recorded_and_not_cached():

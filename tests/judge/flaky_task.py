@@ -1,0 +1,52 @@
+"""A task plugin whose reward function misbehaves on some prompts, as a careless user's might.
+
+Addition, except that the reward, chosen by ``(a + b) % 10`` of the prompt ``a+b=``:
+
+* 1 — never returns (an infinite loop);
+* 2 — raises ValueError;
+* 3 — returns NaN;
+* 4 — returns 2.0 (outside [0, 1]);
+* 5 — kills its own process (SIGKILL), like a segfaulting C extension;
+* 6 — prints to stdout, then the normal reward;
+* anything else — the normal exact-match reward.
+
+The loop test installs it as a real ``rlbus.tasks`` entry point (a dist-info on PYTHONPATH), so every
+service process finds it the way a user's plugin is found; importing the module registers it too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from services.tasks.addition import AdditionTask
+from services.tasks.base import Prompt, Reward, register_task
+
+BEHAVIOURS = {1: "hang", 2: "raise", 3: "nan", 4: "out_of_range", 5: "die", 6: "print"}
+
+
+def behaviour(prompt_text: str) -> str:
+    a, b = prompt_text.rstrip("=").split("+")
+    return BEHAVIOURS.get((int(a) + int(b)) % 10, "ok")
+
+
+@register_task("flaky-addition")
+class FlakyAddition(AdditionTask):
+    name = "flaky-addition"
+
+    def reward(self, prompt: Prompt, completion: str) -> Reward:
+        what = behaviour(prompt.text)
+        if what == "hang":
+            while True:
+                pass
+        if what == "raise":
+            raise ValueError(f"cannot grade {completion!r}")
+        if what == "nan":
+            return Reward(float("nan"), "not a number")
+        if what == "out_of_range":
+            return Reward(2.0, "double credit")
+        if what == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if what == "print":
+            print(f"grading {prompt.text}{completion}")
+        return super().reward(prompt, completion)
