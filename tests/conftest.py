@@ -131,3 +131,17 @@ def run_file(tmp_path: Path, model: Path | str, *, run_id: str, trainer: dict[st
     path = tmp_path / "run.toml"
     path.write_text("\n".join(parts))
     return path
+
+
+@pytest.fixture
+def nats_cluster(tmp_path):
+    """A local 3-node JetStream cluster (three nats-server processes routed on 127.0.0.1, store dirs
+    under tmp_path); ``nats_cluster.url`` lists every node, comma separated."""
+    from services.runtime.natsd import NatsCluster
+
+    cluster = NatsCluster(tmp_path / "nats-cluster", size=3)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

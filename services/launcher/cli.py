@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="override a config key (repeatable)")
     up.add_argument("--for", dest="duration", type=float, metavar="SECONDS",
                     help="stop by itself after this many seconds (demos, CI)")
+    up.add_argument("--nats-cluster", type=int, metavar="N", help="run the embedded NATS as a local JetStream "
+                    "cluster of N nodes (3 or 5; routes on 127.0.0.1); streams and buckets get N replicas unless "
+                    "[nats] replicas says otherwise (same as --set launcher.nats_cluster=N)")
 
     run = sub.add_parser("run", help="run an example or run file end to end (the main job)",
                          description="Run an RL job: an embedded nats-server and every service of the run as its "
@@ -114,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "this run's consumers and the latest weight version.")
     _common_bus_args(st)
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    prov = sub.add_parser("provision", help="create or update the run's streams, KV buckets and object stores",
+                          description="Create every stream and KV bucket of the catalog and the run's weight "
+                          "buckets with [nats] replicas, and bring existing ones to this version's definition: "
+                          "replicas are only raised, storage is never changed. What rlbus up does before "
+                          "services start; run it once (with a login that may update streams) before the "
+                          "services of a deployment start.")
+    _common_bus_args(prov)
 
     sub.add_parser("services", help="list the services this installation can run",
                    description="List the service names `rlbus service NAME` and [launcher] services accept: the "
@@ -188,7 +199,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     from services.launcher.supervisor import Supervisor
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    sup = Supervisor(resolve_target(args.config or DEFAULT_EXAMPLE), args.overrides, quiet=False)
+    overrides = list(args.overrides)
+    if args.nats_cluster is not None:
+        overrides.append(f"launcher.nats_cluster={args.nats_cluster}")
+    sup = Supervisor(resolve_target(args.config or DEFAULT_EXAMPLE), overrides, quiet=False)
     sup.install_signal_handlers()
     timer: threading.Timer | None = None
     try:
@@ -239,7 +253,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             watcher = asyncio.create_task(watch_children(), name="run-watch-children")
             try:
-                url = sup.auth.for_role("launcher").url(sup.nats_url) if sup.auth is not None else sup.nats_url
+                url = sup.nats_url
+                if sup.auth is not None:
+                    url = ",".join(sup.auth.for_role("launcher").url(u) for u in url.split(","))
                 return await follow(url, sup.run.id, total, stop)
             finally:
                 watcher.cancel()
@@ -287,6 +303,26 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_provision(args: argparse.Namespace) -> int:
+    from services.launcher.supervisor import provision_run
+    from services.runtime import bus
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    tree = load_tree(args.config, None, _overrides(args))
+    run, nats_cfg = _bus_sections(args)
+
+    async def go() -> None:
+        nc = await bus.connect(nats_cfg, "rlbus-provision", first_attempts=3)
+        try:
+            await provision_run(nc.jetstream(), tree)
+        finally:
+            await nc.close()
+
+    asyncio.run(go())
+    print(f"provisioned the streams and buckets of run {run.id} with {nats_cfg.replicas} replica(s)")
+    return 0
+
+
 def cmd_services(args: argparse.Namespace) -> int:
     from services.launcher import registry
 
@@ -294,7 +330,8 @@ def cmd_services(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "up": cmd_up, "service": cmd_service, "tap": cmd_tap, "status": cmd_status, "services": cmd_services}
+COMMANDS = {"run": cmd_run, "up": cmd_up, "service": cmd_service, "tap": cmd_tap, "status": cmd_status, "services": cmd_services,
+            "provision": cmd_provision}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,9 +26,9 @@ import msgspec
 
 from proto import catalog
 from services.launcher.environments import python_for
-from services.runtime.config import ConfigError, RunSection, convert, load_tree
+from services.runtime.config import ConfigError, NatsSection, RunSection, convert, load_tree
 from services.runtime.gang import GANG_FAILED_EXIT, GangSection
-from services.runtime.natsd import EmbeddedNats, die_with_parent
+from services.runtime.natsd import EmbeddedNats, NatsCluster, die_with_parent, port_is_free
 
 log = logging.getLogger("rlbus.launcher")
 
@@ -49,6 +49,9 @@ class LauncherSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     embedded_nats: bool = True
     #: preferred port of the embedded server (a free one is taken if it is busy)
     nats_port: int = 4222
+    #: embedded NATS as a local JetStream cluster of this many nodes (routes on 127.0.0.1; 0 or 1: one
+    #: server). [nats] replicas defaults to the cluster size (3 or 5) when the run file does not set it
+    nats_cluster: int = 0
     #: restart services that exit unexpectedly
     restart: bool = True
     #: give up on a service after this many restarts within restart_window_s
@@ -99,6 +102,45 @@ def check_weight_transport(tree: dict[str, Any], services: dict[str, int]) -> No
                               f"trainer's ({world})")
 
 
+def weight_buckets(tree: dict[str, Any]) -> tuple[list[str], list[tuple[str, str]]]:
+    """The weight KV buckets and object stores (bucket, storage) a run's store transport will open: one
+    per scope (the trainer's, and each weightsync relay's)."""
+    from proto import weights
+
+    sections = tree.get("services") if isinstance(tree.get("services"), dict) else {}
+    trainer = sections.get("trainer") if isinstance(sections.get("trainer"), dict) else {}
+    transport = trainer.get("transport") if isinstance(trainer.get("transport"), dict) else {}
+    if transport.get("type", "store") != "store":
+        return [], []
+    scopes = [str(transport.get("scope", weights.MAIN_SCOPE))]
+    relay = (sections.get("weightsync") or {}).get("relay") if isinstance(sections.get("weightsync"), dict) else None
+    if isinstance(relay, dict) and "scope" in relay:
+        scopes.append(str(relay["scope"]))
+    store = transport.get("store") if isinstance(transport.get("store"), dict) else {}
+    kv = [weights.kv_bucket(s) for s in scopes]
+    if store.get("type", "objstore") != "objstore":
+        return kv, []
+    storage = str(store.get("storage", "file"))
+    if store.get("bucket"):
+        return kv, [(str(store["bucket"]), storage)]
+    return kv, [(weights.object_bucket(s), storage) for s in scopes]
+
+
+async def provision_run(js: Any, tree: dict[str, Any]) -> None:
+    """What the launcher (or ``rlbus provision``) creates before services start: every catalog stream and
+    bucket, brought to the catalog with [nats] replicas (never lowered), and the weight buckets."""
+    from services.runtime import bus
+
+    await bus.provision_all(js, update=True)
+    kv, objects = weight_buckets(tree)
+    for bucket in kv:
+        await bus.ensure_kv(js, catalog.KVDef(bucket=bucket, history=1, description="rlbus weight versions"),
+                            update=True)
+    for bucket, storage in objects:
+        await bus.ensure_object_store(js, bucket, storage=storage, description="rlbus weight blobs",
+                                      update=True)
+
+
 @dataclass
 class Child:
     service: str
@@ -130,9 +172,11 @@ class Supervisor:
             if count < 0:
                 raise ConfigError(f"config key launcher.services.{name}: expected a count >= 0, got {count}")
         check_weight_transport(self.tree, self.launcher.services)
+        self._check_cluster()
         self.run_dir = Path(self.run.dir).resolve()
-        self.nats: EmbeddedNats | None = None
-        self.nats_url = str(self.tree.get("nats", {}).get("url", "nats://127.0.0.1:4222"))
+        self.nats: EmbeddedNats | NatsCluster | None = None
+        url = (self.tree.get("nats") or {}).get("url", "nats://127.0.0.1:4222")
+        self.nats_url = ",".join(url) if isinstance(url, list) else str(url)
         self.children: list[Child] = []
         self.stopping = threading.Event()
         self.quiet = quiet
@@ -142,6 +186,25 @@ class Supervisor:
         self.last_seen: dict[str, float] = {}  # "<service>/<instance>" -> monotonic time of its last heartbeat
         self.monitor_connected_since: float | None = None  # None: heartbeats are not being watched
         self.auth: Any = None  # services.launcher.auth.AuthBundle when the embedded server has users
+
+    def _check_cluster(self) -> None:
+        """[launcher] nats_cluster against [nats] replicas: replicas default to the cluster size, and a
+        stream cannot have more replicas than the cluster has nodes."""
+        size = self.launcher.nats_cluster
+        if size < 0 or size > 7:
+            raise ConfigError(f"config key launcher.nats_cluster: expected 0..7 nodes, got {size}")
+        nats_tree = self.tree.setdefault("nats", {})
+        if not isinstance(nats_tree, dict):
+            raise ConfigError("config key nats: expected a section (table)")
+        if size > 1 and self.launcher.embedded_nats and "replicas" not in nats_tree and size in (3, 5):
+            nats_tree["replicas"] = size
+            self.overrides.append(f"nats.replicas={size}")  # the services see the same value
+        replicas = convert(nats_tree, NatsSection, "nats").replicas
+        nodes = max(size, 1) if self.launcher.embedded_nats else None
+        if nodes is not None and replicas > nodes:
+            raise ConfigError(f"config key nats.replicas is {replicas}, but the embedded NATS has {nodes} "
+                              f"node(s): set launcher.nats_cluster = {replicas} (or rlbus up --nats-cluster "
+                              f"{replicas}), or nats.replicas = 1")
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -158,7 +221,13 @@ class Supervisor:
                                           relay_scopes=[relay["scope"]] if "scope" in relay else [],
                                           max_payload=8 * 1024 * 1024)
                 config_file = self.auth.server_config
-            self.nats = EmbeddedNats(self.run_dir / "nats", port=self.launcher.nats_port, config_file=config_file)
+            if self.launcher.nats_cluster > 1:
+                port = self.launcher.nats_port
+                self.nats = NatsCluster(self.run_dir / "nats", self.launcher.nats_cluster, config_file=config_file,
+                                        ports=[port] if port_is_free(port) else None)
+            else:
+                self.nats = EmbeddedNats(self.run_dir / "nats", port=self.launcher.nats_port,
+                                         config_file=config_file)
             self.nats.start()
             self.nats_url = self.nats.url
         resolved = dict(self.tree)
@@ -185,8 +254,6 @@ class Supervisor:
 
     def nats_section(self, role: str = "launcher") -> Any:
         """The [nats] section for the launcher's own connections (with its login when the server has users)."""
-        from services.runtime.config import NatsSection
-
         nats_cfg = convert(self.tree.get("nats"), NatsSection, "nats")
         nats_cfg.url = self.nats_url
         if self.auth is not None:
@@ -195,12 +262,13 @@ class Supervisor:
         return nats_cfg
 
     async def _provision(self) -> None:
-        """Streams and buckets exist (and match the catalog) before any service starts; a fresh gang."""
+        """Streams and buckets exist (and match the catalog, with [nats] replicas) before any service
+        starts, the weight buckets too; a fresh gang."""
         from services.runtime import bus, gang
 
         nc = await bus.connect(self.nats_section(), "rlbus-launcher", first_attempts=10)
         try:
-            await bus.provision_all(nc.jetstream())
+            await provision_run(nc.jetstream(), self.tree)
             if self.gang.roles:
                 await gang.reset(nc.jetstream(), self.run.id)
         finally:
@@ -311,6 +379,14 @@ class Supervisor:
             self.stopping.wait(tick)  # supervision tick: child exits are checked this often
 
     def stop(self) -> None:
+        self.stop_services()
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+        self._say("stopped")
+
+    def stop_services(self) -> None:
+        """SIGTERM every service, SIGKILL what has not drained within stop_timeout_s; NATS stays up."""
         self.stopping.set()
         procs = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
         for p in procs:
@@ -323,10 +399,6 @@ class Supervisor:
                 self._say(f"pid {p.pid} did not stop within {self.launcher.stop_timeout_s:.0f}s; killing it")
                 p.kill()
                 p.wait()
-        if self.nats is not None:
-            self.nats.stop()
-            self.nats = None
-        self._say("stopped")
 
     def install_signal_handlers(self) -> None:
         def handler(signum: int, frame: Any) -> None:

