@@ -76,18 +76,24 @@ def load_policy(
 
 
 def save_policy(
-    model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | os.PathLike[str]
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | os.PathLike[str],
+    state_dict: dict[str, Tensor] | None = None,
 ) -> Path:
     """Save model (safetensors + config + generation config) and tokenizer to ``out_dir``.
 
     The directory is written next to its destination and renamed into place, so
     it appears complete or not at all; an existing ``out_dir`` is replaced.
+    ``state_dict`` (full tensors) replaces the model's own, e.g. the weights gathered
+    from a model sharded over several ranks.
     """
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(staging, safe_serialization=True)
+        if state_dict is None:
+            model.save_pretrained(staging, safe_serialization=True)
+        else:
+            model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         if out.exists():

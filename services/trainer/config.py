@@ -18,7 +18,8 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str = "tiny-addition"
     #: where builtin models are built and cached (default ~/.cache/rlbus or $RLBUS_CACHE)
     cache_dir: str = ""
-    #: training dtype
+    #: training precision: float32, or bfloat16 mixed precision (bf16 compute, fp32 master weights and
+    #: optimiser moments; weights are sent to the engines in bf16)
     dtype: Literal["float32", "bfloat16"] = "float32"
     #: task name from the task registry, and its options
     task: str = "addition"
@@ -65,6 +66,24 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lr_warmup_steps: NonNeg = 0
     #: completions per forward/backward pass (gradient accumulation over the batch)
     micro_batch_size: Pos = 64
+    #: padded tokens (rows x longest prompt+completion) per forward/backward pass; 0: only
+    #: ``micro_batch_size`` bounds a micro-batch. A sequence longer than the budget runs alone
+    max_tokens_per_micro_batch: NonNeg = 0
+    #: recompute activations in the backward pass (less memory, ~30% more compute)
+    gradient_checkpointing: bool = False
+
+    # --- devices and ranks ---
+    #: where the policy trains: "auto" (cuda when present, else cpu), "cpu", "cuda" or "cuda:N";
+    #: with world_size > 1 on CUDA, rank r takes cuda:r
+    device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
+    #: where the reference model (kl_coef > 0) lives: "" (the policy's device), "cpu", "cuda" or "cuda:N"
+    ref_device: Annotated[str, msgspec.Meta(pattern=r"^(|cpu|cuda(:[0-9]+)?)$")] = ""
+    #: trainer processes (ranks) of this one service instance, sharded with FSDP2 (gloo on CPU,
+    #: NCCL on CUDA); only rank 0 talks to the bus, the batch is split across ranks
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    #: a collective (or the group's start) taking longer than this fails the rank group, which the
+    #: launcher then restarts from its newest durable point
+    rank_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
 
     # --- evaluation, checkpoints, resources ---
     #: evaluate on the held-out prompts every this many steps (0: only at start and end)

@@ -1,25 +1,38 @@
-"""The policy update: one GRPO step over a batch of scored trajectories, and checkpoints.
+"""The policy update: one GRPO step over a batch of scored trajectories, on one rank or many.
 
-Runs in a worker thread of the trainer service (torch releases the GIL), so the
-event loop keeps serving the bus while the step computes.
+Runs in a worker thread of the trainer service (torch releases the GIL), so the event loop keeps
+serving the bus while the step computes.
+
+One rank (``world_size = 1``): a plain model on its device. ``dtype = "bfloat16"`` is mixed
+precision: the weights and AdamW's moments stay float32 (the master copy the optimiser updates)
+and the forward/backward runs under ``torch.autocast`` in bf16.
+
+Many ranks: every rank holds a :class:`Learner` whose model is sharded with FSDP2
+(``fully_shard`` per decoder layer and on the root; bf16 mixed precision through FSDP's own
+``MixedPrecisionPolicy``, gradients reduced in float32). Rank 0 alone talks to the bus; each
+collective operation (a step, gathering the weights, a checkpoint) is sent by rank 0 to the other
+ranks as a command (:mod:`services.trainer.ranks`) and then run by all of them together, so every
+rank issues the same collectives in the same order. A step sends the whole batch to every rank;
+each takes its share (:mod:`services.trainer.batching`).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
-import os
-import random
-import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from proto.trajectories import ScoredTrajectory
-from services.lib.model_io import load_policy, save_policy, sequence_logprobs
+from services.lib.model_io import load_policy, sequence_logprobs
+from services.trainer import batching
 from services.trainer.config import TrainerConfig
+from services.trainer.devices import Placement
 from services.trainer.loss import group_advantages, grpo_loss
 from services.trainer.optim import build_lr_schedule, build_optimizer, optimizer_step
 
@@ -61,100 +74,235 @@ def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
-class Learner:
-    """Owns the model, the optimiser and the schedule."""
+@dataclass
+class StepInput:
+    """One step's batch as plain lists (what rank 0 sends to the other ranks)."""
 
-    def __init__(self, cfg: TrainerConfig, model_dir: Path, device: str = "cpu") -> None:
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    masks: list[list[int]]
+    behaviour: list[list[float]]
+    #: group-normalised advantages, computed over the whole batch
+    advantages: list[float]
+    rewards: list[float]
+    #: the loss normaliser of the whole batch (completions, or tokens, that carry loss)
+    total: float
+
+    @classmethod
+    def of(cls, batch: list[ScoredTrajectory], cfg: TrainerConfig) -> StepInput:
+        rewards = torch.tensor([t.reward for t in batch], dtype=torch.float32)
+        # 1. group-normalised advantages, over whole groups
+        advantages = group_advantages(rewards, [t.rollout.group_id for t in batch], normalize_std=cfg.normalize_std)
+        prompts, completions, masks, behaviour = completion_tensors(batch)
+        if cfg.aggregation == "seq_mean_token_mean":
+            total = float(sum(1 for m in masks if sum(m) > 0))
+        else:
+            total = float(sum(sum(m) for m in masks))
+        return cls(prompts, completions, masks, behaviour, advantages.tolist(), rewards.tolist(), total)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(p) + len(c) for p, c in zip(self.prompts, self.completions, strict=True)]
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP shards one by one (the classes the model says never to split)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise CheckpointError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    return layers
+
+
+class Learner:
+    """Owns the model (this rank's shard of it), the optimiser and the schedule.
+
+    ``group`` (rank 0 of many ranks only) is the :class:`~services.trainer.ranks.RankGroup` that
+    forwards every collective call to the other ranks.
+    """
+
+    def __init__(self, cfg: TrainerConfig, model_dir: Path, placement: Placement | None = None, *,
+                 rank: int = 0, init_method: str = "", group: Any = None) -> None:
         self.cfg = cfg
+        self.placement = placement or Placement("cpu", "cpu", "gloo")
+        self.rank, self.world_size = rank, cfg.world_size
+        self.group = group
+        self.model_dir = Path(model_dir)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.model, self.tokenizer = load_policy(model_dir, dtype=cfg.dtype, device=device)
+        device = self.placement.device
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        if self.world_size > 1 and not dist.is_initialized():
+            from datetime import timedelta
+
+            dist.init_process_group(self.placement.backend, init_method=init_method, rank=rank,
+                                    world_size=self.world_size, timeout=timedelta(seconds=cfg.rank_timeout_s))
+        self.bf16 = cfg.dtype == "bfloat16"
+        # float32 master weights; bf16 only in the forward/backward (autocast, or FSDP's policy)
+        self.model, self.tokenizer = load_policy(model_dir, dtype="float32", device=device)
         self.model.train()
         self.model.config.use_cache = False
+        if cfg.gradient_checkpointing:
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if self.world_size > 1:
+            self._shard()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.optimizer = build_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = build_lr_schedule(self.optimizer, cfg.lr_schedule, cfg.lr_warmup_steps,
                                            cfg.total_steps if cfg.lr_schedule != "constant" else None)
         self.ref_model = None
         if cfg.kl_coef > 0:
-            self.ref_model, _ = load_policy(model_dir, dtype=cfg.dtype, device=device)
+            self.ref_model, _ = load_policy(model_dir, dtype=cfg.dtype, device=self.placement.ref_device)
             self.ref_model.eval().requires_grad_(False)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+    def _shard(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else \
+            MixedPrecisionPolicy()
+        for layer in _decoder_layers(self.model):
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(self.model, mp_policy=mp)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.bf16 and self.world_size == 1:
+            return torch.autocast(self.placement.device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _all(self, name: str, *args: Any) -> Any:
+        """Run method ``name`` on every rank (rank 0 sends it to the others first); rank 0's result."""
+        if self.group is not None:
+            self.group.send(name, *args)
+        return getattr(self, name)(*args)
+
+    # --- the step -------------------------------------------------------------------------------
 
     def step(self, batch: list[ScoredTrajectory]) -> dict[str, float]:
         """One optimiser step on whole groups; returns metrics named by path."""
-        cfg = self.cfg
+        return self._all("step_input", StepInput.of(batch, self.cfg))
+
+    def step_input(self, inp: StepInput) -> dict[str, float]:
+        """This rank's part of one step (every rank calls it with the same input)."""
         t0 = time.perf_counter()
-        rewards = torch.tensor([t.reward for t in batch], dtype=torch.float32)
-        group_ids = [t.rollout.group_id for t in batch]
-        # 1. group-normalised advantages, over whole groups
-        advantages = group_advantages(rewards, group_ids, normalize_std=cfg.normalize_std)
-        prompts, completions, masks, behaviour = completion_tensors(batch)
-        if cfg.aggregation == "seq_mean_token_mean":
-            total = float(sum(1 for m in masks if sum(m) > 0))
-        else:
-            total = float(sum(sum(m) for m in masks))
-        sums: dict[str, float] = {}
-        n_mb = 0
-        # 2. micro-batches: logprobs under the current policy, loss, backward (accumulated)
-        for lo in range(0, len(batch), cfg.micro_batch_size):
-            hi = lo + cfg.micro_batch_size
-            if total <= 0:
-                break
-            logprobs, loss_mask = sequence_logprobs(
-                self.model, prompts[lo:hi], completions[lo:hi], completion_masks=masks[lo:hi],
-                pad_token_id=self.pad_id, temperature=cfg.temperature)
-            width = logprobs.shape[1]
-            behaviour_lp = _pad(behaviour[lo:hi], width).to(logprobs.device)
-            ref_lp = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_lp, _ = sequence_logprobs(self.ref_model, prompts[lo:hi], completions[lo:hi],
-                                                  completion_masks=masks[lo:hi], pad_token_id=self.pad_id,
-                                                  temperature=cfg.temperature)
-            loss, m = grpo_loss(
-                logprobs, behaviour_lp, advantages[lo:hi].to(logprobs.device), loss_mask.to(logprobs.dtype),
-                ref_logprobs=ref_lp, clip_low=cfg.clip_low, clip_high=cfg.clip_high, kl_coef=cfg.kl_coef,
-                is_mode=cfg.is_mode, is_cap=cfg.is_cap, aggregation=cfg.aggregation, total=total)
-            loss.backward()
-            n_mb += 1
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+        sums, n_mb, passes = self.accumulate(inp)
         # 3. clip, step, schedule
-        opt = optimizer_step(self.model, self.optimizer, self.scheduler, cfg.max_grad_norm) if n_mb else {}
+        opt = optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.max_grad_norm) if passes else {}
         metrics = {k: (v if k.startswith("losses/") else v / max(n_mb, 1)) for k, v in sums.items()}
         metrics.update(opt)
-        metrics["train/reward_mean"] = float(rewards.mean())
-        metrics["train/completion_tokens_mean"] = float(sum(len(c) for c in completions) / len(completions))
+        metrics["train/reward_mean"] = sum(inp.rewards) / max(len(inp.rewards), 1)
+        metrics["train/completion_tokens_mean"] = sum(len(c) for c in inp.completions) / max(len(inp.completions), 1)
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
 
-    # --- checkpoints ------------------------------------------------------------------------------
+    def accumulate(self, inp: StepInput) -> tuple[dict[str, float], int, int]:
+        """2. This rank's micro-batches: logprobs under the current policy, loss, backward (gradients
+        accumulate). Returns the loss metrics summed over every rank's passes, the number of passes
+        with rows (all ranks), and this rank's number of passes."""
+        cfg = self.cfg
+        passes = batching.plan(inp.lengths, self.world_size, cfg.micro_batch_size,
+                               cfg.max_tokens_per_micro_batch)[self.rank] if inp.total > 0 else []
+        sums: dict[str, float] = {}
+        n_mb = 0
+        for rows in passes:
+            if not rows:  # this rank has fewer passes than another: join the collectives, add nothing
+                self._empty_pass()
+                continue
+            m = self._pass(inp, rows)
+            n_mb += 1
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        if self.world_size > 1:
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, (sums, n_mb))
+            sums, n_mb = {}, 0
+            for part, n in gathered:
+                n_mb += n
+                for k, v in part.items():
+                    sums[k] = sums.get(k, 0.0) + v
+        return sums, n_mb, len(passes)
+
+    def _pass(self, inp: StepInput, rows: list[int]) -> dict[str, float]:
+        cfg = self.cfg
+        prompts = [inp.prompts[i] for i in rows]
+        completions = [inp.completions[i] for i in rows]
+        masks = [inp.masks[i] for i in rows]
+        with self._autocast():
+            logprobs, loss_mask = sequence_logprobs(
+                self.model, prompts, completions, completion_masks=masks, pad_token_id=self.pad_id,
+                temperature=cfg.temperature)
+        width = logprobs.shape[1]
+        behaviour_lp = _pad([inp.behaviour[i] for i in rows], width).to(logprobs.device)
+        ref_lp = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_lp, _ = sequence_logprobs(self.ref_model, prompts, completions, completion_masks=masks,
+                                              pad_token_id=self.pad_id, temperature=cfg.temperature)
+            ref_lp = ref_lp.to(logprobs.device)
+        advantages = torch.tensor([inp.advantages[i] for i in rows], dtype=torch.float32, device=logprobs.device)
+        loss, m = grpo_loss(
+            logprobs, behaviour_lp, advantages, loss_mask.to(logprobs.dtype), ref_logprobs=ref_lp,
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, kl_coef=cfg.kl_coef, is_mode=cfg.is_mode,
+            is_cap=cfg.is_cap, aggregation=cfg.aggregation, total=inp.total)
+        # FSDP averages gradients over ranks; every rank's loss is already a share of the whole batch's
+        (loss * self.world_size).backward()
+        return m
+
+    def _empty_pass(self) -> None:
+        ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.placement.device)
+        with self._autocast():
+            out = self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        (out.logits.float().sum() * 0.0).backward()
+
+    # --- weights --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full weights on rank 0 (in the training dtype), to send to the engines.
+
+        Many ranks: gathered parameter by parameter onto rank 0's host memory (the whole model
+        exists once there; the other ranks hold nothing more than their shards)."""
+        return self._all("full_state_dict")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.world_size == 1:
+            sd = {k: v.detach() for k, v in self.model.state_dict().items()}
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.bf16:
+            sd = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}
+        return sd
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Replace the weights with ``state_dict`` (full tensors on rank 0; the others receive them)."""
+        if self.group is not None:
+            self.group.send("load_full_weights", {})
+        self.load_full_weights(state_dict)
+
+    def load_full_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        if self.world_size == 1:
+            self.model.load_state_dict(state_dict, strict=False)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if self.rank == 0:
+            state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, strict=False))
+
+    def save_pretrained(self, out: Path) -> Path:
+        """The model as a Hugging Face directory (float32 master weights), written by rank 0."""
+        from services.trainer import checkpoint
+
+        return checkpoint.save_hf(self, out)
+
+    # --- checkpoints (services/trainer/checkpoint.py) --------------------------------------------
 
     def save_checkpoint(self, root: Path, step: int, trainer_state: dict[str, Any]) -> Path:
-        """Atomically write ``root/step-<N>`` (HF model dir + optimiser + trainer state) and point ``latest`` at it."""
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"step-{step:06d}"
-        tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_policy(self.model, self.tokenizer, tmp)
-        torch.save({
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        }, tmp / "optimizer.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        latest_tmp = root / ".latest.tmp"
-        latest_tmp.write_text(final.name)
-        os.replace(latest_tmp, root / "latest")
-        # keep the two newest checkpoints
-        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-2]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
+        from services.trainer import checkpoint
+
+        return checkpoint.save(self, root, step, trainer_state)
 
     @staticmethod
     def latest_checkpoint(root: Path) -> Path | None:
@@ -167,9 +315,23 @@ class Learner:
         return path
 
     def load_optimizer(self, ckpt: Path) -> dict[str, Any]:
-        blob = torch.load(ckpt / "optimizer.pt", weights_only=False)
-        self.optimizer.load_state_dict(blob["optimizer"])
-        self.scheduler.load_state_dict(blob["scheduler"])
-        torch.set_rng_state(blob["rng"]["torch"])
-        random.setstate(blob["rng"]["python"])
-        return json.loads((ckpt / "trainer_state.json").read_text())
+        """Model and optimiser state of ``ckpt`` (written by any number of ranks); returns the trainer state."""
+        from services.trainer import checkpoint
+
+        return checkpoint.load(self, ckpt)
+
+    # every rank's own part of the collective calls above (rank 0 sends their names to the others)
+    def write_checkpoint(self, path: str) -> None:
+        from services.trainer import checkpoint
+
+        checkpoint.write(self, path)
+
+    def read_checkpoint(self, path: str) -> None:
+        from services.trainer import checkpoint
+
+        checkpoint.read(self, path)
+
+    def save_hf_local(self, path: str) -> None:
+        from services.trainer import checkpoint
+
+        checkpoint.save_hf_local(self, path)

@@ -109,9 +109,12 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -
     if not params:
         return 0.0
     if max_norm is None or max_norm <= 0:
-        norms = torch.stack([p.grad.detach().float().norm() for p in params])
-        return float(norms.norm())
-    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        norm = torch.nn.utils.get_total_norm([p.grad.detach() for p in params])
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    # sharded parameters (FSDP2) give a DTensor: the norm over every rank's shard
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
 
 
 def optimizer_step(

@@ -17,6 +17,7 @@ takes them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,9 @@ from services.tasks import get_task
 from services.tasks.base import Task
 from services.tasks.models import resolve_model
 from services.trainer.config import TrainerConfig
+from services.trainer.devices import Placement
 from services.trainer.learner import Learner
+from services.trainer.ranks import RankGroup
 from services.trainer.state import TrainerState, from_checkpoint
 
 log = logging.getLogger("rlbus.trainer.resume")
@@ -45,11 +48,18 @@ class Start:
     version_kept: bool = False
 
 
-def load(cfg: TrainerConfig, checkpoints: Path, seed: int) -> Start:
-    """Build the task and the learner from the newest checkpoint, else from the configured model (blocking)."""
+def load(cfg: TrainerConfig, checkpoints: Path, seed: int, placement: Placement | None = None,
+         group: RankGroup | None = None) -> Start:
+    """Build the task and the learner from the newest checkpoint, else from the configured model (blocking).
+
+    With a rank group, every rank builds its learner from the same directory and loads its shard
+    of the checkpoint (written by any number of ranks)."""
     task = get_task(cfg.task, **cfg.task_options)
     ckpt = Learner.latest_checkpoint(checkpoints)
-    learner = Learner(cfg, ckpt or resolve_model(cfg.model, cfg.cache_dir or None, seed=seed))
+    model_dir = ckpt or resolve_model(cfg.model, cfg.cache_dir or None, seed=seed)
+    if group is not None:
+        group.init(model_dir)
+    learner = Learner(cfg, model_dir, placement, init_method=group.init_method if group else "", group=group)
     state = from_checkpoint(learner.load_optimizer(ckpt)) if ckpt is not None else TrainerState()
     state.state = "running"
     return Start(task=task, learner=learner, state=state, checkpoint=ckpt)
@@ -61,7 +71,7 @@ async def continue_from_saved(start: Start, saved: TrainerState | None, sender: 
         return  # the run's first start
     kept = await _latest_kept(sender)
     if saved.state == "running" and saved.step > start.state.step and kept is not None and kept[0] == saved.version:
-        start.learner.model.load_state_dict(kept[1], strict=False)
+        await asyncio.to_thread(start.learner.load_weights, kept[1])
         start.state = saved
         start.version_kept = True
         log.info("resumed at step %d from kept version %d (optimiser from %s)", saved.step, saved.version,

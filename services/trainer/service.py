@@ -27,7 +27,6 @@ import msgspec
 
 from proto import catalog
 from proto.prompts import PromptTicket, Sampling
-from services.lib.model_io import save_policy
 from services.lib.weights.transport import WeightSender, make_sender
 from services.runtime import bus
 from services.runtime.config import Loaded
@@ -35,9 +34,11 @@ from services.runtime.service import ServiceContext
 from services.trainer import resume
 from services.trainer.admission import Sample
 from services.trainer.collect import Collector, Outcomes
+from services.trainer import devices
 from services.trainer.config import TrainerConfig
 from services.trainer.evaluation import EvalRound, Evaluations
 from services.trainer.learner import Learner
+from services.trainer.ranks import RankGroup
 from services.trainer.state import TrainerState, load_from_kv, save_to_kv, to_checkpoint
 
 log = logging.getLogger("rlbus.trainer")
@@ -49,11 +50,24 @@ class TrainerService:
     def __init__(self, loaded: Loaded) -> None:
         self.loaded = loaded
         self.cfg: TrainerConfig = loaded.service
+        # a device or world size this host cannot serve stops start-up here, naming the key
+        self.placement = devices.resolve(self.cfg)
 
     async def run(self, ctx: ServiceContext) -> None:
         run_dir = Path(self.loaded.run.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        start = await asyncio.to_thread(resume.load, self.cfg, run_dir / "checkpoints", self.loaded.run.seed)
+        if self.cfg.world_size == 1:
+            await self._run(ctx, run_dir, None)
+            return
+        group = RankGroup.start(self.cfg, run_dir)  # from the event loop's (main) thread: see RankGroup
+        try:
+            await group.until_failed(self._run(ctx, run_dir, group))
+        finally:
+            await asyncio.to_thread(group.close)
+
+    async def _run(self, ctx: ServiceContext, run_dir: Path, group: RankGroup | None) -> None:
+        start = await asyncio.to_thread(resume.load, self.cfg, run_dir / "checkpoints", self.loaded.run.seed,
+                                        self.placement, group)
         runs_kv = await bus.ensure_kv(ctx.js, catalog.RUNS)
         sender = make_sender(self.cfg.transport, ctx.nc, ctx.run_id)
         await sender.start()
@@ -153,7 +167,7 @@ class Trainer:
 
     async def _send_weights(self) -> float:
         t0 = time.perf_counter()
-        await self.sender.send(self.learner.state_dict(), self.state.version)
+        await self.sender.send(await asyncio.to_thread(self.learner.state_dict), self.state.version)
         return time.perf_counter() - t0
 
     async def save_state(self) -> None:
@@ -205,7 +219,7 @@ class Trainer:
         await self._start_eval()
         await self.evals.wait_all(self.ctx.stop)
         final = self.run_dir / "final_model"
-        await asyncio.to_thread(save_policy, self.learner.model, self.learner.tokenizer, final)
+        await asyncio.to_thread(self.learner.save_pretrained, final)
         await self._checkpoint()
         self.state.state, self.state.final_model = "finished", str(final)
         summary = {"step": self.state.step, "version": self.state.version, "eval_history": self.state.eval_history,

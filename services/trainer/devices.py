@@ -1,0 +1,79 @@
+"""Where the trainer runs: the device each rank trains on, checked before anything is loaded.
+
+A device that is not there (``cuda`` on a CPU host, ``cuda:3`` on a one-GPU host, more CUDA ranks
+than GPUs) is a configuration error that names its key, raised at start-up, never a crash deep
+inside torch on the first step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.runtime.config import ConfigError
+from services.trainer.config import TrainerConfig
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The resolved devices of one rank."""
+
+    #: the policy's device ("cpu" or "cuda:N")
+    device: str
+    #: the reference model's device
+    ref_device: str
+    #: torch.distributed backend of the rank group (gloo on CPU, nccl on CUDA)
+    backend: str
+
+    @property
+    def device_type(self) -> str:
+        return torch.device(self.device).type
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _check_cuda(key: str, value: str, index: int | None) -> None:
+    count = _cuda_count()
+    if count == 0:
+        raise ConfigError(f"config key services.trainer.{key} is {value!r}, but this host has no CUDA device "
+                          f"(torch {torch.__version__}); use \"cpu\" or \"auto\"")
+    if index is not None and index >= count:
+        raise ConfigError(f"config key services.trainer.{key} is {value!r}, but this host has {count} CUDA "
+                          f"device(s) (cuda:0..cuda:{count - 1})")
+
+
+def _index(value: str) -> int | None:
+    return int(value.split(":", 1)[1]) if ":" in value else None
+
+
+def resolve(cfg: TrainerConfig, rank: int = 0) -> Placement:
+    """The devices of ``rank``; raises ConfigError (naming the key) when the host cannot serve them."""
+    wanted = cfg.device
+    if wanted == "auto":
+        wanted = "cuda" if _cuda_count() > 0 else "cpu"
+    if wanted == "cpu":
+        device = "cpu"
+    else:
+        index = _index(wanted)
+        _check_cuda("device", cfg.device, index)
+        if cfg.world_size > 1:
+            if index is not None:
+                raise ConfigError(f"config key services.trainer.device is {cfg.device!r} with world_size "
+                                  f"{cfg.world_size}: each rank takes its own GPU (rank r on cuda:r); "
+                                  "set device = \"cuda\"")
+            if cfg.world_size > _cuda_count():
+                raise ConfigError(f"config key services.trainer.world_size is {cfg.world_size}, but this host has "
+                                  f"{_cuda_count()} CUDA device(s) (one rank per GPU)")
+            device = f"cuda:{rank}"
+        else:
+            device = f"cuda:{index or 0}"
+    ref = cfg.ref_device or device
+    if ref != device and ref != "cpu":
+        _check_cuda("ref_device", cfg.ref_device, _index(ref))
+        ref = ref if ":" in ref else "cuda:0"
+    if cfg.dtype == "bfloat16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"config key services.trainer.dtype is 'bfloat16', but {device} has no bf16 support")
+    return Placement(device=device, ref_device=ref, backend="nccl" if device.startswith("cuda") else "gloo")

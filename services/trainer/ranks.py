@@ -1,0 +1,208 @@
+"""A trainer of many ranks: rank 0 (the service process) starts ranks 1..N-1 and drives them.
+
+One service instance is one rank group. The service process is rank 0: it alone talks to the bus.
+It starts the other ranks as child processes (``python -m services.trainer.ranks``) and sends
+them commands over their stdin: ``init`` (config, model directory, rendezvous address), then the
+name of each collective :class:`~services.trainer.learner.Learner` method with its arguments (a
+step's batch, a checkpoint path), then ``stop``. Every rank runs that method, so all of them issue
+the same torch.distributed collectives in the same order; tensors move only through
+torch.distributed (gloo on CPU, NCCL on GPUs), never through the pipes.
+
+Failure is all-or-nothing, bounded in time:
+
+* a rank that dies (killed, out of memory) is noticed by a watcher thread of rank 0 at once; rank 0
+  stops the others and exits non-zero, so the launcher restarts the whole group, which continues
+  from the newest checkpoint or kept weight version (trajectories not yet trained on are
+  redelivered: they are acked only after the step that used them is durable);
+* when rank 0 dies, the kernel stops the other ranks (``PR_SET_PDEATHSIG``), and a rank whose
+  stdin closes exits;
+* a collective that hangs fails after ``rank_timeout_s``.
+
+Each rank writes ``<run dir>/ranks/rank-<r>.pid`` and logs to ``<run dir>/ranks/rank-<r>.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from services.runtime.natsd import die_with_parent
+from services.trainer.config import TrainerConfig
+
+log = logging.getLogger("rlbus.trainer.ranks")
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+class RankGroupFailed(RuntimeError):
+    """A rank of the trainer's group died or could not start; the whole group stops."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RankGroup:
+    """Rank 0's handle on ranks 1..N-1. Start it from the main thread (the kernel ties a child's
+    death-with-parent signal to the thread that started it)."""
+
+    def __init__(self, cfg: TrainerConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.dir = run_dir / "ranks"
+        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.reason = ""
+        self.closing = False
+        self.failed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def start(cls, cfg: TrainerConfig, run_dir: Path) -> RankGroup:
+        group = cls(cfg, run_dir)
+        group._loop = asyncio.get_running_loop()
+        group.dir.mkdir(parents=True, exist_ok=True)
+        (group.dir / "rank-0.pid").write_text(str(os.getpid()))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (str(_REPO), os.environ.get("PYTHONPATH", "")) if p)}
+        for rank in range(1, cfg.world_size):
+            with open(group.dir / f"rank-{rank}.log", "ab") as logf:
+                proc = subprocess.Popen([sys.executable, "-m", "services.trainer.ranks", "--rank", str(rank)],
+                                        stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                        preexec_fn=die_with_parent)
+            group.procs[rank] = proc
+            (group.dir / f"rank-{rank}.pid").write_text(str(proc.pid))
+            threading.Thread(target=group._watch, args=(rank, proc), name=f"trainer-rank-{rank}-watch",
+                             daemon=True).start()
+        log.info("trainer rank group: %d ranks (pids %s), rendezvous %s", cfg.world_size,
+                 [os.getpid(), *(p.pid for p in group.procs.values())], group.init_method)
+        return group
+
+    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
+        if self.closing and code == 0:
+            return
+        self._fail(f"trainer rank {rank} (pid {proc.pid}) exited with code {code} (log {self.dir / f'rank-{rank}.log'})")
+
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            if self.reason:
+                return
+            self.reason = reason
+        log.error("%s: stopping the rank group", reason)
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.failed.set)
+
+    def init(self, model_dir: Path) -> None:
+        """Ranks 1..N-1 build their learners (and join the process group) from ``model_dir``."""
+        self.send("init", msgspec.json.encode(self.cfg), str(model_dir), self.init_method)
+
+    def send(self, name: str, *args: Any) -> None:
+        """Tell every other rank to run learner method ``name(*args)``."""
+        data = pickle.dumps((name, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, proc in self.procs.items():
+            if self.reason:
+                raise RankGroupFailed(self.reason)
+            try:
+                pipe: IO[bytes] = proc.stdin  # type: ignore[assignment]  # always a pipe (start())
+                pipe.write(data)
+                pipe.flush()
+            except (BrokenPipeError, OSError) as e:
+                self._fail(f"trainer rank {rank} (pid {proc.pid}) is gone ({e})")
+                raise RankGroupFailed(self.reason) from e
+
+    async def until_failed(self, work: Any) -> Any:
+        """Await ``work``; if a rank dies first, cancel it and raise RankGroupFailed."""
+        task = asyncio.ensure_future(work)
+        failed = asyncio.create_task(self.failed.wait(), name="trainer-rank-failure")
+        try:
+            await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception) as e:  # the failure below is the cause
+                log.debug("trainer stopped after a rank failure: %r", e)
+            raise RankGroupFailed(self.reason)
+        if task.exception() is not None and self.reason:
+            raise RankGroupFailed(self.reason) from task.exception()
+        return task.result()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop ranks 1..N-1 (cleanly when all are alive, else by SIGKILL) and leave the process group."""
+        import torch.distributed as dist
+
+        self.closing = True
+        clean = not self.reason
+        if clean:
+            try:
+                self.send("stop")
+            except RankGroupFailed:
+                clean = False
+        for proc in self.procs.values():
+            if proc.stdin is not None:
+                proc.stdin.close()
+            try:
+                proc.wait(timeout_s if clean else 5.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if clean and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def worker(rank: int, commands: IO[bytes]) -> int:
+    """Rank ``rank`` (1..N-1): build the learner, then run the commands rank 0 sends until ``stop``."""
+    import torch.distributed as dist
+
+    from services.trainer import devices
+    from services.trainer.learner import Learner
+
+    name, (cfg_json, model_dir, init_method) = pickle.load(commands)
+    if name != "init":
+        raise RankGroupFailed(f"rank {rank}: expected 'init' first, got {name!r}")
+    cfg = msgspec.json.decode(cfg_json, type=TrainerConfig)
+    learner = Learner(cfg, Path(model_dir), devices.resolve(cfg, rank), rank=rank, init_method=init_method)
+    log.info("rank %d of %d ready on %s", rank, cfg.world_size, learner.placement.device)
+    while True:
+        try:
+            name, args = pickle.load(commands)
+        except EOFError:
+            log.error("rank %d: rank 0 went away; exiting", rank)
+            return 1
+        if name == "stop":
+            break
+        getattr(learner, name)(*args)
+    dist.destroy_process_group()
+    log.info("rank %d stopped", rank)
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="one rank (1..N-1) of a trainer rank group; started by rank 0")
+    parser.add_argument("--rank", type=int, required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank-{args.rank} %(name)s %(levelname)s %(message)s")
+    sys.exit(worker(args.rank, sys.stdin.buffer))
+
+
+if __name__ == "__main__":
+    main()
