@@ -3,7 +3,7 @@
     python -m tests.distributed.rank_script SPEC.json
 
 SPEC: ``{"model_dir", "config": {TrainerConfig keys}, "steps": [batch seed, ...], "out": dir,
-"resume_from": checkpoint dir or null, "checkpoint": bool}``. Rank 0 is this process; the other
+"resume_from" or "model_dir_only": checkpoint dir, "checkpoint": bool}``. Rank 0 is this process; the other
 ranks are started by :class:`services.trainer.ranks.RankGroup` exactly as the trainer service
 starts them. Writes ``out/weights.pt`` (the full weights after the steps), ``out/metrics.json`` and,
 with ``checkpoint``, a checkpoint under ``out/checkpoints``.
@@ -51,7 +51,8 @@ async def run(spec: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     group = RankGroup.start(cfg, out) if cfg.world_size > 1 else None
     try:
-        model_dir = Path(spec.get("resume_from") or spec["model_dir"])
+        # resume_from: model and optimiser from a checkpoint; model_dir_only: a checkpoint's weights only
+        model_dir = Path(spec.get("resume_from") or spec.get("model_dir_only") or spec["model_dir"])
         if group is not None:
             group.init(model_dir)
         learner = Learner(cfg, model_dir, devices.resolve(cfg), init_method=group.init_method if group else "",
