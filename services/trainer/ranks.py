@@ -169,6 +169,14 @@ class RankGroup:
             dist.destroy_process_group()
 
 
+def rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of ``rank`` of the run's trainer rank group, as it wrote it (None: not started yet)."""
+    try:
+        return int((run_dir / "ranks" / f"rank-{rank}.pid").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def worker(rank: int, commands: IO[bytes]) -> int:
     """Rank ``rank`` (1..N-1): build the learner, then run the commands rank 0 sends until ``stop``."""
     import torch.distributed as dist
