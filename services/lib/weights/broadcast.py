@@ -10,10 +10,12 @@ use for its own ranks).
 Per version the sender records a :class:`BroadcastReady` (layout, size) in KV
 and on the subject, then broadcasts the data section of the full layout in
 ``bucket_bytes`` buckets (a bounded staging buffer on the sender; receivers
-write straight into their destination buffer), then its 32-byte sha256, which
+write straight into their destination buffer), then a 32-byte digest of the data, which
 both sides compute bucket by bucket while the next bucket is on the wire. Gloo carries CPU
 tensors; NCCL carries CUDA tensors (``backend="auto"`` picks NCCL when CUDA is
-available). Every join and collective is bounded by ``timeout_s`` and fails
+available). The digest is computed where the bucket is: sha256 on the host for gloo; for NCCL
+a position-weighted checksum computed on the GPU (:class:`DeviceDigest`), because sha256 would
+need every byte copied to the host, the very copy a GPU-to-GPU transfer exists to avoid. Every join and collective is bounded by ``timeout_s`` and fails
 with :class:`BroadcastError` — never a silent hang. Receivers must be inside
 ``receive()`` when a version is sent (iterate in a task of their own).
 
@@ -78,6 +80,56 @@ def _device(backend: str) -> torch.device:
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+class DeviceDigest:
+    """A checksum of a byte stream computed on the device that holds it (never ``.numpy()``).
+
+    Fletcher-style: ``s1 = sum(b_i)`` and ``s2 = sum((i + 1) * b_i)`` over every byte ``b_i`` at
+    stream position ``i``, both modulo 2**64, plus the length. Integer sums are exact and
+    order-free, so a CUDA and a CPU computation, or buckets cut differently, give the same digest;
+    a changed byte changes ``s1``, moved bytes change ``s2``. It detects corruption and layout
+    mistakes, not tampering (the broadcast runs inside one trusted fabric).
+    """
+
+    _CHUNK = 1 << 24  # bytes widened to int64 at a time (128 MiB of scratch on the device)
+    _MASK = (1 << 64) - 1
+
+    def __init__(self) -> None:
+        self.s1 = 0
+        self.s2 = 0
+        self.length = 0
+
+    def update(self, data: torch.Tensor) -> None:
+        flat = data.reshape(-1)
+        if flat.dtype != torch.uint8:
+            raise TypeError(f"DeviceDigest takes uint8 bytes, got {flat.dtype}")
+        for lo in range(0, flat.numel(), self._CHUNK):
+            chunk = flat[lo : lo + self._CHUNK].to(torch.int64)
+            weights = torch.arange(self.length + 1, self.length + 1 + chunk.numel(), dtype=torch.int64,
+                                   device=chunk.device)
+            self.s1 = (self.s1 + int(chunk.sum())) & self._MASK
+            self.s2 = (self.s2 + int((chunk * weights).sum())) & self._MASK
+            self.length += chunk.numel()
+
+    def digest(self) -> bytes:
+        return b"rlbusdev" + self.s1.to_bytes(8, "little") + self.s2.to_bytes(8, "little") + \
+            self.length.to_bytes(8, "little")
+
+    def hexdigest(self) -> str:
+        return self.digest().hex()
+
+
+def _hasher(device: torch.device) -> DeviceDigest | hashlib._Hash:
+    """The digest of buckets on ``device``: sha256 of host bytes, or a DeviceDigest on a GPU."""
+    return DeviceDigest() if device.type == "cuda" else hashlib.sha256()
+
+
+def _hash_update(h: DeviceDigest | hashlib._Hash, view: torch.Tensor) -> None:
+    if isinstance(h, DeviceDigest):
+        h.update(view)
+    else:
+        h.update(view.numpy())
 
 
 class _Group:
@@ -210,8 +262,8 @@ class BroadcastSender:
         )
         entries, nbytes = layout(sd)
         device = _device(self.backend)
-        # sha256 of the data, computed bucket by bucket while each bucket is on the wire (CPU tensors only)
-        h = hashlib.sha256() if all(not t.is_cuda for t in sd.values()) else None
+        # the digest of the data, computed bucket by bucket (on the bucket's device) while each is on the wire
+        h = _hasher(device)
         ready = BroadcastReady(
             run_id=self.run_id,
             policy_version=version,
@@ -227,10 +279,7 @@ class BroadcastSender:
         await self.nc.flush()
 
         async def flush(view: torch.Tensor) -> None:
-            if h is None:
-                await self.group.bcast(view)
-            else:
-                await asyncio.gather(self.group.bcast(view), asyncio.to_thread(h.update, view.numpy()))
+            await asyncio.gather(self.group.bcast(view), asyncio.to_thread(_hash_update, h, view))
 
         # pack tensors into a bounded bucket, broadcast it whenever it fills
         bucket = torch.empty(min(self.config.bucket_bytes, max(nbytes, 1)), dtype=torch.uint8, device=device)
@@ -249,8 +298,7 @@ class BroadcastSender:
         if fill:
             await flush(bucket[:fill])
         trailer = torch.zeros(_DIGEST_BYTES, dtype=torch.uint8, device=device)
-        if h is not None:
-            trailer.copy_(torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8))
+        trailer.copy_(torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8))
         await self.group.bcast(trailer)
         log.info("broadcast v%d: %d bytes to %d engines", version, nbytes, self.config.world_size - 1)
 
@@ -373,7 +421,7 @@ class BroadcastReceiver:
             if self._group_version is None or ready.policy_version > self._group_version:
                 break
         flat = torch.empty(ready.data_nbytes, dtype=torch.uint8, device=_device(info.backend))
-        h = None if flat.is_cuda else hashlib.sha256()
+        h = _hasher(flat.device)
         hashing = None  # hash bucket i while bucket i + 1 arrives
         for off in range(0, ready.data_nbytes, ready.bucket_bytes):
             view = flat[off : off + ready.bucket_bytes]
@@ -381,13 +429,13 @@ class BroadcastReceiver:
                 await group.bcast(view)
             else:
                 await asyncio.gather(group.bcast(view), hashing)
-            hashing = asyncio.to_thread(h.update, view.numpy()) if h is not None else None
+            hashing = asyncio.to_thread(_hash_update, h, view)
         if hashing is not None:
             await hashing
         trailer = torch.empty(_DIGEST_BYTES, dtype=torch.uint8, device=flat.device)
         await group.bcast(trailer)
         expected = bytes(trailer.cpu().numpy())
-        if h is not None and any(expected) and h.digest() != expected:
+        if any(expected) and h.digest() != expected:
             raise WeightIntegrityError(
                 f"broadcast v{ready.policy_version} arrived with sha256 {h.hexdigest()}, expected {expected.hex()}; "
                 "refused, keep the current weights",
