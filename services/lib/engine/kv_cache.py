@@ -31,6 +31,15 @@ from transformers.cache_utils import Cache, DynamicLayer
 _MIN_HEADROOM = 32
 
 
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword a transformers model takes its cache by: ``cache`` (transformers >= 5.20) or
+    ``past_key_values`` (earlier; vLLM's CPU build pins transformers < 5.20, and the torch engine runs
+    beside it there)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class CacheMergeError(ValueError):
     """Two caches cannot be merged (different models, dtypes or devices)."""
 

@@ -17,9 +17,10 @@ Each loop iteration, at a decode-step boundary:
 4. removes finished rows from the cache at once and trims leading columns that
    have become padding in every row.
 
-In-flight updates keep the KV cache computed under the old weights: tokens
-sampled after the update use the new weights attending to old-version keys and
-values. Every token's version says which weights sampled it.
+An in-flight update recomputes the running rows' KV cache under the new weights
+(one prefill of each row's prompt and tokens so far, as vLLM's engine does by
+preempting them): no token attends to keys and values of older weights, so each
+token's logprob is exactly that of the version it carries.
 
 The engine's settings are :class:`~services.lib.engine.torch_config.TorchEngineConfig`.
 """
@@ -49,7 +50,7 @@ from services.lib.engine.base import (
     WeightUpdateError,
     resolve_threadsafe,
 )
-from services.lib.engine.kv_cache import PaddedBatchCache
+from services.lib.engine.kv_cache import PaddedBatchCache, cache_kwarg
 from services.lib.engine.prefill import left_padded, prefill_chunks
 from services.lib.engine.sampling import DecodeState, sample_tokens
 from services.lib.engine.torch_config import DTYPES, TorchEngineConfig
@@ -96,6 +97,7 @@ class TorchEngine:
         # running batch (engine thread only)
         self._rows: list[_Request] = []
         self._cache: PaddedBatchCache | None = None
+        self._cache_kwarg = "cache"  # the model's keyword for it, set at start
         self._next_tokens = torch.empty(0, dtype=torch.long)
         self._positions = torch.empty(0, dtype=torch.long)
         self._eos_ids: frozenset[int] = frozenset()
@@ -162,6 +164,7 @@ class TorchEngine:
         if any(t != "full_attention" for t in layer_types):
             raise EngineError(f"the torch engine supports full-attention models only; layer types {set(layer_types)}")
         self._num_layers = text_config.num_hidden_layers
+        self._cache_kwarg = cache_kwarg(model)
         self._max_positions = getattr(text_config, "max_position_embeddings", None)
         self._vocab_size = text_config.vocab_size
         self._targets = model.state_dict(keep_vars=True)
@@ -339,9 +342,29 @@ class TorchEngine:
                 f"{self._version} and {update.version}: send a full state dict again"))
             return
         self._version = update.version
+        if self._rows:
+            self._recompute_cache()
         log.info("applied weights version %d (%d tensors, %d rows running)",
                  update.version, len(update.tensors), len(self._rows))
         resolve_threadsafe(update.loop, update.future)
+
+    @torch.inference_mode()
+    def _recompute_cache(self) -> None:
+        """Rebuild the running rows' cache under the current weights: each row's prompt and tokens so far
+        but the last (the next step's input), prefilled in row order, in slices within the prefill budget."""
+        contexts = [tuple(r.seq.prompt_ids) + tuple(r.seq.tokens[:-1]) for r in self._rows]
+        cache = PaddedBatchCache(self._num_layers, batch_capacity=self.config.max_batch_size)
+        lo = 0
+        while lo < len(contexts):
+            hi, longest = lo + 1, len(contexts[lo])
+            budget = self.config.max_prefill_tokens
+            while hi < len(contexts) and max(longest, len(contexts[hi])) * (hi - lo + 1) <= budget:
+                longest = max(longest, len(contexts[hi]))
+                hi += 1
+            part, _ = self._prefill(contexts[lo:hi])
+            cache.append(part)
+            lo = hi
+        self._cache = cache
 
     def _drop_cancelled(self) -> None:
         cancelled = [i for i, r in enumerate(self._rows) if r.cancelled]
@@ -356,8 +379,8 @@ class TorchEngine:
         cache = PaddedBatchCache(self._num_layers)
         mask = cache.extend(valid.to(self._device))
         logits = self._model(input_ids=ids.to(self._device), attention_mask=mask,
-                             position_ids=positions.to(self._device), cache=cache, use_cache=True,
-                             logits_to_keep=1).logits[:, -1]
+                             position_ids=positions.to(self._device), use_cache=True, logits_to_keep=1,
+                             **{self._cache_kwarg: cache}).logits[:, -1]
         return cache, logits
 
     @torch.inference_mode()
@@ -402,7 +425,8 @@ class TorchEngine:
         cache = self._cache
         mask = cache.extend(torch.ones((len(self._rows), 1), dtype=torch.bool, device=self._device))
         logits = self._model(input_ids=self._next_tokens[:, None], attention_mask=mask,
-                             position_ids=self._positions[:, None], cache=cache, use_cache=True).logits[:, -1]
+                             position_ids=self._positions[:, None], use_cache=True,
+                             **{self._cache_kwarg: cache}).logits[:, -1]
         self._positions += 1
         tokens, token_list, logprob_list = sample_tokens(logits, [r.seq.params for r in self._rows],
                                                          [r.seq.generator for r in self._rows], self._generator)
