@@ -67,6 +67,11 @@ class Limits(msgspec.Struct, kw_only=True, frozen=True):
     pids: Annotated[int, msgspec.Meta(ge=4)] | None = None
     #: CPU bandwidth in cores (0.5 = half a core)
     cpus: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    #: bytes of files the sandbox may write (work directory, /tmp, snapshots), in MiB; a write beyond
+    #: fails with ENOSPC. The files live in memory and count against ``memory_mb`` too
+    disk_mb: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    #: files, directories and links the sandbox may create; beyond, creating one fails with ENOSPC
+    inodes: Annotated[int, msgspec.Meta(ge=64)] | None = None
 
 
 class FileData(msgspec.Struct, kw_only=True, frozen=True):
@@ -422,6 +427,15 @@ class LeaseExpired(msgspec.Struct, kw_only=True, frozen=True, tag="lease_expired
     lease_ttl_s: float
 
 
+class LimitExceeded(msgspec.Struct, kw_only=True, frozen=True, tag="limit_exceeded"):
+    """The sandbox ran out of a quota (its writes failed with ENOSPC); reported once per exec that hit it."""
+
+    #: ``disk`` (bytes, ``limit`` in MiB) or ``inodes`` (files, ``limit`` a count)
+    resource: Literal["disk", "inodes"]
+    limit: int
+    exec_id: str | None = None
+
+
 class EgressRefused(msgspec.Struct, kw_only=True, frozen=True, tag="egress_refused"):
     host: str
     port: int
@@ -442,11 +456,12 @@ EventDetail = (
     | Timeout
     | LeaseExpired
     | EgressRefused
+    | LimitExceeded
 )
 
 EventKind = Literal[
     "created", "exec_started", "exec_finished", "paused", "resumed", "snapshotted", "forked",
-    "destroyed", "oom", "timeout", "lease_expired", "egress_refused",
+    "destroyed", "oom", "timeout", "lease_expired", "egress_refused", "limit_exceeded",
 ]
 
 

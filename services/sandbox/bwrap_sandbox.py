@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,9 @@ from services.sandbox.egress import Allowlist
 from services.sandbox.overlay import WorkTree
 
 log = logging.getLogger("rlbus.sandbox.bwrap")
+
+#: a volume with less free space than this counts as full (writes of a page or more fail)
+FULL_BELOW_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,8 @@ class Sandbox:
     state: str = "running"  # running | paused | destroying
     seq: int = 0
     oom_seen: int = 0
+    #: the quotas found exhausted at the last check (``disk``, ``inodes``): an event when one becomes so
+    full: frozenset[str] = frozenset()
     exec_count: int = 0
     execs: dict[str, Exec] = field(default_factory=dict)
     snapshots: set[str] = field(default_factory=set)
@@ -99,6 +105,23 @@ class Sandbox:
         self.emit(api.Oom(exec_id=exec_id, memory_mb=self.spec.limits.memory_mb, kills=kills))
         return True
 
+    def check_disk(self, exec_id: str | None) -> bool:
+        """Whether the sandbox's disk or inode quota is exhausted (a ``LimitExceeded`` event when one newly is)."""
+        try:
+            st = os.statvfs(self.tree.dir)
+        except OSError:
+            return False
+        full = set()
+        if st.f_bavail * st.f_frsize < FULL_BELOW_BYTES:
+            full.add("disk")
+        if st.f_favail == 0:
+            full.add("inodes")
+        for resource in sorted(full - self.full):
+            limit = self.spec.limits.disk_mb if resource == "disk" else self.spec.limits.inodes
+            self.emit(api.LimitExceeded(resource=resource, limit=limit, exec_id=exec_id))  # type: ignore[arg-type]
+        self.full = frozenset(full)
+        return bool(full)
+
     async def wait_detached(self, ex: Exec, timeout: float | None) -> None:
         """Follow a detached exec to its end (killed at ``timeout``) and report it, unless the sandbox went."""
         timed_out = False
@@ -119,5 +142,6 @@ class Sandbox:
         if self.state == "destroying":
             return
         oom = self.check_oom(ex.exec_id)
+        self.check_disk(ex.exec_id)
         self.emit(api.ExecFinished(exec_id=ex.exec_id, exit_code=execio.exit_code(ex.proc.returncode),
                                    duration_s=time.monotonic() - ex.started, timed_out=timed_out, oom_killed=oom))

@@ -34,12 +34,24 @@ def resolve_limits(asked: api.Limits, cfg: SandboxConfig) -> LimitsConfig:
         memory_mb=asked.memory_mb if asked.memory_mb is not None else d.memory_mb,
         pids=asked.pids if asked.pids is not None else d.pids,
         cpus=asked.cpus if asked.cpus is not None else d.cpus,
+        disk_mb=asked.disk_mb if asked.disk_mb is not None else min(d.disk_mb, asked.memory_mb or d.disk_mb),
+        inodes=asked.inodes if asked.inodes is not None else d.inodes,
     )
     for name, value, top in (("memory_mb", limits.memory_mb, m.memory_mb), ("pids", limits.pids, m.pids),
-                             ("cpus", limits.cpus, m.cpus)):
+                             ("cpus", limits.cpus, m.cpus), ("disk_mb", limits.disk_mb, m.disk_mb),
+                             ("inodes", limits.inodes, m.inodes)):
         if value > top:
             raise InvalidRequest(f"limits.{name}={value} exceeds this service's maximum {top}")
+    if limits.disk_mb > limits.memory_mb:
+        raise InvalidRequest(f"limits.disk_mb={limits.disk_mb} exceeds limits.memory_mb={limits.memory_mb}: a "
+                             "sandbox's files live in memory and count against its memory limit")
     return limits
+
+
+def api_limits(limits: LimitsConfig) -> api.Limits:
+    """The concrete limits as the wire form (events, replies)."""
+    return api.Limits(memory_mb=limits.memory_mb, pids=limits.pids, cpus=limits.cpus, disk_mb=limits.disk_mb,
+                      inodes=limits.inodes)
 
 
 def resolve_ttl(asked: float | None, default: float, cfg: SandboxConfig) -> float:

@@ -34,6 +34,11 @@ class LimitsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     pids: Annotated[int, msgspec.Meta(ge=4)] = 128
     #: CPU bandwidth in cores
     cpus: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    #: MiB of files the sandbox may write (work directory, /tmp and its snapshots together); they live in a
+    #: size-limited tmpfs charged to the sandbox's memory cgroup, so they count against ``memory_mb`` too
+    disk_mb: Annotated[int, msgspec.Meta(ge=1)] = 256
+    #: files, directories and links the sandbox may create (the tmpfs's inode limit)
+    inodes: Annotated[int, msgspec.Meta(ge=64)] = 32768
 
 
 class SandboxConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -67,7 +72,7 @@ class SandboxConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     default_limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     #: the most a create may ask for
     max_limits: LimitsConfig = msgspec.field(
-        default_factory=lambda: LimitsConfig(memory_mb=16384, pids=4096, cpus=8.0)
+        default_factory=lambda: LimitsConfig(memory_mb=16384, pids=4096, cpus=8.0, disk_mb=16384, inodes=1_000_000)
     )
     #: wall-time limit of a foreground exec that names none, and the most one may ask for
     default_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 60.0
@@ -106,8 +111,13 @@ class SandboxConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError('images may not be named "host" (that name is the host base)')
         for name, field in (("default_limits", self.default_limits),):
             m = self.max_limits
-            if field.memory_mb > m.memory_mb or field.pids > m.pids or field.cpus > m.cpus:
+            if (field.memory_mb > m.memory_mb or field.pids > m.pids or field.cpus > m.cpus
+                    or field.disk_mb > m.disk_mb or field.inodes > m.inodes):
                 raise ValueError(f"{name} exceeds max_limits")
+        for name, lim in (("default_limits", self.default_limits), ("max_limits", self.max_limits)):
+            if lim.disk_mb > lim.memory_mb:
+                raise ValueError(f"{name}.disk_mb ({lim.disk_mb}) exceeds {name}.memory_mb ({lim.memory_mb}): a "
+                                 "sandbox's files live in memory and count against its memory limit")
         if self.default_timeout_s > self.max_timeout_s:
             raise ValueError("default_timeout_s exceeds max_timeout_s")
         if self.default_max_output_bytes > self.max_output_bytes:

@@ -16,7 +16,7 @@ import stat
 from dataclasses import dataclass
 
 from proto import sandbox as api
-from services.sandbox.backend import InvalidRequest
+from services.sandbox.backend import InvalidRequest, LimitReached
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -99,6 +99,9 @@ def write_files(roots: Roots, files: list[api.FileData], uid: int, gid: int) -> 
             finally:
                 os.close(fd)
         except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise LimitReached(f"cannot write {f.path}: the sandbox's disk or inode quota is full "
+                                   "(limits.disk_mb, limits.inodes)") from None
             raise InvalidRequest(f"cannot write {f.path}: {e.strerror} (symlinks are not followed)") from None
         total += len(f.data)
     return total

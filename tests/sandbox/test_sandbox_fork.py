@@ -10,6 +10,8 @@ from sbx_helpers import RUN, new_sandbox, read, sh
 
 from proto import sandbox as api
 from services.sandbox.backend import NotFound
+from services.sandbox.overlay import mounts_under
+from tests.conftest import wait_for_async
 
 
 async def fork(backend, source) -> str:
@@ -74,16 +76,23 @@ async def test_snapshot_while_processes_run_copies_and_keeps_them_running(backen
 async def test_layers_are_shared_and_freed(backend):
     store = backend.layers
     sid = await new_sandbox(backend)
+    parent_dir = backend.sandboxes[sid].tree.dir
     await sh(backend, sid, "echo 1 > f")
     s1 = await backend.snapshot(api.SnapshotRequest(run_id=RUN, sandbox_id=sid))
     s2 = await backend.snapshot(api.SnapshotRequest(run_id=RUN, sandbox_id=sid))  # nothing changed
     assert backend.snapshots[s1.snapshot_id].layers == backend.snapshots[s2.snapshot_id].layers
     child = await fork(backend, api.FromSnapshot(snapshot_id=s1.snapshot_id))
-    assert len(os.listdir(store.layer_dir)) == 1
+    (layer,) = store.home
+    assert os.path.dirname(store.path(layer)) == parent_dir  # in the parent's volume
     await backend.destroy(api.DestroyRequest(run_id=RUN, sandbox_id=sid))
-    assert len(os.listdir(store.layer_dir)) == 1  # the fork still uses it
+    # the fork still uses the layer: the parent's volume stays mounted with it, the rest of the parent goes
+    await wait_for_async(lambda: sorted(os.listdir(parent_dir)) == [f"l{layer}"], 60,
+                         "the parent's volume holding only the fork's layer")
+    assert parent_dir in mounts_under(parent_dir)
+    assert await read(backend, child, "f") == b"1\n"
     await backend.destroy(api.DestroyRequest(run_id=RUN, sandbox_id=child))
-    assert os.listdir(store.layer_dir) == []
+    await wait_for_async(lambda: not os.path.exists(parent_dir), 60, "the parent's volume unmounted and removed")
+    assert not store.home and not store.volumes
 
 
 COUNTER = "i=0; while :; do i=$((i+1)); echo $i > c.tmp; mv c.tmp counter; sleep 0.02; done"
