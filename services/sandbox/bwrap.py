@@ -40,6 +40,7 @@ from services.sandbox.bwrap_sandbox import Sandbox, Snapshot, Spec
 from services.sandbox.cgroups import Hierarchy
 from services.sandbox.config import SandboxConfig
 from services.sandbox.egress import Allowlist, EgressProxy
+from services.sandbox.etc import write_etc
 from services.sandbox.host import base_args, check_prerequisites, reap_instance
 from services.sandbox.overlay import Doomed, Layers, remove_all, rmtree
 
@@ -89,7 +90,9 @@ class BwrapBackend:
         os.mkdir(os.path.join(self.state_dir, "s"), 0o711)
         self.layers = Layers(self.state_dir, self.cfg.sandbox_uid, self.cfg.sandbox_gid, self.cfg.max_layers)
         self.hierarchy.prepare_instance(self.instance_id)
-        self._base_args = {name: base_args(self.cfg, name) for name in ("host", *self.cfg.images)}
+        etc_dir = os.path.join(self.state_dir, "etc")
+        write_etc(self.cfg, etc_dir)
+        self._base_args = {name: base_args(self.cfg, name, etc_dir) for name in ("host", *self.cfg.images)}
         empty = self.layers.empty
         await smoke_test(command_prefix(self.cfg, self._base_args["host"], empty, empty, []))
         log.info("sandbox instance %s ready (bwrap, cgroup v%d, state %s)", self.instance_id,

@@ -12,9 +12,10 @@ from typing import Annotated, Literal
 import msgspec
 
 #: What base ``"host"`` exposes read-only: the host's system directories, not its whole
-#: ``/`` (which would show the repository, /root, /home, the state directory...).
+#: ``/`` (which would show the repository, /root, /home, the state directory...), nor its
+#: /etc (sandboxes get a synthesized one, see ``etc.py``; list "/etc" to show the host's).
 #: Missing entries are skipped; symlinks (merged /usr) are recreated as symlinks.
-DEFAULT_HOST_PATHS = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"]
+DEFAULT_HOST_PATHS = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"]
 
 DEFAULT_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -56,7 +57,8 @@ class SandboxConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: named read-only base roots a create may ask for (``base = "<name>"``): name -> directory
     #: holding a root filesystem (e.g. an unpacked container image)
     images: dict[str, str] = {}
-    #: directories of the host exposed read-only by base ``"host"``
+    #: directories of the host exposed read-only by base ``"host"``; without "/etc" here, sandboxes see a
+    #: synthesized /etc (users, hosts, resolver, CA certificates; see ``etc.py``), not the host's
     host_paths: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_HOST_PATHS))
     #: the writable work directory inside the sandbox (overlay layers; snapshotted and forked)
     workdir: str = "/workspace"

@@ -13,6 +13,7 @@ from proto import sandbox as api
 from services.sandbox.backend import BackendUnavailable, EventSink
 from services.sandbox.cgroups import Hierarchy
 from services.sandbox.config import SandboxConfig
+from services.sandbox.etc import etc_args
 from services.sandbox.overlay import mounts_under, rmtree, umount
 
 log = logging.getLogger("rlbus.sandbox.host")
@@ -86,13 +87,14 @@ def check_prerequisites(cfg: SandboxConfig) -> Hierarchy:
     return hierarchy
 
 
-def base_args(cfg: SandboxConfig, base: str) -> list[str]:
+def base_args(cfg: SandboxConfig, base: str, etc_dir: str) -> list[str]:
     """bwrap arguments building the read-only base root named ``base``.
 
     bwrap's own root is a tmpfs; the base's top-level entries are bound into it
     one by one (read-only), so the mount points bwrap adds (/dev, /proc, /tmp,
     the work directory) never need creating inside a read-only tree. An image's
-    top-level entries are read when the backend starts.
+    top-level entries are read when the backend starts. Base ``"host"`` gets the
+    synthesized /etc in ``etc_dir`` unless ``host_paths`` names "/etc".
     """
     if base == "host":
         paths = [(p, p) for p in cfg.host_paths]
@@ -106,6 +108,8 @@ def base_args(cfg: SandboxConfig, base: str) -> list[str]:
             args += ["--symlink", os.readlink(src), dest]
         elif os.path.exists(src):
             args += ["--ro-bind", src, dest]
+    if base == "host" and "/etc" not in cfg.host_paths:
+        args += etc_args(etc_dir)
     return args
 
 
