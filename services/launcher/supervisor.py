@@ -141,6 +141,21 @@ async def provision_run(js: Any, tree: dict[str, Any]) -> None:
                                       update=True)
 
 
+#: lines of a crash-looping service's log quoted in the launcher's report
+CRASH_LOG_LINES = 10
+
+
+def last_lines(path: Path, n: int) -> list[str]:
+    """The last ``n`` lines of a log file (fewer if it is shorter; none if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            return f.read().decode("utf-8", errors="replace").splitlines()[-n:]
+    except OSError:
+        return []
+
+
 @dataclass
 class Child:
     service: str
@@ -316,8 +331,12 @@ class Supervisor:
             c.restarts = [t for t in c.restarts if now - t < self.launcher.restart_window_s] + [now]
             if len(c.restarts) > self.launcher.max_restarts:
                 c.given_up = True
+                tail = last_lines(c.log_path, CRASH_LOG_LINES)
+                self.events.append({"event": "crash_loop", "child": c.label, "code": code, "crashes": len(c.restarts),
+                                    "last_lines": tail, "t": time.time()})
                 self._say(f"{c.label} exited with code {code} and crashed {len(c.restarts)} times within "
-                          f"{self.launcher.restart_window_s:.0f}s: not restarting it (see {c.log_path})")
+                          f"{self.launcher.restart_window_s:.0f}s: not restarting it (see {c.log_path}); its last "
+                          f"log lines:\n" + "\n".join(f"    {line}" for line in tail))
                 continue
             delay = min(2.0 ** (len(c.restarts) - 1), 30.0)
             c.next_start = now + delay
