@@ -3,7 +3,7 @@
     python -m tests.distributed.rank_script SPEC.json
 
 SPEC: ``{"model_dir", "config": {TrainerConfig keys}, "steps": [batch seed, ...], "out": dir,
-"resume_from" or "model_dir_only": checkpoint dir, "checkpoint": bool}``. Rank 0 is this process; the other
+"resume_from" or "model_dir_only": checkpoint dir, "load_weights": a weights.pt, "checkpoint": bool}``. Rank 0 is this process; the other
 ranks are started by :class:`services.trainer.ranks.RankGroup` exactly as the trainer service
 starts them. Writes ``out/weights.pt`` (the full weights after the steps), ``out/metrics.json`` and,
 with ``checkpoint``, a checkpoint under ``out/checkpoints``.
@@ -59,6 +59,8 @@ async def run(spec: dict) -> None:
                           group=group)
         if spec.get("resume_from"):
             learner.load_optimizer(model_dir)
+        if spec.get("load_weights"):  # full weights on rank 0, as a kept version comes back on resume
+            learner.load_weights(torch.load(spec["load_weights"]))
         metrics = [learner.step(batch(seed)) for seed in spec["steps"]]
         torch.save(learner.state_dict(), out / "weights.pt")
         if spec.get("checkpoint"):

@@ -69,3 +69,13 @@ def test_a_two_rank_checkpoint_resumes_in_one_rank_with_its_optimiser_state(tmp_
     fresh_gap = _max_diff(_weights(straight), _weights(fresh))
     # the AdamW moments came back from the 2-rank shards: without them step 3 goes elsewhere
     assert resumed_gap < fresh_gap / 20, (resumed_gap, fresh_gap)
+
+
+def test_weights_given_to_rank_0_reach_every_shard(tmp_path, loop_model_dir):
+    """What a resume from a kept weight version does: rank 0 has full tensors, every rank's shard takes them."""
+    one = _run(tmp_path, "one", loop_model_dir, 1, [1, 2], config={"dtype": "bfloat16"})  # bf16, as sent
+    loaded = _run(tmp_path, "loaded", loop_model_dir, 2, [], load_weights=str(one / "weights.pt"))
+    kept, back = _weights(one), _weights(loaded)
+    assert _max_diff(kept, back) == 0.0  # bf16 -> float32 shards -> gathered float32: exact
+    untouched = _run(tmp_path, "untouched", loop_model_dir, 2, [])
+    assert _max_diff(kept, _weights(untouched)) > 1e-4  # (loading really changed them)

@@ -74,3 +74,16 @@ def test_ranks_get_balanced_shares_and_the_same_number_of_passes():
     assert len(plan[0]) == len(plan[1]) == 5
     assert plan[0][1:] == [[], [], [], []]  # padding passes for the rank with less work
     assert batching.plan([5], 3, max_rows=4) == [[[0]], [[]], [[]]]  # more ranks than rows
+
+
+def test_the_gpu_example_loads_and_on_this_host_stops_at_the_device_key():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "gpu.toml"
+    loaded = load_service_config("trainer", registry.load("trainer")[0], example)
+    cfg = loaded.service
+    assert (cfg.device, cfg.world_size, cfg.dtype) == ("cuda", 2, "bfloat16")
+    load_service_config("rollout", registry.load("rollout")[0], example)
+    if NO_CUDA:
+        with pytest.raises(ConfigError, match=r"services\.trainer\.device is 'cuda'"):
+            registry.load("trainer")[1](loaded)
