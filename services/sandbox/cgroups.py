@@ -10,7 +10,11 @@ controllers are mounted. Sandboxes live in
 The kernel gives no completion notice for "frozen" on v1 nor for "empty" on
 either version, so :meth:`Cgroup.freeze` and :meth:`Cgroup.kill_all` re-read the
 state with a short exponential backoff under a deadline, as the kernel's
-cgroup-v1 freezer documentation prescribes.
+cgroup-v1 freezer documentation prescribes. A v1 freezer can stay ``FREEZING``
+when a task was forking or in the middle of a system call as it was asked; the
+documentation's remedy is to write ``FROZEN`` again, which :meth:`Cgroup.freeze`
+does on every re-check. The deadlines (:data:`STATE_DEADLINE_S`) are generous:
+on a loaded two-core machine a freeze has taken seconds.
 """
 
 from __future__ import annotations
@@ -68,7 +72,11 @@ def _mounts() -> Iterator[tuple[str, str, list[str]]]:
             yield mount_point, rfields[0], rfields[2].split(",")
 
 
-async def _until(check, what: str, deadline_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+#: how long a freeze or an emptying cgroup may take before it is reported as a failure
+STATE_DEADLINE_S = 30.0
+
+
+async def _until(check, what: str, deadline_s: float = STATE_DEADLINE_S) -> None:  # type: ignore[no-untyped-def]
     """Re-check ``check()`` with exponential backoff until true or the deadline passes."""
     loop = asyncio.get_running_loop()
     end = loop.time() + deadline_s
@@ -118,9 +126,18 @@ class Cgroup:
         """Stop every process of the sandbox; returns once all are frozen."""
         if self.version == 2:
             _write(self._path("", "cgroup.freeze"), "1")
-        else:
-            _write(self._path("freezer", "freezer.state"), "FROZEN")
-        await _until(self.is_frozen, "freeze")
+            await _until(self.is_frozen, "freeze")
+            return
+        state = self._path("freezer", "freezer.state")
+        _write(state, "FROZEN")
+
+        def frozen() -> bool:
+            if _read(state).strip() == "FROZEN":
+                return True
+            _write(state, "FROZEN")  # still FREEZING: ask again (the v1 freezer's documented remedy)
+            return False
+
+        await _until(frozen, "freeze")
 
     def thaw(self) -> None:
         try:

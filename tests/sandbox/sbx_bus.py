@@ -89,7 +89,7 @@ class BusHarness:
 
 
 async def stored_events(js: Any, sandbox_id: str, until: str = "destroyed", run: str = RUN,
-                        timeout: float = 15.0) -> list[api.SandboxEvent]:
+                        timeout: float = 60.0) -> list[api.SandboxEvent]:
     """The SANDBOX_EVENTS records of one sandbox (ordered consumer), read until an event of kind ``until``."""
     sub = await js.subscribe(catalog.SANDBOX_EVENTS.subject(run, sandbox_id), ordered_consumer=True)
     events: list[api.SandboxEvent] = []
@@ -102,7 +102,7 @@ async def stored_events(js: Any, sandbox_id: str, until: str = "destroyed", run:
     return events
 
 
-async def dead_letters(js: Any, count: int, run: str = RUN, timeout: float = 10.0) -> list[DeadLetter]:
+async def dead_letters(js: Any, count: int, run: str = RUN, timeout: float = 60.0) -> list[DeadLetter]:
     sub = await js.subscribe(f"rlbus.{run}.dlq.>", ordered_consumer=True)
     try:
         return [codec.decode((await sub.next_msg(timeout=timeout)).data, DeadLetter) for _ in range(count)]

@@ -32,7 +32,7 @@ class Events:
     def of(self, sandbox_id: str, kind: str) -> list[api.SandboxEvent]:
         return [e for e in self.items if e.sandbox_id == sandbox_id and e.kind == kind]
 
-    async def wait_for(self, sandbox_id: str, kind: str, timeout: float = 10.0) -> api.SandboxEvent:
+    async def wait_for(self, sandbox_id: str, kind: str, timeout: float = 60.0) -> api.SandboxEvent:
         async def _wait() -> api.SandboxEvent:
             while not self.of(sandbox_id, kind):
                 self._changed.clear()

@@ -103,7 +103,7 @@ async def counter(backend, sid) -> int:
     return int(data) if data else 0
 
 
-async def wait_above(backend, sid, value: int, timeout: float = 10.0) -> int:
+async def wait_above(backend, sid, value: int, timeout: float = 60.0) -> int:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while (now := await counter(backend, sid)) <= value:

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import pytest
 from sbx_helpers import RUN, make_config, new_sandbox, sh
@@ -34,12 +35,18 @@ async def test_lease_expiry_destroys_the_sandbox(backend, events):
 
 
 async def test_renewing_the_lease_keeps_the_sandbox(backend, events):
-    sid = await new_sandbox(backend, lease_ttl_s=0.4)
+    # a 5 s lease renewed by a client every ~0.25 s (its renewal period) until well past the first expiry:
+    # generous on a loaded machine, and the sandbox outlives the lease it started with
+    ttl = 5.0
+    sid = await new_sandbox(backend, lease_ttl_s=ttl)
     first = (await backend.list(api.ListRequest(run_id=RUN))).sandboxes[0].lease_expires_at
-    for _ in range(4):
-        await asyncio.sleep(0.2)
-        renewed = await backend.renew_lease(api.RenewLeaseRequest(run_id=RUN, sandbox_id=sid))
-    assert renewed.lease_expires_at > first
+    renewed = first
+    while (now := time.time()) < first + 1.0:
+        reply = await backend.renew_lease(api.RenewLeaseRequest(run_id=RUN, sandbox_id=sid))
+        assert now + ttl - 1.0 <= reply.lease_expires_at and reply.lease_expires_at >= renewed
+        renewed = reply.lease_expires_at
+        await asyncio.sleep(0.25)  # the client's renewal period
+    assert renewed > first
     assert sid in backend.sandboxes and "lease_expired" not in events.kinds(sid)
 
 

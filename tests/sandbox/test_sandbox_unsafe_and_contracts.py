@@ -43,7 +43,7 @@ async def test_unsafe_backend_warns_loudly_and_works(unsafe, caplog):
     await sh(b, child, "echo 2 > a")
     assert await read(b, sid, "a") == b"1" and await read(b, child, "a") == b"2\n"
     await sh(b, sid, "while :; do echo x >> log; sleep 0.02; done", detach=True)
-    await wait_for_async(lambda: read(b, sid, "log"), 10, "the detached loop to write its log")
+    await wait_for_async(lambda: read(b, sid, "log"), 60, "the detached loop to write its log")
     await b.pause(api.PauseRequest(run_id=RUN, sandbox_id=sid))
     frozen = await read(b, sid, "log")
     await asyncio.sleep(0.3)  # the loop would write ~15 more lines if it ran
@@ -53,7 +53,7 @@ async def test_unsafe_backend_warns_loudly_and_works(unsafe, caplog):
     async def grown() -> bool:
         return len(await read(b, sid, "log") or b"") > len(frozen)
 
-    await wait_for_async(grown, 10, "the loop to write again after resume")
+    await wait_for_async(grown, 60, "the loop to write again after resume")
     await b.destroy(api.DestroyRequest(run_id=RUN, sandbox_id=sid))
     assert events.kinds(sid)[0] == "created" and events.kinds(sid)[-1] == "destroyed"
     assert "timeout" in events.kinds(sid)

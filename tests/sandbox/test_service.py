@@ -78,7 +78,7 @@ async def test_requests_run_concurrently_and_continue_the_trace(bus):
         headers: dict[str, str] = {}
         tracing.inject(headers)
         req = api.ExecRequest(run_id=RUN, sandbox_id=sid, command=api.Argv(args=["true"]))
-        msg = await bus.nc.request(catalog.SANDBOX_REQUESTS.subject(RUN, bus.instances[0].id), codec.encode(req), timeout=10,
+        msg = await bus.nc.request(catalog.SANDBOX_REQUESTS.subject(RUN, bus.instances[0].id), codec.encode(req), timeout=60,
                                    headers=headers)
     assert isinstance(codec.decode(msg.data, api.ExecReply | api.ErrorReply), api.ExecReply)
     assert msg.headers and msg.headers["traceparent"].split("-")[1] == trace.format_trace_id(trace_id)
@@ -86,7 +86,7 @@ async def test_requests_run_concurrently_and_continue_the_trace(bus):
     events_sub = await bus.js.subscribe(catalog.SANDBOX_EVENTS.subject(RUN, sid), ordered_consumer=True)
     seen = []
     while len(seen) < 5:  # created, exec started/finished (slow), exec started/finished (traced)
-        seen.append(await events_sub.next_msg(timeout=10))
+        seen.append(await events_sub.next_msg(timeout=60))
     await events_sub.unsubscribe()
     assert seen[-1].headers["traceparent"].split("-")[1] == trace.format_trace_id(trace_id)
 
@@ -114,7 +114,7 @@ async def test_pause_and_resume_via_the_bus(bus):
     c = bus.client
     sid = (await c.create()).sandbox_id
     await c.exec(sid, "i=0; while true; do i=$((i+1)); echo $i > n; sleep 0.05; done", detach=True)
-    await c.exec(sid, "while [ ! -s n ]; do sleep 0.02; done", timeout_s=10)  # the loop runs
+    await c.exec(sid, "while [ ! -s n ]; do sleep 0.02; done", timeout_s=60)  # the loop runs
     assert (await c.pause(sid)).state == "paused"
     assert bus.instances[0].ctx.gauges["sandbox/paused"] == 1.0
     assert [s.state for s in await c.sandboxes()] == ["paused"]
@@ -127,7 +127,7 @@ async def test_pause_and_resume_via_the_bus(bus):
     assert (await c.resume(sid)).state == "running"
     assert bus.instances[0].ctx.gauges["sandbox/paused"] == 0.0
     r = await c.exec(sid, f"while [ \"$(cat n)\" = '{frozen.decode().strip()}' ]; do sleep 0.05; done; echo moved",
-                     timeout_s=10)
+                     timeout_s=60)
     assert r.stdout == b"moved\n"
 
 
@@ -167,7 +167,7 @@ async def test_malformed_requests_get_an_error_reply_and_a_dead_letter(bus):
     replies = []
     for subj, payload in ((subject, garbage), (subject, wrong_field), (subject, misrouted),
                           (catalog.SANDBOX_REQUESTS.subject(RUN, api.CREATE_TARGET), other_run)):
-        msg = await bus.nc.request(subj, payload, timeout=10)
+        msg = await bus.nc.request(subj, payload, timeout=60)
         replies.append(codec.decode(msg.data, api.ErrorReply))
     assert all(r.code == "invalid" for r in replies)
     assert "not valid msgpack" in replies[0].message
@@ -230,7 +230,7 @@ async def test_shutdown_finishes_in_flight_requests_then_destroys(bus):
     idle = (await c.create()).sandbox_id
     running = asyncio.create_task(c.exec(sid, "sleep 1; echo finished"))
     started = await bus.js.subscribe(catalog.SANDBOX_EVENTS.subject(RUN, sid), ordered_consumer=True)
-    while codec.decode((await started.next_msg(timeout=10)).data, api.SandboxEvent).kind != "exec_started":
+    while codec.decode((await started.next_msg(timeout=60)).data, api.SandboxEvent).kind != "exec_started":
         pass
     await started.unsubscribe()
     await inst.stop()  # stop set while the exec runs
@@ -250,7 +250,7 @@ async def test_requests_past_the_drain_bound_are_answered_unavailable(nats_url, 
         sid = (await h.client.create()).sandbox_id
         stuck = asyncio.create_task(h.client.exec(sid, "sleep 60", timeout_s=60))
         sub = await h.js.subscribe(catalog.SANDBOX_EVENTS.subject(RUN, sid), ordered_consumer=True)
-        while codec.decode((await sub.next_msg(timeout=10)).data, api.SandboxEvent).kind != "exec_started":
+        while codec.decode((await sub.next_msg(timeout=60)).data, api.SandboxEvent).kind != "exec_started":
             pass
         await sub.unsubscribe()
         await inst.stop()
@@ -294,9 +294,9 @@ async def test_rlbus_service_sandbox_restart_reaps_orphans(nats_url, state_root,
             for sid in ids:  # reported: a `destroyed` (orphan_reaped) event in the stream
                 last = (await stored_events(h.js, sid))[-1]
                 assert (last.detail.reason, last.seq, last.instance_id) == ("orphan_reaped", 0, api.instance_of(sid))
-            beat = codec.decode((await heartbeats.next_msg(timeout=10)).data, membership.Heartbeat)
+            beat = codec.decode((await heartbeats.next_msg(timeout=60)).data, membership.Heartbeat)
             while "sandbox/orphans_reaped" not in beat.metrics:  # beats sent while it was starting
-                beat = codec.decode((await heartbeats.next_msg(timeout=10)).data, membership.Heartbeat)
+                beat = codec.decode((await heartbeats.next_msg(timeout=60)).data, membership.Heartbeat)
             assert beat.metrics["sandbox/orphans_reaped"] == 2.0
             sid = (await c.create()).sandbox_id
             assert (await c.exec(sid, "echo ok")).stdout == b"ok\n"
