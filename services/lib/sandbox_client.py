@@ -5,7 +5,8 @@ goes to the instance that owns the sandbox or snapshot (:func:`proto.sandbox.ins
 from the id); ``list`` is a scatter/gather over every instance. Each method returns the typed reply
 or raises :class:`SandboxClientError` carrying the service's :class:`proto.sandbox.ErrorReply`
 (transport failures are turned into one too: no instance → ``unavailable`` for creates and
-``not_found`` for a sandbox whose instance is gone; no answer in time → :class:`SandboxTimeout`).
+``not_found`` for a sandbox whose instance is gone, with ``instance_gone`` set; no answer in time →
+:class:`SandboxTimeout`).
 
 Usage::
 
@@ -36,13 +37,19 @@ Files = Mapping[str, bytes] | Sequence[api.FileData]
 
 
 class SandboxClientError(Exception):
-    """A request was answered with an error (or could not be delivered); ``error`` is the ErrorReply."""
+    """A request was answered with an error (or could not be delivered); ``error`` is the ErrorReply.
 
-    def __init__(self, verb: str, error: api.ErrorReply) -> None:
+    ``instance_gone``: the instance that owned the sandbox no longer serves (it stopped or crashed, and every
+    sandbox it held went with it). That is the service's failure, not the episode's: a caller can start
+    the episode again on a new sandbox (a create reaches a live instance) instead of failing the rollout.
+    """
+
+    def __init__(self, verb: str, error: api.ErrorReply, *, instance_gone: bool = False) -> None:
         self.verb = verb
         self.error = error
         self.code: api.ErrorCode = error.code
         self.sandbox_id = error.sandbox_id
+        self.instance_gone = instance_gone
         super().__init__(f"sandbox {verb} failed ({error.code}): {error.message}")
 
 
@@ -130,7 +137,8 @@ class SandboxClient:
             try:
                 msg = await self.nc.request(subject, codec.encode(req), timeout=timeout, headers=headers or None)
             except nats.errors.NoRespondersError:
-                raise SandboxClientError(verb, self._no_responders(req)) from None
+                raise SandboxClientError(verb, self._no_responders(req),
+                                         instance_gone=not isinstance(req, api.CreateRequest)) from None
             except nats.errors.TimeoutError:
                 raise SandboxTimeout(verb, api.ErrorReply(
                     run_id=self.run_id, code="unavailable", sandbox_id=getattr(req, "sandbox_id", None),

@@ -56,7 +56,7 @@ async def test_create_exec_read_back(bus):
     await c.destroy(sid)
     with pytest.raises(SandboxClientError) as err:
         await c.exec(sid, "true")
-    assert err.value.code == "not_found" and err.value.sandbox_id == sid
+    assert err.value.code == "not_found" and err.value.sandbox_id == sid and not err.value.instance_gone
     assert await c.sandboxes() == []
 
 
@@ -153,7 +153,7 @@ async def test_two_instances_share_creates_and_verbs_reach_the_owner(bus):
     gone = next(s for s in ids if api.instance_of(s) == second.id)
     with pytest.raises(SandboxClientError) as err:
         await c.exec(gone, "true")
-    assert err.value.code == "not_found" and second.id in str(err.value)
+    assert err.value.code == "not_found" and second.id in str(err.value) and err.value.instance_gone
 
 
 async def test_malformed_requests_get_an_error_reply_and_a_dead_letter(bus):
@@ -285,7 +285,7 @@ async def test_rlbus_service_sandbox_restart_reaps_orphans(nats_url, state_root,
             first.wait(30)
         with pytest.raises(SandboxClientError) as err:
             await c.exec(ids[1], "true")
-        assert err.value.code == "not_found"
+        assert err.value.code == "not_found" and err.value.instance_gone  # the instance died, not the episode
         heartbeats = await h.nc.subscribe(f"rlbus.{RUN}.{membership.FAMILY}.sandbox")
         second = start_service(cfg, log_path)
         try:
