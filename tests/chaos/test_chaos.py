@@ -1,4 +1,5 @@
-"""Chaos: a tiny run with every service its own process; random SIGKILLs (trainer and NATS included).
+"""Chaos: a tiny run with every service its own process; random SIGKILLs of every role (trainer, rollout,
+judge, weightsync, sandbox and NATS).
 
 Asserts that steps keep advancing after each recovery, that the accounting identity
 holds (every trajectory trained, dropped with a reason, evaluated, or still pending;
@@ -12,9 +13,11 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import nats
@@ -22,6 +25,7 @@ import pytest
 
 from services.launcher.accounting import accounting
 from services.launcher.supervisor import Supervisor
+from services.sandbox.overlay import mounts_under
 from tests.conftest import run_file, wait_for
 
 pytestmark = pytest.mark.slow
@@ -53,10 +57,23 @@ def first_step_after(metrics: Path, step: int, since: float) -> float | None:
     return None
 
 
+ROLES = ["trainer", "nats", "rollout", "judge", "weightsync", "sandbox"]
+
+
+def sandbox_section(root: str) -> str:
+    """The sandbox service's section: the bwrap backend where it can run (root, bubblewrap), else the
+    unsafe-process one (the point here is its supervision, not its isolation)."""
+    kind = "bwrap" if os.geteuid() == 0 and shutil.which("bwrap") else "unsafe-process"
+    return f'[services.sandbox]\ntype = "{kind}"\nroot_dir = "{root}"\n'
+
+
 def test_chaos_kills_every_role_and_nothing_is_lost(tmp_path, loop_model_dir):
     run_dir = tmp_path / "run"
+    sandbox_root = f"/var/tmp/rlbus-chaos-{uuid.uuid4().hex[:8]}"  # reachable by the sandbox user
+    os.makedirs(sandbox_root, mode=0o711)
     cfg = run_file(tmp_path, loop_model_dir, run_id="chaos",
-                   services={"trainer": 1, "rollout": 1, "judge": 1},
+                   services={"trainer": 1, "rollout": 1, "judge": 1, "weightsync": 1, "sandbox": 1},
+                   extra=sandbox_section(sandbox_root),
                    launcher={"max_restarts": 50, "heartbeat_timeout_s": 40},
                    common={"heartbeat_s": 1.0, "drain_timeout_s": 3.0},
                    trainer={"groups_per_step": 4, "total_steps": 100000, "max_staleness": 1,
@@ -72,12 +89,12 @@ def test_chaos_kills_every_role_and_nothing_is_lost(tmp_path, loop_model_dir):
         threading.Thread(target=sup.wait, name="supervisor", daemon=True).start()
         wait_for(lambda: last_step(metrics)[0] >= 3, 300, "the run to reach step 3", interval=1.0)
         # every role dies at least once, the rest at random, at random times
-        victims = ["trainer", "nats", "rollout", "judge"]
+        victims = list(ROLES)
         rng.shuffle(victims)
         chaos_end = time.monotonic() + CHAOS_S
         while time.monotonic() < chaos_end or victims:
             time.sleep(rng.uniform(6.0, 12.0))
-            victim = victims.pop() if victims else rng.choice(["trainer", "nats", "rollout", "judge"])
+            victim = victims.pop() if victims else rng.choice(ROLES)
             step, _ = last_step(metrics)
             t_kill = time.time()
             if victim == "nats":
@@ -94,8 +111,13 @@ def test_chaos_kills_every_role_and_nothing_is_lost(tmp_path, loop_model_dir):
 
         # end the run: stop the trainer's admission by finishing at the next steps
         final_step, _ = last_step(metrics)
+        # the supervisor restarted every killed service (none given up on)
+        assert not [e for e in sup.events if e["event"] == "crash_loop"], sup.events
     finally:
         sup.stop()
+    # the killed sandbox instance's sandboxes were reaped by its successor, the last one cleaned up on stop
+    assert mounts_under(sandbox_root) == [] and os.listdir(sandbox_root) == []
+    shutil.rmtree(sandbox_root, ignore_errors=True)
 
     async def check():
         sup2 = Supervisor(str(cfg), quiet=True)
