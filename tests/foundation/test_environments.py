@@ -40,3 +40,23 @@ def test_the_vllm_environment_is_found_or_the_error_says_how_to_install_it(tmp_p
     venv.mkdir(parents=True)
     (venv / "python").symlink_to(sys.executable)
     assert python_for("rollout", VLLM_TREE) == str(venv / "python")
+
+
+def test_auto_engine_runs_the_rollout_under_vllm_for_models_of_its_size(tmp_path, monkeypatch):
+    """``engine = { type = "auto" }`` (the default) needs vLLM's environment for a >= 50 M model only, and
+    only where such an environment exists (else the rollout serves with the torch engine, saying why)."""
+    if environments.has_vllm():
+        pytest.skip("this environment has vLLM itself: every service runs here (the case tested is its absence)")
+    monkeypatch.setattr(environments, "REPO", tmp_path)
+    monkeypatch.delenv(environments.VLLM_PYTHON_ENV, raising=False)
+    big = {"services": {"rollout": {"model": "smollm2"}}}
+    small = {"services": {"rollout": {"model": "tiny-addition", "engine": {"type": "auto"}}}}
+    raised = {"services": {"rollout": {"model": "smollm2", "engine": {"type": "auto", "vllm_min_params_m": 500}}}}
+    assert not needs_vllm("rollout", big)  # no vLLM environment: auto falls back to torch, no error
+    venv = tmp_path / ".venv-vllm" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)
+    assert needs_vllm("rollout", big) and python_for("rollout", big) == str(venv / "python")
+    assert needs_vllm("trainer+rollout", big) and not needs_vllm("trainer", big)
+    assert not needs_vllm("rollout", small) and not needs_vllm("rollout", raised)
+    assert not needs_vllm("rollout", {"services": {"rollout": {"model": "smollm2", "engine": {"type": "torch"}}}})

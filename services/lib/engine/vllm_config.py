@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.lib.engine.base import InvalidRequestError, WeightUpdateMode
+
+
+def vllm_available() -> bool:
+    """Whether this interpreter can import vLLM (a real package: a stray ``vllm`` directory does not count)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
 
 GIB = 1 << 30
 #: KV cache of a CPU engine when ``kv_cache_gib`` is unset (vLLM's default takes a share of all memory)
