@@ -7,7 +7,9 @@ Figures (direct = against the backend in this process, no bus):
   is a bare ``bwrap --unshare-all ... true`` run between the iterations, the floor under any exec;
 * ``fork_ms_p50``: fork a live sandbox whose work directory has 100 MB written in it since its last
   snapshot (``fork_copy_baseline_ms``: ``cp -a`` of the same 100 MB, what a copying fork would cost);
-* ``burst_1000_create_s``: 1,000 creates issued at once (and ``burst_1000_destroy_s``);
+* ``burst_1000_create_s``: 1,000 creates issued at once (and ``burst_1000_destroy_s``); with ``--burst N``
+  also ``burst_n_create_s`` / ``burst_n_destroy_s``: N creates at once, in total (direct), and
+  ``burst_n_mounts``: the mounts they held (two each: the quota volume and the overlay);
 * ``paused_1000_rss_mb``: 1,000 sandboxes each running a detached ``sleep``, all paused: the summed PSS of
   every process in their cgroups (bwrap monitor, bwrap init, sleep); ``paused_1000_cgroup_mb`` is the
   cgroups' own memory accounting (page cache and kernel memory included). ``--quick`` measures
@@ -53,6 +55,7 @@ from services.lib.sandbox_client import SandboxClient  # noqa: E402
 from services.sandbox.backend import SandboxBackend, dispatch  # noqa: E402
 from services.sandbox.bwrap import BwrapBackend  # noqa: E402
 from services.sandbox.config import SandboxConfig  # noqa: E402
+from services.sandbox.overlay import mounts_under  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -282,6 +285,18 @@ async def bench_burst(targets: list[Target], n: int) -> dict[str, float]:
     return out
 
 
+async def bench_big_burst(t: Target, backend: BwrapBackend, n: int) -> dict[str, float]:
+    """``n`` creates at once, then ``n`` destroys at once: total seconds, and the mounts the sandboxes held."""
+    t0 = time.perf_counter()
+    ids = await asyncio.gather(*(create(t) for _ in range(n)))
+    created = time.perf_counter() - t0
+    mounts = len(mounts_under(backend.state_dir))
+    t0 = time.perf_counter()
+    await asyncio.gather(*(t.call(api.DestroyRequest(run_id=RUN, sandbox_id=s)) for s in ids))
+    return {"burst_n": n, "burst_n_create_s": created, "burst_n_destroy_s": time.perf_counter() - t0,
+            "burst_n_mounts": mounts}
+
+
 def pss_kb(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
@@ -346,7 +361,7 @@ RATIOS = {
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = SandboxConfig(root_dir=args.root, max_sandboxes=5000, default_lease_ttl_s=3600)
+    cfg = SandboxConfig(root_dir=args.root, max_sandboxes=max(5000, args.burst), default_lease_ttl_s=3600)
     backend = BwrapBackend(cfg, lambda e: None)
     await backend.start()
     direct = Direct(backend)
@@ -363,6 +378,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             ("burst of 1000 creates", bench_burst(targets, 1000)),
             ("paused sandboxes (direct)", bench_paused(direct, backend, 200 if q else 1000)),
         ]
+        if args.burst:
+            steps.append((f"burst of {args.burst} creates (direct)", bench_big_burst(direct, backend, args.burst)))
         for name, coro in steps:
             t0 = time.perf_counter()
             out = await coro
@@ -384,6 +401,8 @@ if __name__ == "__main__":
                         help="NATS server for the bus figures (default, or --bus alone: an embedded one)")
     parser.add_argument("--direct-only", action="store_true", help="skip the figures through the bus")
     parser.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    parser.add_argument("--burst", type=int, default=0, metavar="N",
+                        help="also N creates at once (direct), e.g. 10000; 0: skip")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.loop == "uvloop":
