@@ -399,7 +399,8 @@ def torch_smollm2(args, model_dir: Path, n_requests: int) -> dict:
         print(f"torch engine smollm2 {dtype:8s} {wall:7.2f} s wall {useful / wall:8.1f} tok/s", file=sys.stderr)
         figures[f"torch_smollm2_{dtype}_tok_s"] = round(useful / wall, 1)
         del model
-    figures["torch_smollm2_tok_s"] = max(figures["torch_smollm2_bfloat16_tok_s"], figures["torch_smollm2_float32_tok_s"])
+    figures["torch_smollm2_tok_s"] = max(figures["torch_smollm2_bfloat16_tok_s"],
+                                         figures["torch_smollm2_float32_tok_s"])
     return figures
 
 

@@ -23,6 +23,8 @@ class TorchEngineSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
     #: apply new weights between decode steps (in_flight) or only when no request runs
     weight_update_mode: Literal["in_flight", "between_requests"] = "in_flight"
+    #: release the KV cache (on a GPU also the weights) while a colocated trainer ("trainer+rollout") steps
+    enable_sleep_mode: bool = False
 
 
 class VllmEngineSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="vllm"):
@@ -49,7 +51,8 @@ class VllmEngineSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     enforce_eager: bool = False
     #: apply new weights between engine steps (in_flight) or only when no request runs
     weight_update_mode: Literal["in_flight", "between_requests"] = "in_flight"
-    #: allow sleep/wake (release memory while a colocated trainer steps); GPU only
+    #: release KV cache and weights while a colocated trainer ("trainer+rollout") steps; GPU only (vLLM on
+    #: CPU has no sleep mode: start-up stops with an error saying so)
     enable_sleep_mode: bool = False
     #: further vLLM engine arguments, passed through as given (e.g. { block_size = 16 })
     engine_args: dict[str, int | float | str | bool] = {}

@@ -17,6 +17,7 @@ from typing import Any
 from proto import catalog
 from proto.prompts import PromptTicket
 from proto.rollouts import Rollout, Turn
+from services.lib.colocation import DEVICE_SHARE
 from services.lib.engine.base import (
     Engine,
     EngineError,
@@ -28,7 +29,7 @@ from services.lib.sandbox_client import SandboxClient
 from services.lib.weights.transport import WeightReceiver, make_receiver
 from services.rollout.agent import AgentLoop
 from services.rollout.config import RolloutConfig
-from services.rollout.engines import build_engine
+from services.rollout.engines import build_engine, concrete_engine
 from services.runtime.config import Loaded
 from services.runtime.consume import Delivery, Poison, Retry
 from services.runtime.service import ServiceContext
@@ -75,6 +76,8 @@ class RolloutService:
 
         engine = await asyncio.to_thread(self._engine)
         await engine.start()
+        if getattr(concrete_engine(self.cfg.engine, self.cfg.model), "enable_sleep_mode", False):
+            DEVICE_SHARE.register(engine)  # asleep while a colocated trainer steps (services/lib/colocation.py)
         self.attach(engine, engine.tokenizer, SandboxClient(
             ctx.nc, ctx.run_id, timeout_s=self.cfg.agent.sandbox_timeout_s,
             default_exec_timeout_s=self.cfg.agent.exec_timeout_s))
@@ -98,6 +101,7 @@ class RolloutService:
                 await receiver.close()
             except Exception as e:
                 log.debug("closing the weight receiver: %s", e)
+            DEVICE_SHARE.unregister(self.engine)
             await self.engine.stop()
         if self.engine_failure is not None:
             raise EngineError(f"the engine died: {self.engine_failure}") from self.engine_failure

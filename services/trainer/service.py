@@ -27,14 +27,14 @@ import msgspec
 
 from proto import catalog
 from proto.prompts import PromptTicket, Sampling
+from services.lib.colocation import DEVICE_SHARE
 from services.lib.weights.transport import WeightSender, make_sender
 from services.runtime import bus
 from services.runtime.config import Loaded
 from services.runtime.service import ServiceContext
-from services.trainer import resume
+from services.trainer import devices, resume
 from services.trainer.admission import Sample
 from services.trainer.collect import Collector, Outcomes
-from services.trainer import devices
 from services.trainer.config import TrainerConfig
 from services.trainer.evaluation import EvalRound, Evaluations
 from services.trainer.learner import Learner
@@ -135,7 +135,8 @@ class Trainer:
             await self._commit(groups, failed, [])
             return
         staleness = [self.state.version - s.version for s in samples]
-        metrics = await asyncio.to_thread(self.learner.step, [s.item for s in samples])
+        async with DEVICE_SHARE.trainer_turn():  # colocated engines with enable_sleep_mode give memory back
+            metrics = await asyncio.to_thread(self.learner.step, [s.item for s in samples])
         self.state.step += 1
         self.state.version += 1
         publish_s = await self._send_weights()  # durable before anything is acked

@@ -31,6 +31,8 @@ LAYOUTS = {
         {"type": "broadcast", "world_size": 3, "backend": "gloo", "timeout_s": 120},
     ),
     "inproc": ({"trainer+rollout": 1, "judge": 1}, {"type": "inproc"}),
+    # colocated, the engine asleep (its KV cache released) during every learner step
+    "inproc-sleep": ({"trainer+rollout": 1, "judge": 1}, {"type": "inproc"}),
 }
 
 
@@ -57,8 +59,9 @@ def test_loop_runs_with_direct_transport(tmp_path, loop_model_dir, kind):
     services, transport = LAYOUTS[kind]
     run_dir = tmp_path / "run"
     run_id = f"tr-{kind}"
+    engine = {"engine": {"type": "torch", "enable_sleep_mode": True}} if kind == "inproc-sleep" else {}
     logs = _run_three_steps(tmp_path, loop_model_dir, run_id, services, trainer_extra={"transport": transport},
-                            rollout_extra={"transport": transport})
+                            rollout_extra={"transport": transport, **engine})
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == 3 and summary["version"] == 3
     if kind == "broadcast":
@@ -66,6 +69,9 @@ def test_loop_runs_with_direct_transport(tmp_path, loop_model_dir, kind):
         assert sorted(joined) == ["rollout-0.log", "rollout-1.log"], logs.keys()
     else:
         assert sorted(logs) == ["judge-0.log", "trainer+rollout-0.log"]
+        colocated = logs["trainer+rollout-0.log"]
+        slept = colocated.count("KV cache released"), colocated.count("awake (")
+        assert slept == ((3, 3) if kind == "inproc-sleep" else (0, 0)), slept  # once per learner step
 
     async def read():
         with EmbeddedNats(run_dir / "nats", port=None) as server:

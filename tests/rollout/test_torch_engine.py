@@ -410,3 +410,60 @@ async def test_a_group_sharing_a_prompt_is_prefilled_once(engine, tokenizer, ref
     sampled = await asyncio.gather(*(
         engine.generate(prompts[0], SamplingParams(max_new_tokens=16, seed=s, ignore_eos=True)) for s in range(4)))
     assert len({tuple(r.token_ids) for r in sampled}) == 4  # one prefill, still independent samples
+
+
+async def test_sleep_keeps_requests_and_wake_resumes_them_exactly(tiny_model_dir, tokenizer):
+    """Asleep (a colocated trainer steps), the engine decodes nothing and holds no KV cache; requests in flight
+    are kept, and after the wake they finish with exactly the tokens and logprobs of an undisturbed run (their
+    KV recomputed). DeviceShare drives it: every registered engine asleep for the turn, awake after."""
+    from services.lib.colocation import DeviceShare
+
+    engine = SteppedEngine(TorchEngineConfig(model_dir=str(tiny_model_dir), max_batch_size=8))
+    await engine.start()
+    try:
+        prompts = [tokenizer.encode(t) for t in ("sleep", "wake up", "keep going", "x")]
+        params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+        undisturbed = [await engine.generate(p, params) for p in prompts]
+        share = DeviceShare()
+        share.register(engine)
+        start = engine.stats().total_generated_tokens
+        loop = asyncio.get_running_loop()
+        reached = asyncio.Event()  # the engine holds at a step mid-generation until the sleep is asked for
+        engine.hooks[engine.step + 8] = lambda: (signal(loop, reached),
+                                                 engine.wait_until(lambda: bool(engine._controls)))
+        tasks = [asyncio.create_task(engine.generate(p, params)) for p in prompts]
+        await reached.wait()
+        async with share.trainer_turn():
+            assert engine.asleep and engine._cache is None
+            frozen = engine.stats().total_generated_tokens
+            queued = asyncio.create_task(engine.generate(prompts[0], params))  # arrives while asleep
+            await asyncio.sleep(0.3)  # a window in which an awake engine would decode several steps
+            assert engine.stats().total_generated_tokens == frozen
+            assert not any(t.done() for t in tasks) and not queued.done()
+        assert not engine.asleep and share.turns == 1 and share.failures == 0
+        results = await asyncio.gather(*tasks)
+        assert frozen - start < 4 * 40  # the sleep fell mid-generation
+        for r, u in zip(results, undisturbed, strict=True):
+            assert r.token_ids == u.token_ids
+            torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(u.logprobs), atol=1e-4, rtol=1e-4)
+        assert (await queued).token_ids == undisturbed[0].token_ids
+    finally:
+        await engine.stop()
+
+
+async def test_a_failing_sleeper_does_not_stop_the_trainer_turn():
+    from services.lib.colocation import DeviceShare
+
+    class Broken:
+        async def sleep(self) -> None:
+            raise RuntimeError("no sleep mode here")
+
+        async def wake_up(self) -> None:  # never called: it did not fall asleep
+            raise AssertionError("woken without sleeping")
+
+    share = DeviceShare()
+    share.register(Broken())
+    ran = False
+    async with share.trainer_turn():
+        ran = True
+    assert ran and share.failures == 1 and share.turns == 0

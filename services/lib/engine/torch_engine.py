@@ -98,6 +98,9 @@ class TorchEngine:
         self._rows: list[_Request] = []
         self._cache: PaddedBatchCache | None = None
         self._cache_kwarg = "cache"  # the model's keyword for it, set at start
+        # sleep/wake (a colocated trainer steps meanwhile): control calls run in the engine thread
+        self._controls: list[tuple[Any, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._asleep = False
         self._next_tokens = torch.empty(0, dtype=torch.long)
         self._positions = torch.empty(0, dtype=torch.long)
         self._eos_ids: frozenset[int] = frozenset()
@@ -254,14 +257,77 @@ class TorchEngine:
             self._cond.notify()
         await future
 
+    # ------------------------------------------------------------------ sleep / wake (colocation)
+    async def sleep(self) -> None:
+        """Release memory while a colocated trainer steps (:mod:`services.lib.colocation`): at the next step
+        boundary decoding stops, the KV cache is dropped and, on a GPU, the weights move to the host. Running
+        and queued requests are kept; weight updates wait. :meth:`wake_up` resumes them."""
+        await self._control(self._release)
+
+    async def wake_up(self) -> None:
+        """Undo :meth:`sleep`: weights back on the device, the running rows' KV cache recomputed, decoding on."""
+        await self._control(self._restore)
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    async def _control(self, fn: Any) -> None:
+        if not self._running:
+            raise EngineNotRunningError("the torch engine is not running; call start() first")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        with self._cond:
+            self._controls.append((fn, loop, future))
+            self._cond.notify()
+        await future
+
+    def _release(self) -> None:
+        if self._asleep:
+            return
+        self._cache = None
+        if self._device.type != "cpu":
+            self._model.to("cpu")
+            if self._device.type == "cuda":
+                torch.cuda.empty_cache()
+        self._asleep = True
+        log.info("asleep (%d rows kept, %d queued): KV cache released%s", len(self._rows), len(self._queue),
+                 "" if self._device.type == "cpu" else ", weights on the host")
+
+    def _restore(self) -> None:
+        if not self._asleep:
+            return
+        if self._device.type != "cpu":
+            self._model.to(self._device)
+        if self._rows:
+            self._recompute_cache()
+        self._asleep = False
+        log.info("awake (%d rows resumed)", len(self._rows))
+
     # ------------------------------------------------------------------ engine thread
     def _after_step(self) -> None:
         """Called in the engine thread after every loop iteration (a hook for tests and instrumentation)."""
 
     def _has_work(self) -> bool:
-        if self._stopping or self._rows:
+        if self._stopping or self._controls:
+            return True
+        if self._asleep:
+            return False
+        if self._rows:
             return True
         return bool(self._updates) or bool(self._queue)
+
+    def _run_controls(self) -> None:
+        with self._cond:
+            controls, self._controls = self._controls, []
+        for fn, loop, future in controls:
+            try:
+                fn()
+            except Exception as exc:
+                log.exception("torch engine %s failed", getattr(fn, "__name__", fn))
+                resolve_threadsafe(loop, future, error=EngineError(f"{getattr(fn, '__name__', fn)} failed: {exc!r}"))
+            else:
+                resolve_threadsafe(loop, future)
 
     def _run(self) -> None:
         try:
@@ -270,6 +336,11 @@ class TorchEngine:
                     self._cond.wait_for(self._has_work)
                     if self._stopping:
                         break
+                if self._controls:
+                    self._run_controls()
+                with self._cond:
+                    if self._asleep or self._stopping:
+                        continue
                     updates: list[_WeightUpdate] = []
                     if self._updates and (self.config.weight_update_mode == "in_flight" or not self._rows):
                         updates, self._updates = self._updates, []
@@ -293,6 +364,9 @@ class TorchEngine:
             with self._cond:
                 queued, self._queue = list(self._queue), collections.deque()
                 updates, self._updates = self._updates, []
+                controls, self._controls = self._controls, []
+            for _, loop, future in controls:
+                resolve_threadsafe(loop, future, error=EngineNotRunningError("the torch engine stopped"))
             running = self._rows
             self._reset_batch()
             self._fail(queued + running, EngineNotRunningError("the torch engine stopped before this request finished"))

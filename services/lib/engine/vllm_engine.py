@@ -360,9 +360,11 @@ class VllmEngine:
     # ------------------------------------------------------------------ sleep / wake (GPU)
     async def sleep(self, level: int = 1) -> None:
         """Release device memory (level 1: weights offloaded to the host, KV cache dropped); GPU only.
-        Running requests are aborted (vLLM's default); :meth:`wake_up` before generating again."""
+        Running requests are kept, paused (vLLM's ``mode="keep"``), and continue after :meth:`wake_up`
+        with their KV recomputed (:mod:`services.lib.colocation` calls both around a colocated trainer's
+        step). Not verified on a GPU here: vLLM on CPU has no sleep mode."""
         self._check_sleep_mode()
-        await self._llm.sleep(level=level)
+        await self._llm.sleep(level=level, mode="keep")
 
     async def wake_up(self) -> None:
         """Restore what :meth:`sleep` released and resume serving."""
