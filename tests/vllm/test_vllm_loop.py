@@ -56,3 +56,41 @@ def test_the_loop_runs_on_the_vllm_engine(tmp_path, loop_model_dir):
     counts = {k: sum(o.outcome == k for o in outcomes) for k in ("trained", "dropped", "eval")}
     assert counts["trained"] == 4 * 4 * 4  # 4 steps x 4 groups x group_size 4
     assert by_id <= {t.msg_id for t in trajectories}
+
+
+@pytest.mark.parametrize("kind", ["inproc", "broadcast"])
+def test_the_vllm_engine_takes_versions_from_every_transport(tmp_path, loop_model_dir, kind):
+    """Besides the store (above): trainer and rollout colocated in one process handing tensors over
+    (inproc), and a torch.distributed (gloo) group broadcasting each version into the running vLLM engine."""
+    run_dir = tmp_path / "run"
+    transport = {"type": "inproc"} if kind == "inproc" else {"type": "broadcast", "world_size": 2,
+                                                              "backend": "gloo", "timeout_s": 120}
+    services = {"trainer+rollout": 1, "judge": 1} if kind == "inproc" else {"trainer": 1, "rollout": 1, "judge": 1}
+    cfg = run_file(tmp_path, loop_model_dir, run_id=f"vllm{kind}", services=services,
+                   trainer={"groups_per_step": 2, "total_steps": 3, "max_staleness": 0, "eval_every": 0,
+                            "eval_prompts": 4, "transport": transport},
+                   rollout={"max_tickets": 8, "initial_weights_timeout_s": 300.0, "transport": transport,
+                            "engine": {"type": "vllm", "max_num_seqs": 32, "kv_cache_gib": 0.25,
+                                       "enforce_eager": True}})
+    r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
+                       text=True, timeout=900)
+    logs = "\n".join(p.read_text()[-2000:] for p in (run_dir / "logs").glob("*.log"))
+    assert r.returncode == 0, r.stderr[-3000:] + logs
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 3 and summary["version"] == 3
+
+    async def streams():
+        with EmbeddedNats(run_dir / "nats", port=None) as server:
+            nc = await nats.connect(server.url)
+            js = nc.jetstream()
+            trajectories = await read_all(js, "TRAJECTORIES", f"rlbus.vllm{kind}.trajectories", ScoredTrajectory)
+            names = [s.config.name for s in await js.streams_info()]
+            await nc.close()
+            return trajectories, names
+
+    trajectories, names = asyncio.run(streams())
+    # synchronous: step k trains on tokens of version k-1, so versions 0..2 reached the engine (and 3 the
+    # final evaluation), through this transport alone: no weight store was used
+    token_versions = {v for t in trajectories for turn in t.rollout.turns for v in turn.versions}
+    assert {0, 1, 2, 3} <= token_versions, sorted(token_versions)
+    assert not [n for n in names if n.startswith("OBJ_")], f"a weight store was used: {names}"
