@@ -42,6 +42,7 @@ from services.sandbox.config import SandboxConfig
 from services.sandbox.egress import Allowlist, EgressProxy
 from services.sandbox.etc import write_etc
 from services.sandbox.host import base_args, check_prerequisites, reap_instance
+from services.sandbox.images import resolve_image
 from services.sandbox.overlay import Doomed, Layers, remove_all, rmtree
 
 log = logging.getLogger("rlbus.sandbox.bwrap")
@@ -92,7 +93,11 @@ class BwrapBackend:
         self.hierarchy.prepare_instance(self.instance_id)
         etc_dir = os.path.join(self.state_dir, "etc")
         write_etc(self.cfg, etc_dir)
-        self._base_args = {name: base_args(self.cfg, name, etc_dir) for name in ("host", *self.cfg.images)}
+        cache = os.path.join(self.cfg.root_dir, ".images")
+        roots = {name: await asyncio.to_thread(resolve_image, name, path, cache)
+                 for name, path in self.cfg.images.items()}
+        self._base_args = {"host": base_args(self.cfg, "host", etc_dir),
+                           **{name: base_args(self.cfg, name, etc_dir, root) for name, root in roots.items()}}
         empty = self.layers.empty
         await smoke_test(command_prefix(self.cfg, self._base_args["host"], empty, empty, []))
         log.info("sandbox instance %s ready (bwrap, cgroup v%d, state %s)", self.instance_id,

@@ -69,8 +69,9 @@ def check_prerequisites(cfg: SandboxConfig) -> Hierarchy:
     except BackendUnavailable as e:
         problems.append(str(e))
     for name, path in cfg.images.items():
-        if not os.path.isdir(path):
-            problems.append(f"image {name!r}: {path} is not a directory")
+        if not os.path.exists(path):
+            problems.append(f"image {name!r}: {path} does not exist (a root filesystem directory, an OCI "
+                            "image layout or an OCI archive)")
     if not problems:
         os.makedirs(cfg.root_dir, mode=0o711, exist_ok=True)
         if not _traversable(cfg.root_dir, cfg.sandbox_uid, cfg.sandbox_gid):
@@ -87,19 +88,20 @@ def check_prerequisites(cfg: SandboxConfig) -> Hierarchy:
     return hierarchy
 
 
-def base_args(cfg: SandboxConfig, base: str, etc_dir: str) -> list[str]:
+def base_args(cfg: SandboxConfig, base: str, etc_dir: str, image_root: str = "") -> list[str]:
     """bwrap arguments building the read-only base root named ``base``.
 
     bwrap's own root is a tmpfs; the base's top-level entries are bound into it
     one by one (read-only), so the mount points bwrap adds (/dev, /proc, /tmp,
     the work directory) never need creating inside a read-only tree. An image's
-    top-level entries are read when the backend starts. Base ``"host"`` gets the
-    synthesized /etc in ``etc_dir`` unless ``host_paths`` names "/etc".
+    top-level entries are read when the backend starts (``image_root``: the image's
+    root filesystem, see ``images.py``). Base ``"host"`` gets the synthesized /etc in
+    ``etc_dir`` unless ``host_paths`` names "/etc".
     """
     if base == "host":
         paths = [(p, p) for p in cfg.host_paths]
     else:
-        image = cfg.images[base]
+        image = image_root or cfg.images[base]
         skip = {"dev", "proc", "tmp", cfg.workdir.strip("/").split("/")[0]}
         paths = [(os.path.join(image, name), "/" + name) for name in sorted(os.listdir(image)) if name not in skip]
     args: list[str] = []
