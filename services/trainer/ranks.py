@@ -165,6 +165,7 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        # after a failure another thread may still be inside a collective (failing): leave the group to exit
         if clean and dist.is_initialized():
             dist.destroy_process_group()
 
