@@ -168,12 +168,18 @@ def build_debian(dest: str, suite: str = "bookworm", packages: tuple[str, ...] =
         return dest
     if shutil.which("mmdebstrap") is None:
         raise BackendUnavailable("mmdebstrap is not installed: apt-get update && apt-get install -y mmdebstrap")
-    tmp = dest.rstrip("/") + ".partial"
+    dest = os.path.abspath(dest)
+    os.makedirs(os.path.dirname(dest), mode=0o755, exist_ok=True)
+    tmp = dest + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = ["mmdebstrap", "--variant=minbase", f"--include={','.join(packages)}", suite, tmp]
     if mirror:
         cmd.append(mirror)
-    subprocess.run(cmd, check=True)
+    code = subprocess.run(cmd).returncode
+    if code != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BackendUnavailable(f"mmdebstrap exited with {code} building {dest} (its output is above)")
+    os.chmod(tmp, 0o755)
     os.rename(tmp, dest)
     return dest
 
@@ -187,7 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--packages", default="python3", help="comma-separated Debian packages")
     b.add_argument("--mirror", default="")
     args = ap.parse_args(argv)
-    path = build_debian(args.dest, args.suite, tuple(p for p in args.packages.split(",") if p), args.mirror)
+    try:
+        path = build_debian(args.dest, args.suite, tuple(p for p in args.packages.split(",") if p), args.mirror)
+    except BackendUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"image root filesystem at {path}; use it with [services.sandbox] images = {{ python = \"{path}\" }}")
     return 0
 
