@@ -163,6 +163,8 @@ class WeightAnnouncement(Envelope, kw_only=True, tag="weight_announcement"):
     policy_version: int
     scope: str = MAIN_SCOPE
     manifest: WeightManifest
+    #: W3C traceparent of the span that sent this version (the trainer's step); engines link to it
+    traceparent: str = ""
 
 
 class BroadcastGroup(Envelope, kw_only=True, tag="weight_broadcast_group"):
@@ -197,6 +199,8 @@ class BroadcastReady(Envelope, kw_only=True, tag="weight_broadcast"):
     bucket_bytes: int
     tensors: list[TensorEntry]
     data_nbytes: int
+    #: W3C traceparent of the span that sent this version (the trainer's step); engines link to it
+    traceparent: str = ""
 
 
 def broadcast_group_key(run_id: str) -> str:

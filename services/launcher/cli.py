@@ -126,6 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
                           "services of a deployment start.")
     _common_bus_args(prov)
 
+    tr = sub.add_parser("trace", help="a prompt group's trace as a tree with timings, from the run directory",
+                        description="Print the trace of one prompt group (admission, rollout generation with its "
+                        "turns and sandbox execs, judge graders, the trainer's receipt; then the train step that "
+                        "used it and each engine's apply of the version that step sent), read from the span files "
+                        "every service writes to <run dir>/traces. --slowest N prints the N groups that took "
+                        "longest instead. Works on a running or finished run.")
+    tr.add_argument("group_id", nargs="?", metavar="GROUP_ID", help="the group (its id as in trajectories/outcomes)")
+    tr.add_argument("--slowest", type=int, metavar="N", help="the N groups slowest from admission to last span")
+    tr.add_argument("--run-dir", metavar="DIR", help="the run directory (default: [run] dir of --config)")
+    tr.add_argument("--config", "-c", metavar="FILE", help="run file (TOML) whose [run] dir holds the traces")
+    tr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key (repeatable)")
+
     sub.add_parser("services", help="list the services this installation can run",
                    description="List the service names `rlbus service NAME` and [launcher] services accept: the "
                    "built-in ones and any registered by other packages through the `rlbus.services` entry-point group.")
@@ -323,6 +336,25 @@ def cmd_provision(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from services.launcher.trace import TraceError, load, render_group, slowest
+
+    if (args.group_id is None) == (args.slowest is None):
+        raise ConfigError("rlbus trace: give a GROUP_ID or --slowest N (one of them)")
+    if args.slowest is not None and args.slowest < 1:
+        raise ConfigError("rlbus trace: --slowest takes a positive number")
+    run_dir = args.run_dir or convert(load_tree(args.config, None, list(args.overrides)).get("run"), RunSection,
+                                      "run").dir
+    try:
+        traces = load(run_dir)
+        groups = [args.group_id] if args.group_id is not None else slowest(traces, args.slowest)
+        print("\n\n".join(render_group(traces, g) for g in groups))
+    except TraceError as e:
+        print(f"rlbus trace: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_services(args: argparse.Namespace) -> int:
     from services.launcher import registry
 
@@ -331,7 +363,7 @@ def cmd_services(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": cmd_run, "up": cmd_up, "service": cmd_service, "tap": cmd_tap, "status": cmd_status, "services": cmd_services,
-            "provision": cmd_provision}
+            "trace": cmd_trace, "provision": cmd_provision}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

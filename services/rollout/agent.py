@@ -40,6 +40,7 @@ from services.lib.engine.base import (
 )
 from services.lib.sandbox_client import SandboxClient, SandboxClientError
 from services.rollout.config import AgentSection
+from services.runtime import tracing
 from services.tasks.base import Prompt
 from services.tasks.tools import (
     FENCE_STOP,
@@ -163,7 +164,8 @@ class AgentLoop:
         try:
             try:
                 async with asyncio.timeout(self.cfg.wall_time_s):
-                    await self._episode(task, prompt, prompt_ids, params, labels or {}, out, written)
+                    with tracing.span("agent loop", **(labels or {})):
+                        await self._episode(task, prompt, prompt_ids, params, labels or {}, out, written)
             except TimeoutError:
                 out.finish_reason = "wall_time"
                 self.counters["wall_time"] += 1
@@ -236,8 +238,10 @@ class AgentLoop:
         logprobs: list[float] = []
         versions: list[int] = []
         while True:
-            res = await self._generate(context + ids, dataclasses.replace(
-                params, max_new_tokens=params.max_new_tokens - len(ids)))
+            with tracing.span("assistant turn", context_tokens=len(context) + len(ids)) as span:
+                res = await self._generate(context + ids, dataclasses.replace(
+                    params, max_new_tokens=params.max_new_tokens - len(ids)))
+                span.set_attribute("tokens", len(res.token_ids))
             ids += res.token_ids
             logprobs += res.logprobs
             versions += res.versions

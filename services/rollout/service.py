@@ -30,6 +30,7 @@ from services.lib.weights.transport import WeightReceiver, make_receiver
 from services.rollout.agent import AgentLoop
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import build_engine, concrete_engine
+from services.runtime import tracing
 from services.runtime.config import Loaded
 from services.runtime.consume import Delivery, Poison, Retry
 from services.runtime.service import ServiceContext
@@ -139,7 +140,10 @@ class RolloutService:
         async with contextlib.aclosing(aiter(receiver)) as versions:
             async for version, state in versions:
                 t0 = time.perf_counter()
-                await self.engine.update_weights(state, version)
+                # the engine's apply links to the trainer's step that sent the version (many engines, one step)
+                sent_by = getattr(receiver, "traces", {}).get(version, "")
+                with tracing.span("apply weights", links=tracing.link_to([sent_by]), version=version):
+                    await self.engine.update_weights(state, version)
                 async with self.version_changed:
                     self.version_changed.notify_all()
                 self.weight_updates += 1
@@ -188,8 +192,10 @@ class RolloutService:
             await self._handle_agent(ctx, ticket, task, params)
             return
         try:
-            results = await asyncio.gather(*(self.engine.generate(ticket.prompt_ids, params)
-                                             for _ in range(ticket.group_size)), return_exceptions=True)
+            with tracing.span("generate group", group_id=ticket.group_id, samples=ticket.group_size,
+                              version=self.engine.version):
+                results = await asyncio.gather(*(self.engine.generate(ticket.prompt_ids, params)
+                                                 for _ in range(ticket.group_size)), return_exceptions=True)
         except EngineOverloadedError as e:
             raise Retry(str(e), delay_s=2.0) from e
         for res in results:

@@ -337,10 +337,10 @@ async def publish(js: JetStreamContext, subject: str, msg: msgspec.Struct, timeo
     safe (JetStream stores the message once).
     """
     data = codec.encode(msg)
-    headers = headers_for(msg)
     deadline = asyncio.get_running_loop().time() + retry_for_s
     delay = 0.2
     with tracing.span(f"publish {subject}", kind="producer"):
+        headers = headers_for(msg)  # inside the span: the consumer's span is this publish span's child
         while True:
             try:
                 return await js.publish(subject, data, headers=headers, timeout=timeout)

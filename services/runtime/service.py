@@ -141,6 +141,10 @@ def install_uvloop() -> bool:
     return True
 
 
+#: the parts of this process's colocated group (its trace file is named after all of them)
+_colocated_names: list[str] = []
+
+
 async def serve_colocated(group: list[tuple[str, Callable[[Loaded], Service], Loaded, str | None]]) -> int:
     """Run several services in this process on one event loop (e.g. trainer + rollout sharing weights
     in memory through the inproc transport). Each has its own connection, login and heartbeats; when one
@@ -150,12 +154,14 @@ async def serve_colocated(group: list[tuple[str, Callable[[Loaded], Service], Lo
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    _colocated_names[:] = [name for name, *_ in group]
     tasks = [asyncio.create_task(serve(name, factory, loaded, instance, stop=stop), name=f"serve-{name}")
              for name, factory, loaded, instance in group]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         stop.set()
         codes = await asyncio.gather(*tasks)
+        await asyncio.to_thread(tracing.shutdown)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
@@ -169,7 +175,7 @@ async def serve(name: str, service_factory: Callable[[Loaded], Service], loaded:
     With ``stop`` (colocated services) the caller owns the signals: setting ``stop`` drains this service."""
     subjects.check_run_id(loaded.run.id)
     instance = instance or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    tracing.setup(name)
+    tracing.setup(name if stop is None else "+".join(_colocated_names) or name, loaded.run.dir)
     nc = await bus.connect(loaded.nats, f"rlbus-{name}-{instance}")
     ctx = ServiceContext(name, instance, loaded, nc)
     loop = asyncio.get_running_loop()
@@ -234,5 +240,7 @@ async def serve(name: str, service_factory: Callable[[Loaded], Service], loaded:
         else:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
+    if stop is None:  # a colocated group flushes once, when all its parts stopped (serve_colocated)
+        await asyncio.to_thread(tracing.shutdown)
     log.info("%s: stopped", name)
     return code

@@ -38,6 +38,7 @@ from proto import sandbox as api
 from proto.rollouts import Rollout
 from proto.trajectories import GraderScore
 from services.lib.sandbox_client import SandboxClient, SandboxClientError
+from services.runtime import tracing
 from services.tasks.base import Prompt, Reward
 from services.tasks.grader_specs import (
     GraderSpec,
@@ -180,10 +181,11 @@ class Grading:
 
 
 async def _grade_one(g: Grader, rollout: Rollout, task: Any) -> tuple[GraderScore, UserCodeError | None]:
-    try:
-        return await g.grade(rollout, task), None
-    except UserCodeError as e:
-        return _failed(g, str(e), "the task's code failed: the sample is scored as failed"), e
+    with tracing.span(f"grade {g.name}"):
+        try:
+            return await g.grade(rollout, task), None
+        except UserCodeError as e:
+            return _failed(g, str(e), "the task's code failed: the sample is scored as failed"), e
 
 
 async def grade_all(graders: Sequence[Grader], rollout: Rollout, task: Any) -> Grading:

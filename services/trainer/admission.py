@@ -77,6 +77,8 @@ class Sample:
     #: the message's deferred-ack handle (``services.runtime.consume.DeferredAck``): acked once the
     #: step that used the sample is durable, or once the sample is dropped and its outcome recorded
     ack: Any = None
+    #: the W3C traceparent of the span that received it (the train step that uses it links to it)
+    trace: str = ""
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import Any
 from proto import catalog
 from proto.accounting import TrajectoryOutcome
 from proto.trajectories import ScoredTrajectory
+from services.runtime import tracing
 from services.runtime.consume import Delivery
 from services.runtime.service import ServiceContext
 from services.trainer.admission import Admission, GroupBuffer, Sample, is_stale
@@ -91,7 +92,7 @@ class Collector:
         """The consume handler: returns at once; the message is settled through its deferred ack."""
         r = traj.rollout
         sample = Sample(key=traj.msg_id, group_id=r.group_id, sample_index=r.sample_index,
-                        version=r.min_version(), item=traj, ack=d.defer())
+                        version=r.min_version(), item=traj, ack=d.defer(), trace=tracing.traceparent())
         if r.is_eval:
             finished = self.evals.record(traj)
             await self.outcomes.record([sample], "eval")

@@ -29,7 +29,7 @@ from proto import catalog
 from proto.prompts import PromptTicket, Sampling
 from services.lib.colocation import DEVICE_SHARE
 from services.lib.weights.transport import WeightSender, make_sender
-from services.runtime import bus
+from services.runtime import bus, tracing
 from services.runtime.config import Loaded
 from services.runtime.service import ServiceContext
 from services.trainer import devices, resume
@@ -135,11 +135,17 @@ class Trainer:
             await self._commit(groups, failed, [])
             return
         staleness = [self.state.version - s.version for s in samples]
-        async with DEVICE_SHARE.trainer_turn():  # colocated engines with enable_sleep_mode give memory back
-            metrics = await asyncio.to_thread(self.learner.step, [s.item for s in samples])
-        self.state.step += 1
-        self.state.version += 1
-        publish_s = await self._send_weights()  # durable before anything is acked
+        # one span for the step, linked to every trajectory it trains on; the version it sends carries its
+        # context to the engines (their "apply weights" spans link back to it)
+        with tracing.span("train step", links=tracing.link_to([s.trace for s in samples]),
+                          step=self.state.step + 1, samples=len(samples), groups=len(groups)):
+            async with DEVICE_SHARE.trainer_turn():  # colocated engines with enable_sleep_mode give memory back
+                with tracing.span("learner step"):
+                    metrics = await asyncio.to_thread(self.learner.step, [s.item for s in samples])
+            self.state.step += 1
+            self.state.version += 1
+            with tracing.span("publish weights", version=self.state.version):
+                publish_s = await self._send_weights()  # durable before anything is acked
         await self._commit(groups, failed, samples)
         if self.cfg.checkpoint_every and self.state.step % self.cfg.checkpoint_every == 0:
             await self._checkpoint()
@@ -196,7 +202,10 @@ class Trainer:
             metadata=dict(prompt.metadata), is_eval=is_eval)
         # deterministic msg id: a retried publish (or a resumed trainer) is de-duplicated by JetStream
         ticket.msg_id = f"{self.ctx.run_id}-{group_id}"
-        await self.ctx.publish(catalog.PROMPTS, ticket)
+        # a trace per prompt group starts here: rollout, sandbox execs, judge and trainer are its spans
+        with tracing.span("admit group", root=True, group_id=group_id, eval=is_eval,
+                          version=self.state.version, group_size=group_size):
+            await self.ctx.publish(catalog.PROMPTS, ticket)
 
     async def _train_ticket(self, prompt: Any, group_id: str) -> None:
         await self._ticket(prompt, group_id, self.cfg.group_size, False, self.sampling)

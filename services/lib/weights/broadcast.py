@@ -55,6 +55,7 @@ from services.lib.weights.config import BroadcastConfig
 from services.lib.weights.encoding import layout, torch_dtype
 from services.lib.weights.index import VersionIndex
 from services.lib.weights.transport import Weights, follow
+from services.runtime import tracing
 from services.runtime.natsd import free_port
 
 log = logging.getLogger("rlbus.weightsync.broadcast")
@@ -271,6 +272,7 @@ class BroadcastSender:
             bucket_bytes=self.config.bucket_bytes,
             tensors=entries,
             data_nbytes=nbytes,
+            traceparent=tracing.traceparent(),
         )
         data = encode(ready)
         kv = await self.index.kv()
@@ -341,6 +343,7 @@ class BroadcastReceiver:
         self._group_watch: asyncio.Task | None = None
         self.refused = 0
         self.last_error = ""
+        self.traces: dict[int, str] = {}  # per version, the sender's traceparent (the latest few)
 
     @property
     def version(self) -> int | None:
@@ -446,6 +449,9 @@ class BroadcastReceiver:
             for e in ready.tensors
         }
         self._version = self._group_version = ready.policy_version
+        if ready.traceparent:
+            self.traces = {v: t for v, t in self.traces.items() if v > ready.policy_version - 8}
+            self.traces[ready.policy_version] = ready.traceparent
         return ready.policy_version, tensors
 
     async def _watch_group(self, group_id: str) -> None:

@@ -64,6 +64,7 @@ from services.lib.weights.encoding import (
 )
 from services.lib.weights.index import VersionIndex
 from services.lib.weights.store import BlobStore
+from services.runtime import tracing
 
 __all__ = [
     "WeightIntegrityError",
@@ -187,7 +188,8 @@ class WeightPublisher:
         await self.index.put_manifest(manifest)
         await self.index.announce(
             WeightAnnouncement(
-                run_id=self.run_id, policy_version=version, scope=self.index.scope, manifest=manifest
+                run_id=self.run_id, policy_version=version, scope=self.index.scope, manifest=manifest,
+                traceparent=tracing.traceparent(),
             )
         )
         self._prev, self._prev_version = full, version

@@ -19,6 +19,7 @@ import torch
 
 from services.lib.weights.config import InprocConfig
 from services.lib.weights.transport import Weights, follow
+from services.runtime import tracing
 
 
 class InprocChannel:
@@ -27,13 +28,14 @@ class InprocChannel:
     def __init__(self) -> None:
         self.version: int | None = None
         self.tensors: dict[str, torch.Tensor] = {}
+        self.traceparent = ""  # the sender's span when it put the newest version
         self.changed = asyncio.Condition()
 
-    async def put(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    async def put(self, version: int, tensors: dict[str, torch.Tensor], traceparent: str = "") -> None:
         async with self.changed:
             if self.version is not None and version <= self.version:
                 raise ValueError(f"inproc version {version} is not newer than {self.version}")
-            self.version, self.tensors = version, tensors
+            self.version, self.tensors, self.traceparent = version, tensors, traceparent
             self.changed.notify_all()
 
     async def newer_than(self, held: int | None) -> tuple[int, dict[str, torch.Tensor]]:
@@ -70,7 +72,7 @@ class InprocSender:
         tensors = {
             k: (t.detach().clone() if self.config.snapshot else t.detach()) for k, t in state_dict.items()
         }
-        await channel(self.run_id, self.config.channel).put(version, tensors)
+        await channel(self.run_id, self.config.channel).put(version, tensors, tracing.traceparent())
 
     async def latest(self) -> Weights | None:
         """None: a channel keeps nothing across a restart of the process."""
@@ -89,6 +91,7 @@ class InprocReceiver:
         self._version: int | None = None
         self.refused = 0  # nothing is verified in process: never refused
         self.last_error = ""
+        self.traces: dict[int, str] = {}  # per version, the sender's traceparent (the latest only)
 
     @property
     def version(self) -> int | None:
@@ -101,8 +104,10 @@ class InprocReceiver:
         """Nothing to set up."""
 
     async def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
-        version, tensors = await channel(self.run_id, self.config.channel).newer_than(self._version)
+        chan = channel(self.run_id, self.config.channel)
+        version, tensors = await chan.newer_than(self._version)
         self._version = version
+        self.traces = {version: chan.traceparent}
         return version, dict(tensors)
 
     async def close(self) -> None:

@@ -90,6 +90,9 @@ class WeightReceiver(Protocol):
     #: versions refused so far (failed verification), and the last reason
     refused: int
     last_error: str
+    #: per version received, the ``traceparent`` its sender announced ("" when unknown): the engine's
+    #: "apply weights" span links to it
+    traces: dict[int, str]
 
     @property
     def version(self) -> int | None:
@@ -227,6 +230,7 @@ class StoreReceiver:
         self.subscriber = store_subscriber(config, nc, run_id)
         self.refused = 0
         self.last_error = ""
+        self.traces: dict[int, str] = {}
         self._watch: AsyncIterator[WeightAnnouncement] | None = None
         #: an anext() of the watch in flight; it outlives re-checks and cancelled receives
         self._next: asyncio.Future[WeightAnnouncement] | None = None
@@ -276,7 +280,12 @@ class StoreReceiver:
             return manifest
         task, self._next = self._next, None
         try:
-            return task.result().manifest
+            announcement = task.result()
+            if announcement.traceparent:
+                self.traces[announcement.policy_version] = announcement.traceparent
+                for old in [v for v in self.traces if v < announcement.policy_version - 8]:
+                    del self.traces[old]  # bounded: only recent versions are applied
+            return announcement.manifest
         except StopAsyncIteration:
             raise ConnectionError("the weight announcement watch ended") from None
 
