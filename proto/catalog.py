@@ -235,6 +235,20 @@ ECHO_IN = ConsumerDef(
     ack_wait_s=10.0, max_deliver=3, backoff_s=[0.2, 0.5], max_ack_pending=256,
 )
 
+#: The tracker (services/tracker) follows these channels, keyed by channel name, with durable consumers
+#: of its own: it reads every message without taking any from the channel's subscribers, resumes where it
+#: stopped after a restart, and can follow a finished run's streams from their start.
+TRACKER_READS: dict[str, ConsumerDef] = {
+    name: ConsumerDef(stream=stream, durable="tracker-{run}", filter_subject=subject, ack_wait_s=30.0,
+                      max_deliver=3, max_ack_pending=4096,
+                      description=f"the tracker follows {name} (experiment tracking; takes nothing from its readers)")
+    for name, stream, subject in (
+        ("metrics", METRICS_STREAM.name, "rlbus.{run}.metrics.*"),
+        ("trajectories", TRAJECTORIES_STREAM.name, "rlbus.{run}.trajectories"),
+        ("outcomes", OUTCOMES_STREAM.name, "rlbus.{run}.outcomes"),
+    )
+}
+
 # --- channels ------------------------------------------------------------------------------------
 
 PROMPTS = Channel(

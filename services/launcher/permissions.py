@@ -256,6 +256,11 @@ def _weightsync(s: Scope) -> list[Grant]:
     ]
 
 
+def _tracker(s: Scope) -> list[Grant]:
+    """Follows channels with durable consumers of its own (catalog.TRACKER_READS); publishes only metrics."""
+    return [*_harness("tracker", s), *(_durable(c, s) for c in catalog.TRACKER_READS.values())]
+
+
 def _service(role: str) -> Callable[[Scope], list[Grant]]:
     """A service that needs nothing but the harness and its channels."""
     return lambda s: _harness(role, s)
@@ -318,6 +323,8 @@ ROLES: dict[str, Role] = {
     "weightsync": Role(description="retention of the trainer's versions; relays them into its own scopes",
                        grants=_weightsync),
     "echo": Role(description="the echo demo worker", grants=_service("echo")),
+    "tracker": Role(description="experiment tracking: reads metrics, trajectories and outcomes through its own "
+                                "consumers; publishes only its metrics", grants=_tracker),
     "admin": Role(description="read-only operator (rlbus tap, rlbus status)", grants=_admin, private_inbox=False,
                   service=False),
     "launcher": Role(description="the supervisor: provisions the server, records gang state, reads everything",

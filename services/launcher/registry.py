@@ -50,6 +50,12 @@ def _weightsync() -> Spec:
     return config.WeightsyncConfig, service.build
 
 
+def _tracker() -> Spec:
+    from services.tracker import config, service
+
+    return config.TrackerConfig, service.build
+
+
 _BUILTIN: dict[str, Callable[[], Spec]] = {
     "weightsync": _weightsync,
     "sandbox": _sandbox,
@@ -57,6 +63,7 @@ _BUILTIN: dict[str, Callable[[], Spec]] = {
     "trainer": _trainer,
     "rollout": _rollout,
     "judge": _judge,
+    "tracker": _tracker,
 }
 
 

@@ -1,7 +1,7 @@
 """The package layering, checked by static analysis of every import (module- and function-level).
 
 proto ← services/runtime ← services/lib ← services/tasks ← each service (trainer, rollout, judge,
-sandbox, weightsync, echo) ← services/launcher. A layer imports only from itself and the layers to
+sandbox, weightsync, echo, tracker) ← services/launcher. A layer imports only from itself and the layers to
 its left; services do not import one another; there are no cycles between packages.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SERVICES = ("trainer", "rollout", "judge", "sandbox", "weightsync", "echo")
+SERVICES = ("trainer", "rollout", "judge", "sandbox", "weightsync", "echo", "tracker")
 LAYERS = ("proto", "runtime", "lib", "tasks")
 NODES = (*LAYERS, *SERVICES, "launcher")
 

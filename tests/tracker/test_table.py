@@ -1,0 +1,88 @@
+"""The completions sampler: joins trajectories with their outcomes, one table per step, within bounds."""
+
+from __future__ import annotations
+
+import random
+
+from proto.accounting import TrajectoryOutcome
+from proto.rollouts import Rollout, Turn
+from proto.trajectories import GraderScore, ScoredTrajectory
+from services.tracker.table import COLUMNS, CompletionSampler, cut
+
+
+def traj(tid: str, *, reward: float = 1.0, is_eval: bool = False, text: str = "42") -> ScoredTrajectory:
+    rollout = Rollout(run_id="r", task="addition", group_id=f"g-{tid}", prompt_id="p", sample_index=0, group_size=1,
+                      prompt_ids=[1], prompt_text=f"prompt of {tid}", finish_reason="eos", policy_version=0,
+                      is_eval=is_eval, turns=[Turn(role="assistant", token_ids=[1], text=text)])
+    t = ScoredTrajectory(run_id="r", rollout=rollout, reward=reward,
+                         scores=[GraderScore(grader="exact", score=reward), GraderScore(grader="format", score=0.5)])
+    t.msg_id = tid
+    return t
+
+
+def outcome(tid: str, step: int, kind: str = "trained", staleness: int = 1) -> TrajectoryOutcome:
+    return TrajectoryOutcome(run_id="r", trajectory_id=tid, group_id=f"g-{tid}", outcome=kind, step=step,
+                             version=step, sample_version=step - staleness)
+
+
+def test_rows_join_in_either_order_and_the_sample_does_not_depend_on_it():
+    ids = [f"t{i}" for i in range(20)]
+    tables = []
+    for seed in (0, 1):
+        events = [("t", i) for i in ids] + [("o", i) for i in ids]
+        random.Random(seed).shuffle(events)
+        s = CompletionSampler(rows_per_step=5, max_text_chars=100, max_waiting=100, after_s=60)
+        for kind, i in events:
+            s.add_trajectory(traj(i)) if kind == "t" else s.add_outcome(outcome(i, step=3, staleness=2), now=0.0)
+        (table,) = s.ready(now=0.0, force=True)
+        tables.append(table)
+        assert s.waiting == 0  # nothing is kept that makes no row, whichever came first
+    a, b = tables
+    assert a.step == 3 and len(a.rows) == 5
+    assert a.columns == [*COLUMNS, "score/exact", "score/format"]
+    assert sorted(map(tuple, a.rows)) == sorted(map(tuple, b.rows))
+    row = dict(zip(a.columns, a.rows[0], strict=True))
+    tid = row["group_id"].removeprefix("g-")
+    assert row == {"step": 3, "prompt": f"prompt of {tid}", "completion": "42", "reward": 1.0, "staleness": 2,
+                   "finish_reason": "eos", "group_id": f"g-{tid}", "score/exact": 1.0, "score/format": 0.5}
+
+
+def test_a_step_is_ready_once_a_later_step_arrives_and_its_rows_are_joined():
+    s = CompletionSampler(rows_per_step=2, max_text_chars=100, max_waiting=100, after_s=60)
+    s.add_outcome(outcome("a", 1), now=0.0)
+    s.add_outcome(outcome("b", 2), now=0.0)
+    assert s.ready(now=1.0) == []  # step 1 waits for trajectory "a"
+    s.add_trajectory(traj("a"))
+    (t1,) = s.ready(now=1.0)
+    assert t1.step == 1 and len(t1.rows) == 1
+    assert s.ready(now=1.0) == []  # step 2 is the newest: more outcomes may come
+    (t2,) = s.ready(now=61.0)  # ... until nothing was heard of it for after_s
+    assert t2.step == 2 and t2.rows == [] and s.rows_missing == 1
+    s.add_outcome(outcome("c", 1), now=62.0)  # an outcome of a step already written
+    assert s.late_outcomes == 1 and s.ready(now=62.0, force=True) == []
+
+
+def test_eval_dropped_and_untrained_make_no_rows_and_waiting_is_bounded():
+    s = CompletionSampler(rows_per_step=8, max_text_chars=10, max_waiting=3, after_s=60)
+    s.add_trajectory(traj("e", is_eval=True))
+    assert s.waiting == 0
+    s.add_trajectory(traj("d"))
+    s.add_outcome(outcome("d", 1, kind="dropped"), now=0.0)
+    assert s.waiting == 0
+    for i in range(5):
+        s.add_trajectory(traj(f"w{i}", text="x" * 50))
+    assert s.waiting == 3 and s.forgotten == 2  # the two oldest are forgotten
+    s.add_outcome(outcome("w4", 1), now=0.0)
+    (t,) = s.ready(now=0.0, force=True)
+    assert t.rows[0][2] == "x" * 9 + "…"  # texts are cut to max_text_chars
+
+
+def test_no_table_when_rows_per_step_is_zero():
+    s = CompletionSampler(rows_per_step=0, max_text_chars=100, max_waiting=10, after_s=1)
+    s.add_trajectory(traj("a"))
+    s.add_outcome(outcome("a", 1), now=0.0)
+    assert s.waiting == 0 and s.ready(now=100.0, force=True) == []
+
+
+def test_cut():
+    assert cut("abc", 3) == "abc" and cut("abcd", 3) == "ab…"
