@@ -176,9 +176,10 @@ class _Stop:
 class BackendWorker:
     """One backend in a daemon thread behind a bounded queue: ``submit`` never blocks, failures drop."""
 
-    def __init__(self, writer: Writer, queue_size: int, warn_every_s: float) -> None:
+    def __init__(self, writer: Writer, queue_size: int, warn_every_s: float, label: str = "") -> None:
         self.writer = writer
-        self.name = writer.name
+        #: the backend's name in warnings and metrics (``wandb``; ``tensorboard-2`` for a second one)
+        self.name = label or writer.name
         self.warn_every_s = warn_every_s
         self._q: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()

@@ -97,8 +97,10 @@ class TrackerService:
 
     async def run(self, ctx: ServiceContext) -> None:
         for b in self.cfg.backends:
-            self.workers.append(BackendWorker(make_writer(b, self.run_dir, ctx.run_id), self.cfg.queue_size,
-                                              self.cfg.warn_every_s))
+            writer = make_writer(b, self.run_dir, ctx.run_id)
+            same = sum(w.writer.name == writer.name for w in self.workers)
+            self.workers.append(BackendWorker(writer, self.cfg.queue_size, self.cfg.warn_every_s,
+                                              label=f"{writer.name}-{same + 1}" if same else writer.name))
         for w in self.workers:
             w.start()
         log.info("tracker: following run %s into %s", ctx.run_id, ", ".join(w.name for w in self.workers) or "nothing")
