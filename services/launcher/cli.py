@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("services", help="list the services this installation can run",
                    description="List the service names `rlbus service NAME` and [launcher] services accept: the "
                    "built-in ones and any registered by other packages through the `rlbus.services` entry-point group.")
+
+    sch = sub.add_parser("schema", help="write JSON Schemas of every bus message into proto/schemas/",
+                         description="Write one JSON Schema per channel (and per reply type) of the channel table, "
+                         "for stock tools reading the JSON form of messages (rlbus tap), plus index.json. "
+                         "--check exits 1 when the files there are not current (CI).")
+    sch.add_argument("--out", metavar="DIR", help="directory to write (default: proto/schemas of this checkout)")
+    sch.add_argument("--check", action="store_true", help="write nothing; exit 1 naming stale files")
     return p
 
 
@@ -355,6 +362,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_schema(args: argparse.Namespace) -> int:
+    from services.launcher import schema
+
+    return schema.main(args.out, args.check)
+
+
 def cmd_services(args: argparse.Namespace) -> int:
     from services.launcher import registry
 
@@ -363,7 +376,7 @@ def cmd_services(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": cmd_run, "up": cmd_up, "service": cmd_service, "tap": cmd_tap, "status": cmd_status, "services": cmd_services,
-            "trace": cmd_trace, "provision": cmd_provision}
+            "trace": cmd_trace, "provision": cmd_provision, "schema": cmd_schema}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
