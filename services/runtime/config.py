@@ -31,7 +31,7 @@ import os
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -98,6 +98,9 @@ class CommonSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_level: str = "INFO"
     #: largest message accepted, in bytes (bigger ones are dead-lettered)
     max_message_bytes: int = 4 * 1024 * 1024
+    #: Prometheus endpoint of each service at http://<host>:PORT/metrics (0: none); services sharing a host
+    #: take the next free port above it (each names its port in its log and heartbeat)
+    metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
 
 
 #: keys that were replaced: old dotted path -> the key (and form) that replaced it. Checked on the merged

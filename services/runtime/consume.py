@@ -42,10 +42,15 @@ from nats.aio.msg import Msg
 
 from proto import catalog, codec, subjects
 from proto.deadletter import DeadLetter
-from services.runtime import tracing
+from services.runtime import metrics, tracing
 
 T = TypeVar("T")
 log = logging.getLogger("rlbus.consume")
+
+#: counters on the service's metrics endpoint (services/runtime/metrics.py)
+_HANDLED = metrics.counter("messages_handled", "messages a consumer handled and acked (or deferred)")
+_FAILED = metrics.counter("messages_failed", "handler failures (retried or dead-lettered)")
+_DEAD_LETTERS = metrics.counter("dead_letters", "messages dead-lettered, by family and error type")
 
 
 class Retry(Exception):
@@ -193,6 +198,7 @@ class DeadLetterSink:
             payload=bytes(raw.data[: codec.MAX_MESSAGE_BYTES]),
         )
         self.count += 1
+        _DEAD_LETTERS(family=subjects.family_of(raw.subject) or "unknown", reason=error_type)
         log.warning("dead letter from %s: %s (%s)", raw.subject, reason, error_type)
         try:
             await publish(self.js, catalog.DEAD_LETTERS.subject(run, family), letter)
@@ -360,6 +366,7 @@ class Consumer(Generic[T]):
             if not self._settled_by_loop(d):
                 return
             self.failed += 1
+            _FAILED(consumer=self.cdef.durable, kind="retry")
             if deliveries >= self.cdef.max_deliver:
                 await self._poison(raw, f"still failing after {deliveries} deliveries: {e}", "Retry", deliveries)
             else:
@@ -370,6 +377,7 @@ class Consumer(Generic[T]):
             if not self._settled_by_loop(d):
                 return
             self.failed += 1
+            _FAILED(consumer=self.cdef.durable, kind="error")
             if deliveries >= self.cdef.max_deliver:
                 await self._poison(raw, f"failed {deliveries} times, last: {type(e).__name__}: {e}",
                                    type(e).__name__, deliveries)
@@ -382,6 +390,7 @@ class Consumer(Generic[T]):
         else:
             d._open = False
             self.handled += 1
+            _HANDLED(consumer=self.cdef.durable)
             deferred = d._deferred
             if deferred is not None:
                 if not deferred.done:  # held until settled; its keepalive goes on with it

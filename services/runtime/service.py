@@ -25,7 +25,7 @@ from nats.js import api
 from proto import catalog, membership, subjects
 from proto.membership import Heartbeat
 from proto.metrics import MetricsReport
-from services.runtime import bus, gang, tracing
+from services.runtime import bus, gang, metrics, tracing
 from services.runtime.config import Loaded
 from services.runtime.consume import Consumer, DeadLetterSink, Handler
 
@@ -114,6 +114,7 @@ async def _heartbeats(ctx: ServiceContext, period: float) -> None:
     key = membership.member_key(ctx.run_id, ctx.name, ctx.instance)
     subj = catalog.HEARTBEATS.subject(ctx.run_id, ctx.name)
     while True:
+        metrics.follow_gauges(ctx.gauges)  # gauges added since the last beat get their series
         hb = ctx.heartbeat()
         data = bus.codec.encode(hb)
         try:
@@ -162,6 +163,7 @@ async def serve_colocated(group: list[tuple[str, Callable[[Loaded], Service], Lo
         stop.set()
         codes = await asyncio.gather(*tasks)
         await asyncio.to_thread(tracing.shutdown)
+        await asyncio.to_thread(metrics.shutdown)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
@@ -176,8 +178,11 @@ async def serve(name: str, service_factory: Callable[[Loaded], Service], loaded:
     subjects.check_run_id(loaded.run.id)
     instance = instance or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     tracing.setup(name if stop is None else "+".join(_colocated_names) or name, loaded.run.dir)
+    port = metrics.setup(name, instance, loaded.common.metrics_port)
     nc = await bus.connect(loaded.nats, f"rlbus-{name}-{instance}")
     ctx = ServiceContext(name, instance, loaded, nc)
+    if port is not None:
+        ctx.gauges["metrics_port"] = float(port)  # in the heartbeat: rlbus status shows where to scrape
     loop = asyncio.get_running_loop()
 
     def on_signal(sig: signal.Signals) -> None:
@@ -242,5 +247,6 @@ async def serve(name: str, service_factory: Callable[[Loaded], Service], loaded:
                 loop.remove_signal_handler(sig)
     if stop is None:  # a colocated group flushes once, when all its parts stopped (serve_colocated)
         await asyncio.to_thread(tracing.shutdown)
+        await asyncio.to_thread(metrics.shutdown)
     log.info("%s: stopped", name)
     return code

@@ -24,7 +24,7 @@ from typing import Any
 from proto import catalog
 from proto.accounting import TrajectoryOutcome
 from proto.trajectories import ScoredTrajectory
-from services.runtime import tracing
+from services.runtime import metrics, tracing
 from services.runtime.consume import Delivery
 from services.runtime.service import ServiceContext
 from services.trainer.admission import Admission, GroupBuffer, Sample, is_stale
@@ -33,6 +33,7 @@ from services.trainer.evaluation import EvalRound, Evaluations
 from services.trainer.state import TrainerState
 
 log = logging.getLogger("rlbus.trainer.collect")
+_OUTCOMES = metrics.counter("trajectory_outcomes", "trajectories trained, dropped (by reason) or evaluated")
 
 #: how often collect() re-checks staleness and group timeouts while nothing arrives
 RECHECK_S = 5.0
@@ -48,6 +49,8 @@ class Outcomes:
     async def record(self, samples: list[Sample], outcome: str, reason: str = "") -> None:
         """One outcome per sample, published concurrently (one round trip for a batch)."""
         self.state.count(outcome, len(samples))
+        if samples:  # the reason's kind (its text before the first colon) keeps the label set small
+            _OUTCOMES(len(samples), outcome=outcome, reason=reason.split(":", 1)[0][:40] if reason else "")
         await asyncio.gather(*(self._publish(s, outcome, reason) for s in samples))
 
     async def _publish(self, s: Sample, outcome: str, reason: str) -> None:

@@ -29,7 +29,7 @@ from proto import catalog
 from proto.prompts import PromptTicket, Sampling
 from services.lib.colocation import DEVICE_SHARE
 from services.lib.weights.transport import WeightSender, make_sender
-from services.runtime import bus, tracing
+from services.runtime import bus, metrics, tracing
 from services.runtime.config import Loaded
 from services.runtime.service import ServiceContext
 from services.trainer import devices, resume
@@ -42,6 +42,7 @@ from services.trainer.ranks import RankGroup
 from services.trainer.state import TrainerState, load_from_kv, save_to_kv, to_checkpoint
 
 log = logging.getLogger("rlbus.trainer")
+_STALENESS = metrics.histogram("trainer_staleness", "versions between a trained sample's oldest token and the step")
 
 
 class TrainerService:
@@ -135,6 +136,8 @@ class Trainer:
             await self._commit(groups, failed, [])
             return
         staleness = [self.state.version - s.version for s in samples]
+        for v in staleness:
+            _STALENESS(v)
         # one span for the step, linked to every trajectory it trains on; the version it sends carries its
         # context to the engines (their "apply weights" spans link back to it)
         with tracing.span("train step", links=tracing.link_to([s.trace for s in samples]),
