@@ -28,3 +28,5 @@ class TrajectoryOutcome(Envelope, kw_only=True, tag="trajectory_outcome"):
     #: the trainer's weight version at that moment, and the trajectory's oldest token version
     version: int
     sample_version: int
+    #: trained: its position in the step's batch (``rlbus replay`` rebuilds the batch in this order); else -1
+    batch_index: int = -1

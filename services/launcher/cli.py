@@ -139,6 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key (repeatable)")
 
+    rp = sub.add_parser("replay", help="recompute a recorded train step from the run directory",
+                        description="replay step N: rebuild trainer step N of a run from its run directory (the "
+                        "trajectories it trained on, in batch order, from the stored streams; the weights of version "
+                        "N-1 from the run's weight store), recompute its loss and gradient norm with the trainer's "
+                        "code and compare them with metrics.jsonl (bit-identical on the CPU). Exit 0 when identical, "
+                        "1 when they differ, 2 when the step cannot be rebuilt (the message says what is missing).")
+    rp.add_argument("what", choices=["step"], help="what to replay")
+    rp.add_argument("n", type=int, metavar="N", help="the trainer step (from 1)")
+    rp.add_argument("--run-dir", metavar="DIR", help="the run directory (default: [run] dir of --config)")
+    rp.add_argument("--config", "-c", metavar="FILE", help="run file (TOML) whose [run] dir is replayed")
+
     sub.add_parser("services", help="list the services this installation can run",
                    description="List the service names `rlbus service NAME` and [launcher] services accept: the "
                    "built-in ones and any registered by other packages through the `rlbus.services` entry-point group.")
@@ -368,6 +379,20 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return schema.main(args.out, args.check)
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from services.launcher.replay import ReplayError, replay_step
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    run_dir = args.run_dir or convert(load_tree(args.config, None, []).get("run"), RunSection, "run").dir
+    try:
+        result = replay_step(run_dir, args.n)
+    except ReplayError as e:
+        print(f"rlbus replay: {e}", file=sys.stderr)
+        return 2
+    print(result.report())
+    return 0 if result.identical else 1
+
+
 def cmd_services(args: argparse.Namespace) -> int:
     from services.launcher import registry
 
@@ -376,7 +401,7 @@ def cmd_services(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": cmd_run, "up": cmd_up, "service": cmd_service, "tap": cmd_tap, "status": cmd_status, "services": cmd_services,
-            "trace": cmd_trace, "provision": cmd_provision, "schema": cmd_schema}
+            "trace": cmd_trace, "replay": cmd_replay, "provision": cmd_provision, "schema": cmd_schema}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -51,13 +51,14 @@ class Outcomes:
         self.state.count(outcome, len(samples))
         if samples:  # the reason's kind (its text before the first colon) keeps the label set small
             _OUTCOMES(len(samples), outcome=outcome, reason=reason.split(":", 1)[0][:40] if reason else "")
-        await asyncio.gather(*(self._publish(s, outcome, reason) for s in samples))
+        await asyncio.gather(*(self._publish(s, outcome, reason, i if outcome == "trained" else -1)
+                               for i, s in enumerate(samples)))
 
-    async def _publish(self, s: Sample, outcome: str, reason: str) -> None:
+    async def _publish(self, s: Sample, outcome: str, reason: str, batch_index: int) -> None:
         t: ScoredTrajectory = s.item
         msg = TrajectoryOutcome(run_id=self.ctx.run_id, trajectory_id=t.msg_id, group_id=s.group_id,
                                 outcome=outcome, reason=reason, step=self.state.step, version=self.state.version,
-                                sample_version=s.version)
+                                sample_version=s.version, batch_index=batch_index)
         msg.msg_id = f"{t.msg_id}-outcome"  # one outcome per trajectory, even across trainer restarts
         try:
             await self.ctx.publish(catalog.OUTCOMES, msg)

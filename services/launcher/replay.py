@@ -1,0 +1,155 @@
+"""``rlbus replay step N``: recompute trainer step N of a recorded run and check it against what was recorded.
+
+Everything comes from the run directory: the resolved config (``config.resolved.json``), the run's stored
+JetStream (started read-only-in-effect on a free port: nothing is published), its OUTCOMES (which
+trajectories step N trained on, in batch order: ``batch_index``), its TRAJECTORIES (tokens, behaviour
+logprobs, rewards), the weight version step N started from (``N - 1`` from the run's weight store; version
+0 is the model the run started with) and ``metrics.jsonl`` (the loss and gradient norm step N recorded).
+
+The step is recomputed with the trainer's own :class:`~services.trainer.learner.Learner` (one rank on the
+CPU, the run's thread count): micro-batches, loss, backward, the gradient norm before clipping; no
+optimiser step (the loss and gradient norm do not depend on the optimiser's state). On the CPU with the
+run's settings the figures are bit-identical to the recorded ones; anything missing (a version the
+weight store's retention removed, a stream the run no longer holds) is said exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ReplayError(Exception):
+    """The step cannot be rebuilt; the message says exactly what is missing."""
+
+
+@dataclass
+class Replayed:
+    step: int
+    samples: int
+    recorded: dict[str, float]
+    recomputed: dict[str, float]
+
+    @property
+    def identical(self) -> bool:
+        return all(self.recomputed.get(k) == v for k, v in self.recorded.items())
+
+    def report(self) -> str:
+        lines = [f"step {self.step}: {self.samples} trajectories, weights of version {self.step - 1}"]
+        for key, rec in self.recorded.items():
+            new = self.recomputed.get(key, math.nan)
+            same = "identical" if new == rec else f"differs by {abs(new - rec):.3g}"
+            lines.append(f"  {key:<16} recorded {rec!r:<24} recomputed {new!r:<24} {same}")
+        return "\n".join(lines)
+
+
+COMPARED = ("losses/total", "losses/policy", "optim/grad_norm")
+
+
+def _recorded(run_dir: Path, step: int) -> dict[str, float]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ReplayError(f"{path} is missing: not a run directory of rlbus run/up, or the trainer never stepped")
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("step") == step and "optim/grad_norm" in rec:
+            return {k: float(rec[k]) for k in COMPARED if k in rec}
+    raise ReplayError(f"{path} records no train step {step} (eval rows and other steps only)")
+
+
+async def _batch_and_weights(run_dir: Path, run_id: str, cfg: Any, step: int) -> tuple[list[Any], dict | None]:
+    import nats
+
+    from proto.accounting import TrajectoryOutcome
+    from proto.trajectories import ScoredTrajectory
+    from services.launcher.accounting import read_all
+    from services.lib.weights.config import StoreTransportConfig
+    from services.lib.weights.transport import store_subscriber
+    from services.runtime.natsd import EmbeddedNats
+
+    store = run_dir / "nats"
+    if not store.is_dir():
+        raise ReplayError(f"{store} is missing: the run's JetStream store is not in its run directory")
+    with EmbeddedNats(store, port=None) as server:
+        nc = await nats.connect(server.url)
+        try:
+            js = nc.jetstream()
+            outcomes = await read_all(js, "OUTCOMES", f"rlbus.{run_id}.outcomes", TrajectoryOutcome)
+            used = sorted((o for o in outcomes if o.outcome == "trained" and o.step == step),
+                          key=lambda o: o.batch_index)
+            if not used:
+                raise ReplayError(f"no trajectory is recorded as trained at step {step} in the OUTCOMES stream")
+            if any(o.batch_index < 0 for o in used):
+                raise ReplayError(f"step {step}'s outcomes carry no batch order (recorded by an older rlbus): "
+                                  "its batch cannot be rebuilt exactly")
+            wanted = {o.trajectory_id for o in used}
+            trajectories = {t.msg_id: t for t in await read_all(
+                js, "TRAJECTORIES", f"rlbus.{run_id}.trajectories", ScoredTrajectory) if t.msg_id in wanted}
+            missing = [o.trajectory_id for o in used if o.trajectory_id not in trajectories]
+            if missing:
+                raise ReplayError(f"{len(missing)} of step {step}'s {len(used)} trajectories are no longer in the "
+                                  f"TRAJECTORIES stream (retention removed them), e.g. {missing[0]}")
+            batch = [trajectories[o.trajectory_id] for o in used]
+            weights = None
+            if step - 1 > 0:
+                transport = cfg.transport
+                if not isinstance(transport, StoreTransportConfig):
+                    raise ReplayError(f"the run's weight transport is {type(transport).__name__}: it stores no "
+                                      f"versions, so the weights of version {step - 1} are not on record")
+                sub = store_subscriber(transport, nc, run_id)
+                await sub.ensure()
+                manifest = await sub.index.manifest(step - 1)
+                if manifest is None:
+                    kept = await sub.index.versions()
+                    raise ReplayError(f"weight version {step - 1} is not in the run's weight store (kept: "
+                                      f"{kept[:10]}{' ...' if len(kept) > 10 else ''}): retention removed it")
+                weights = await sub.fetch(manifest)
+            return batch, weights
+        finally:
+            await nc.close()
+
+
+def replay_step(run_dir: str | Path, step: int) -> Replayed:
+    """Rebuild and recompute trainer step ``step`` of the run in ``run_dir``."""
+    import msgspec
+    import torch
+
+    from services.tasks.models import resolve_model
+    from services.trainer.config import TrainerConfig
+    from services.trainer.learner import Learner, StepInput
+    from services.trainer.optim import clip_grad_norm
+
+    run_dir = Path(run_dir)
+    if step < 1:
+        raise ReplayError("steps are numbered from 1")
+    resolved = run_dir / "config.resolved.json"
+    if not resolved.is_file():
+        raise ReplayError(f"{resolved} is missing: not a run directory of rlbus run/up")
+    tree = json.loads(resolved.read_text())
+    try:
+        cfg = msgspec.convert(tree.get("services", {}).get("trainer", {}), TrainerConfig, strict=False)
+    except msgspec.ValidationError as e:
+        raise ReplayError(f"the run's trainer config does not load in this rlbus: {e}") from e
+    if cfg.world_size != 1:
+        raise ReplayError(f"the run trained with {cfg.world_size} ranks; replay recomputes one-rank steps only")
+    recorded = _recorded(run_dir, step)
+    run_id = tree.get("run", {}).get("id", "default")
+    batch, weights = asyncio.run(_batch_and_weights(run_dir, run_id, cfg, step))
+    model_dir = resolve_model(cfg.model, cfg.cache_dir or None, seed=int(tree.get("run", {}).get("seed", 0)))
+    learner = Learner(cfg, model_dir)
+    if weights is not None:
+        learner.load_weights({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
+    learner.optimizer.zero_grad(set_to_none=True)
+    sums, n_mb, passes = learner.accumulate(StepInput.of(batch, cfg))
+    recomputed = {k: v for k, v in sums.items() if k.startswith("losses/")}
+    if passes:
+        with torch.no_grad():
+            recomputed["optim/grad_norm"] = clip_grad_norm(learner.model.parameters(), cfg.max_grad_norm)
+    return Replayed(step, len(batch), recorded, recomputed)
