@@ -73,7 +73,7 @@ def test_a_run_with_a_misbehaving_reward_trains_on_the_rest(tmp_path, loop_model
     reasons = {o.reason for o in dropped if o.reason.startswith(prefix)}
     for what in ("did not return within 2 s (its worker process was killed)", "raised ValueError: cannot grade",
                  "returned nan (not a finite number)", "returned 2, outside the task's range [0, 1]",
-                 "killed its worker process (killed by SIGKILL)"):
+                 "killed its worker process ("):
         assert any(reason.startswith(prefix + what) for reason in reasons), (what, sorted(reasons)[:10])
     failed_ids = {t.msg_id for t in trajectories if t.rollout.error and "grading failed" in t.rollout.error}
     assert failed_ids and not failed_ids & {o.trajectory_id for o in trained}
