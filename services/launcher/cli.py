@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "this run's consumers and the latest weight version.")
     _common_bus_args(st)
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.add_argument("--healthy", metavar="SERVICE", help="health check (containers, pods): exit 0 when an instance "
+                    "of SERVICE on this host heartbeats (running or waiting for its gang), else 1")
+    st.add_argument("--max-age-s", type=float, default=30.0, metavar="S",
+                    help="with --healthy: the newest heartbeat may be this old (default 30)")
 
     prov = sub.add_parser("provision", help="create or update the run's streams, KV buckets and object stores",
                           description="Create every stream and KV bucket of the catalog and the run's weight "
@@ -329,6 +333,15 @@ def cmd_tap(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from services.launcher.status import collect, format_status
 
+    if args.healthy:  # only the members bucket: a health check runs often
+        from services.launcher.status import healthy_here, members
+
+        async def read_members(nc, run_id):
+            return {"run_id": run_id, "members": await members(nc.jetstream(), run_id)}
+
+        ok, why = healthy_here(asyncio.run(_with_connection(args, read_members)), args.healthy, args.max_age_s)
+        print(why)
+        return 0 if ok else 1
     st = asyncio.run(_with_connection(args, collect))
     print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
     return 0
@@ -341,6 +354,7 @@ def cmd_provision(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     tree = load_tree(args.config, None, _overrides(args))
     run, nats_cfg = _bus_sections(args)
+    nats_cfg.max_reconnect_attempts = 3  # an unreachable server is an error within seconds, not a wait forever
 
     async def go() -> None:
         nc = await bus.connect(nats_cfg, "rlbus-provision", first_attempts=3)
@@ -401,7 +415,8 @@ def cmd_services(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": cmd_run, "up": cmd_up, "service": cmd_service, "tap": cmd_tap, "status": cmd_status, "services": cmd_services,
-            "trace": cmd_trace, "replay": cmd_replay, "provision": cmd_provision, "schema": cmd_schema}
+            "trace": cmd_trace, "replay": cmd_replay,
+            "provision": cmd_provision, "schema": cmd_schema}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

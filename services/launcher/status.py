@@ -12,23 +12,7 @@ from proto.membership import Heartbeat
 async def collect(nc: Any, run_id: str) -> dict[str, Any]:
     js = nc.jetstream()
     out: dict[str, Any] = {"run_id": run_id, "members": [], "streams": {}, "consumers": {}, "weights": None, "gang": None}
-    try:
-        kv = await js.key_value(catalog.MEMBERS.bucket)
-        keys = await kv.keys()
-    except Exception:
-        keys = []
-    for key in keys:
-        if not key.startswith(f"{run_id}."):
-            continue
-        try:
-            entry = await kv.get(key)
-            hb = codec.decode(entry.value, Heartbeat)
-        except Exception:
-            continue
-        out["members"].append({
-            "service": hb.service, "instance": hb.instance, "state": hb.state, "host": hb.host, "pid": hb.pid,
-            "age_s": round(time.time() - hb.created_at, 1), "metrics": hb.metrics,
-        })
+    out["members"] = await members(js, run_id)
     for name in catalog.STREAMS:
         try:
             info = await js.stream_info(name)
@@ -59,6 +43,29 @@ async def collect(nc: Any, run_id: str) -> dict[str, Any]:
     return out
 
 
+async def members(js: Any, run_id: str) -> list[dict[str, Any]]:
+    """The run's members as their last heartbeats in the members bucket say (what health checks read)."""
+    out: list[dict[str, Any]] = []
+    try:
+        kv = await js.key_value(catalog.MEMBERS.bucket)
+        keys = await kv.keys()
+    except Exception:
+        keys = []
+    for key in keys:
+        if not key.startswith(f"{run_id}."):
+            continue
+        try:
+            entry = await kv.get(key)
+            hb = codec.decode(entry.value, Heartbeat)
+        except Exception:
+            continue
+        out.append({
+            "service": hb.service, "instance": hb.instance, "state": hb.state, "host": hb.host, "pid": hb.pid,
+            "age_s": round(time.time() - hb.created_at, 1), "metrics": hb.metrics,
+        })
+    return out
+
+
 async def latest_weights(js: Any, run_id: str, scope: str = "main") -> dict[str, Any] | None:
     """The newest version announced in ``scope``: through the store (manifest) or a broadcast group."""
     from proto.weights import BroadcastReady, WeightAnnouncement, broadcast_ready_key, kv_bucket, latest_key
@@ -82,6 +89,24 @@ async def latest_weights(js: Any, run_id: str, scope: str = "main") -> dict[str,
             found.append({"version": msg.policy_version, "transport": "broadcast", "group": msg.group_id,
                           "bytes": msg.data_nbytes, "at": msg.created_at})
     return max(found, key=lambda w: (w["at"], w["version"])) if found else None
+
+
+def healthy_here(st: dict[str, Any], service: str, max_age_s: float, host: str | None = None) -> tuple[bool, str]:
+    """Whether ``service`` has an instance on ``host`` (default: this host's name, which is the container's
+    or pod's) whose last heartbeat is at most ``max_age_s`` old and whose state is starting, waiting or
+    running; with the reason either way."""
+    import socket
+
+    host = host or socket.gethostname()
+    mine = [m for m in st["members"] if m["service"] == service and m["host"] == host]
+    if not mine:
+        return False, f"no {service} instance of run {st['run_id']} heartbeats from host {host}"
+    best = min(mine, key=lambda m: m["age_s"])
+    if best["age_s"] > max_age_s:
+        return False, f"{service} {best['instance']} on {host}: last heartbeat {best['age_s']}s ago (> {max_age_s:g}s)"
+    if best["state"] not in ("starting", "waiting", "running"):
+        return False, f"{service} {best['instance']} on {host} is {best['state']}"
+    return True, f"{service} {best['instance']} on {host} is {best['state']} (heartbeat {best['age_s']}s ago)"
 
 
 def _weights_line(w: dict[str, Any] | None) -> str:
