@@ -2,12 +2,13 @@
 
 Pure bookkeeping, no bus, no backend. A row needs two messages from two streams: the scored
 trajectory (TRAJECTORIES: prompt, completion, reward, each grader's score) and its outcome
-(OUTCOMES: the step that trained it, the trainer's version then and the sample's version, whose
-difference is its staleness). They arrive in either order, so both sides wait for each other,
+(OUTCOMES: the step that trained it, the version that step produced and the sample's version: the
+staleness is how many versions the step's starting weights were ahead of the sample's). They arrive in either order, so both sides wait for each other,
 within bounds:
 
 * a trajectory waits for its outcome as a compact :class:`Pending` (texts already cut), at most
-  ``max_waiting`` of them; beyond that the oldest is forgotten (counted);
+  ``max_waiting`` of them; beyond that the oldest is forgotten (counted); an outcome that makes no
+  row and comes first is remembered (as many) so that its trajectory is not kept when it comes;
 * each step keeps the ``rows_per_step`` trained trajectories with the smallest hash of their id:
   a uniform sample without replacement that is the same whatever order the outcomes come in (a
   re-run of the tracker over the same streams picks the same rows);
@@ -124,7 +125,9 @@ class CompletionSampler:
         st = self._steps.setdefault(o.step, _Step())
         st.last_news = now
         rank = _rank(o.trajectory_id)
-        st.chosen[o.trajectory_id] = (rank, o.version - o.sample_version)
+        # a trained outcome is recorded after its step, at the version the step produced: the step started
+        # from version - 1, and its staleness (the trainer's own measure) is counted from there
+        st.chosen[o.trajectory_id] = (rank, o.version - 1 - o.sample_version)
         if len(st.chosen) > self.rows_per_step:  # drop the largest rank: keep the k smallest
             worst = max(st.chosen, key=lambda k: st.chosen[k][0])
             del st.chosen[worst]

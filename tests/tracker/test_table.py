@@ -22,7 +22,7 @@ def traj(tid: str, *, reward: float = 1.0, is_eval: bool = False, text: str = "4
 
 def outcome(tid: str, step: int, kind: str = "trained", staleness: int = 1) -> TrajectoryOutcome:
     return TrajectoryOutcome(run_id="r", trajectory_id=tid, group_id=f"g-{tid}", outcome=kind, step=step,
-                             version=step, sample_version=step - staleness)
+                             version=step, sample_version=step - 1 - staleness)
 
 
 def test_rows_join_in_either_order_and_the_sample_does_not_depend_on_it():

@@ -59,7 +59,7 @@ async def _publish_step(nc, js, step: int) -> dict[str, ScoredTrajectory]:
         kind = "dropped" if tid.endswith("-0") else "trained"
         await bus.publish_on(nc, js, catalog.OUTCOMES, RUN, TrajectoryOutcome(
             run_id=RUN, trajectory_id=tid, group_id=f"s{step}", outcome=kind, step=step, version=step,
-            sample_version=step - 1, reason="stale" if kind == "dropped" else ""))
+            sample_version=step - 2, reason="stale" if kind == "dropped" else ""))  # trained from step - 1: staleness 1
     await bus.publish_on(nc, js, catalog.METRICS, RUN, MetricsReport(
         run_id=RUN, service="trainer", instance="trainer-0", step=step,
         values={"train/reward_mean": 0.1 * step + 0.01, "trainer/loss": 1.0 / (step + 2)}), "trainer")

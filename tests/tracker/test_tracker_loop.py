@@ -92,3 +92,5 @@ backends = [{{ type = "tensorboard" }}, {{ type = "wandb" }}, {{ type = "tensorb
     tables = readers.wandb_tables(wb)
     assert len(tables) == 4 and all(len(t["data"]) == 5 and "staleness" in t["columns"] for t in tables)
     assert {row[0] for t in tables for row in t["data"]} == {1, 2, 3, 4}
+    # staleness as the trainer measures it: nothing older than max_staleness (1) is ever trained
+    assert {row[t["columns"].index("staleness")] for t in tables for row in t["data"]} <= {0, 1}
