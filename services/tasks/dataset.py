@@ -61,10 +61,12 @@ class DatasetError(ValueError):
     """The dataset task's options or data are unusable (the message names the option and the path)."""
 
 
-def _list(value: str | list[Any] | tuple[Any, ...], key: str) -> list[str]:
-    """A list option: a TOML array, or one string with commas."""
+def _list(value: Any, key: str) -> list[str]:
+    """A list option: a TOML array, or one string with commas (run-file options are scalars today)."""
     if isinstance(value, str):
         return [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [str(value)]  # a single weight written as a number
     if isinstance(value, (list, tuple)):
         return [str(v).strip() for v in value]
     raise DatasetError(f"task_options.{key}: expected a list or a comma-separated string, got {value!r}")
@@ -205,7 +207,7 @@ class DatasetTask:
                  prompt_field: str = "prompt", messages_field: str = "", answer_field: str = "answer",
                  system_prompt: str = "", max_new_tokens: int = 64, stop: str | list[str] = "",
                  shuffle: bool = True, reward: str | list[str] = "exact_match",
-                 reward_weights: str | list[float] = "") -> None:
+                 reward_weights: str | float | list[float] = "") -> None:
         if format not in FORMATS:
             raise DatasetError(f"task_options.format: {format!r} is not one of {', '.join(FORMATS)}")
         if not 0.0 <= eval_fraction < 1.0:

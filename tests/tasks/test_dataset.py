@@ -192,6 +192,7 @@ def test_weighted_rewards_by_import_path(tmp_path, user_rewards):
     # lists work too (a run file's TOML array)
     listed = DatasetTask(path=path, reward=["exact_match", f"{user_rewards}:close"], reward_weights=[1.0, 3.0])
     assert listed.reward_spec == task.reward_spec
+    assert DatasetTask(reward="exact_match", reward_weights=2).reward_weights == [2.0]
     # a reward outside [0, 1] is the user's error: raised, so the judge fails the sample with the reason
     bad = DatasetTask(path=path, reward=f"{user_rewards}:too_big")
     with pytest.raises(ValueError, match="too_big returned 3.0, not a number in \\[0, 1\\]"):
