@@ -19,6 +19,7 @@ each takes its share (:mod:`services.trainer.batching`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -136,8 +137,13 @@ class Learner:
         if self.world_size > 1 and not dist.is_initialized():
             from datetime import timedelta
 
-            dist.init_process_group(self.placement.backend, init_method=init_method, rank=rank,
-                                    world_size=self.world_size, timeout=timedelta(seconds=cfg.rank_timeout_s))
+            join = functools.partial(dist.init_process_group, self.placement.backend, init_method=init_method,
+                                     rank=rank, world_size=self.world_size,
+                                     timeout=timedelta(seconds=cfg.rank_timeout_s))
+            if group is not None:  # rank 0 stops waiting for the others as soon as one of them dies
+                group.guarded(join)
+            else:
+                join()
         self.bf16 = cfg.dtype == "bfloat16"
         # float32 master weights; bf16 only in the forward/backward (autocast, or FSDP's policy)
         self.model, self.tokenizer = load_policy(model_dir, dtype="float32", device=device)
@@ -172,9 +178,15 @@ class Learner:
 
     def _all(self, name: str, *args: Any) -> Any:
         """Run method ``name`` on every rank (rank 0 sends it to the others first); rank 0's result."""
-        if self.group is not None:
-            self.group.send(name, *args)
-        return getattr(self, name)(*args)
+        if self.group is None:
+            return getattr(self, name)(*args)
+        self.group.send(name, *args)
+        return self.group.guarded(self._on_device, getattr(self, name), *args)
+
+    def _on_device(self, fn: Any, *args: Any) -> Any:
+        if self.placement.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.placement.device))  # per thread
+        return fn(*args)
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -276,9 +288,11 @@ class Learner:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace the weights with ``state_dict`` (full tensors on rank 0; the others receive them)."""
-        if self.group is not None:
-            self.group.send("load_full_weights", {})
-        self.load_full_weights(state_dict)
+        if self.group is None:
+            self.load_full_weights(state_dict)
+            return
+        self.group.send("load_full_weights", {})
+        self.group.guarded(self._on_device, self.load_full_weights, state_dict)
 
     def load_full_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         if self.world_size == 1:

@@ -33,7 +33,8 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import IO, Any
+from collections.abc import Callable
+from typing import IO, Any, TypeVar
 
 import msgspec
 
@@ -43,6 +44,8 @@ from services.trainer.config import TrainerConfig
 log = logging.getLogger("rlbus.trainer.ranks")
 
 _REPO = Path(__file__).resolve().parents[2]
+
+T = TypeVar("T")
 
 
 class RankGroupFailed(RuntimeError):
@@ -67,6 +70,7 @@ class RankGroup:
         self.reason = ""
         self.closing = False
         self.failed = asyncio.Event()
+        self._waiters: set[threading.Event] = set()  # rank 0's calls in progress (guarded), woken by a failure
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
 
@@ -102,6 +106,8 @@ class RankGroup:
             if self.reason:
                 return
             self.reason = reason
+            for waiter in self._waiters:
+                waiter.set()
         log.error("%s: stopping the rank group", reason)
         for p in self.procs.values():
             if p.poll() is None:
@@ -126,6 +132,41 @@ class RankGroup:
             except (BrokenPipeError, OSError) as e:
                 self._fail(f"trainer rank {rank} (pid {proc.pid}) is gone ({e})")
                 raise RankGroupFailed(self.reason) from e
+
+    def guarded(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` (rank 0's part of a collective call), given up on as soon as a rank dies.
+
+        It runs in a daemon thread of its own: a collective whose peer died may block until
+        ``rank_timeout_s`` (NCCL; or the group's start waiting for a rank that will never join),
+        and a daemon thread stuck there does not keep the process from exiting."""
+        done = threading.Event()  # set when fn returns, or by _fail when a rank dies
+        result: list[Any] = []
+        error: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                result.append(fn(*args))
+            except Exception as e:  # handed to the waiting thread, which raises it
+                error.append(e)
+            finally:
+                done.set()
+
+        with self._lock:
+            self._waiters.add(done)
+            failed = bool(self.reason)
+        try:
+            if not failed:
+                threading.Thread(target=call, name=f"trainer-rank-0-{getattr(fn, '__name__', 'call')}",
+                                 daemon=True).start()
+                done.wait()
+        finally:
+            with self._lock:
+                self._waiters.discard(done)
+        if result:
+            return result[0]
+        if self.reason:  # a rank died: that is the cause, whatever this rank's call saw
+            raise RankGroupFailed(self.reason) from (error[0] if error else None)
+        raise error[0]
 
     async def until_failed(self, work: Any) -> Any:
         """Await ``work``; if a rank dies first, cancel it and raise RankGroupFailed."""

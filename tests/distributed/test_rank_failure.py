@@ -94,3 +94,29 @@ def test_killing_one_rank_restarts_the_group_and_loses_nothing(tmp_path, loop_mo
     assert acc["outcomes_without_trajectory"] == 0, acc
     assert acc["published"] == acc["trained"] + acc["dropped"] + acc["eval"] + acc["pending"] - acc["multiple_outcomes"]
     print(json.dumps({"rank_group_stop_s": round(stop_s, 2), "steps": steps}))
+
+
+def test_a_rank_dying_at_start_up_stops_rank_0_long_before_the_rank_timeout(tmp_path, loop_model_dir):
+    """Rank 0 waiting for the group to form (``rank_timeout_s`` = 600 s) gives up as soon as rank 1 dies."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "out"
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"model_dir": str(loop_model_dir), "steps": [1], "out": str(out),
+                                "config": {"world_size": 2, "device": "cpu", "num_threads": 1,
+                                           "rank_timeout_s": 600}}))
+    proc = subprocess.Popen([sys.executable, "-m", "tests.distributed.rank_script", str(spec)],
+                            cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        victim = wait_for(lambda: rank_pid(out, 1), 120, "rank 1 to start")
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=120)  # the group's own timeout would be 600 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0
+    assert f"trainer rank 1 (pid {victim}) exited with code -9" in stderr, stderr[-2000:]
