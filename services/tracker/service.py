@@ -110,9 +110,10 @@ class TrackerService:
         for name, handler in handlers.items():
             cdef = catalog.TRACKER_READS[name].for_run(ctx.run_id)
             await bus.ensure_consumer(ctx.js, cdef)
-            # one at a time: a handler only queues, and METRICS keeps its order (steps never go back)
+            # METRICS one at a time, in order (a report without a step takes the newest step seen); the
+            # completions sampler does not depend on order, so its streams are fetched in large batches
             consumers.append(Consumer(ctx.js, cdef, catalog.CHANNELS[name].msg_type, handler, run_id=ctx.run_id,
-                                      dead_letters=ctx.dead_letters, concurrency=1,
+                                      dead_letters=ctx.dead_letters, concurrency=1 if name == "metrics" else 256,
                                       max_message_bytes=ctx.cfg.common.max_message_bytes,
                                       name=f"tracker:{cdef.stream}"))
         tasks = [asyncio.create_task(c.run(follow, ctx.cfg.common.drain_timeout_s), name=f"tracker-{c.name}")
