@@ -102,6 +102,9 @@ async def test_tracker_follows_the_streams_into_tensorboard_wandb_and_trackio(na
     stop = asyncio.Event()
     tracker = asyncio.create_task(service.serve("tracker", registry.load("tracker")[1], loaded, "tracker-0",
                                                 stop=stop))
+    # hostile input among the good: dead-lettered with the reason, never a crash or a stall
+    await js.publish(f"rlbus.{RUN}.metrics.rollout", b"\xc1 not msgpack")
+    await js.publish(f"rlbus.{RUN}.trajectories", b"\x00garbage")
     published = {1: await _publish_step(nc, js, 1), 2: await _publish_step(nc, js, 2)}
     tb_dir = tmp_path / "run" / "tensorboard"
 
@@ -152,6 +155,13 @@ async def test_tracker_follows_the_streams_into_tensorboard_wandb_and_trackio(na
     assert last["tracker/tables"] == 3 and last["tracker/rows_missing"] == 0
     for name in ("tensorboard", "wandb", "trackio"):
         assert last[f"tracker/{name}/dropped"] == 0 and last[f"tracker/{name}/written"] >= 9, (name, last)
+    from proto.deadletter import DeadLetter
+    from services.launcher.accounting import read_all
+
+    dead = await read_all(js, "DLQ", f"rlbus.{RUN}.dlq.>", DeadLetter)
+    assert sorted((d.service, d.original_subject) for d in dead) == [
+        ("tracker", f"rlbus.{RUN}.metrics.rollout"), ("tracker", f"rlbus.{RUN}.trajectories")]
+    assert all(d.reason for d in dead)
     # the tracker's consumers are its own: the trainer's durable consumer was neither created nor moved
     with pytest.raises(nats.js.errors.NotFoundError):
         await js.consumer_info("TRAJECTORIES", f"trainer-{RUN}")
