@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key (repeatable)")
     run.add_argument("--for", dest="duration", type=float, metavar="SECONDS", help="stop after this many seconds")
+    again = run.add_mutually_exclusive_group()
+    again.add_argument("--fresh", action="store_const", dest="mode", const="fresh", default="auto",
+                       help="start over: an earlier run in the run directory is moved aside to <dir>.N first")
+    again.add_argument("--resume", action="store_const", dest="mode", const="resume",
+                       help="extend a finished run (with services.trainer.total_steps above the step it finished "
+                       "at); a stopped or crashed run is resumed without it")
 
     svc = sub.add_parser("service", help="run one service against any NATS server (what containers run)",
                          description="Run one service in the foreground against the NATS server of the run file "
@@ -121,6 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "of SERVICE on this host heartbeats (running or waiting for its gang), else 1")
     st.add_argument("--max-age-s", type=float, default=30.0, metavar="S",
                     help="with --healthy: the newest heartbeat may be this old (default 30)")
+
+    sc = sub.add_parser("scale", help="change the number of rollout, judge or sandbox workers of a running run",
+                        description="Tell the `rlbus up` / `rlbus run` of a run file to run N instances of a service "
+                        "from now on (e.g. rollout=3): new workers join the service's queue group at once; removed "
+                        "ones stop gracefully and what they had not acked is redelivered to the others. Only "
+                        "workers that share a durable consumer scale (rollout, judge, sandbox); on a cluster, "
+                        "use the orchestrator (KEDA, kubectl scale, docker compose --scale).")
+    sc.add_argument("counts", nargs="+", metavar="SERVICE=N", help="e.g. rollout=3 judge=2")
+    sc.add_argument("--config", "-c", metavar="CONFIG", default=None,
+                    help=f"run file or example name of the running run (default: {DEFAULT_EXAMPLE})")
+    sc.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="the overrides the run was started with that change run.dir (repeatable)")
 
     prov = sub.add_parser("provision", help="create or update the run's streams, KV buckets and object stores",
                           description="Create every stream and KV bucket of the catalog and the run's weight "
@@ -259,11 +277,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     import threading
 
     from services.launcher.progress import follow, plot_rewards
+    from services.launcher.runstate import RunDirError, prepare
     from services.launcher.supervisor import Supervisor
 
     sup = Supervisor(resolve_target(args.target), args.overrides, quiet=False)
     trainer_cfg = sup.tree.get("services", {}).get("trainer", {})
     total = trainer_cfg.get("total_steps") if isinstance(trainer_cfg, dict) else None
+    try:
+        print(f"[rlbus] {prepare(sup.run_dir, sup.run.id, args.mode, total)}", file=sys.stderr)
+    except RunDirError as e:
+        print(f"[rlbus] {e}", file=sys.stderr)
+        return 2
     final: dict = {}
     try:
         sup.start()
@@ -347,6 +371,29 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    from services.launcher.control import ControlError, request
+
+    counts: dict[str, int] = {}
+    for item in args.counts:
+        name, sep, n = item.partition("=")
+        if not sep or not name or not n.strip().isdigit():
+            raise ConfigError(f"scale {item!r}: expected SERVICE=N with N a count, e.g. rollout=3")
+        counts[name.strip()] = int(n)
+    tree = load_tree(resolve_target(args.config or DEFAULT_EXAMPLE), None, args.overrides)
+    run = convert(tree.get("run"), RunSection, "run")
+    try:
+        reply = request(run.dir, {"scale": counts})
+    except ControlError as e:
+        print(f"rlbus: {e}", file=sys.stderr)
+        return 2
+    if "error" in reply:
+        print(f"rlbus: scale refused: {reply['error']}", file=sys.stderr)
+        return 2
+    print("services: " + ", ".join(f"{n}={c}" for n, c in reply["services"].items()))
+    return 0
+
+
 def cmd_provision(args: argparse.Namespace) -> int:
     from services.launcher.supervisor import provision_run
     from services.runtime import bus
@@ -416,7 +463,7 @@ def cmd_services(args: argparse.Namespace) -> int:
 
 COMMANDS = {"run": cmd_run, "up": cmd_up, "service": cmd_service, "tap": cmd_tap, "status": cmd_status, "services": cmd_services,
             "trace": cmd_trace, "replay": cmd_replay,
-            "provision": cmd_provision, "schema": cmd_schema}
+            "provision": cmd_provision, "schema": cmd_schema, "scale": cmd_scale}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

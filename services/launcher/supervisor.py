@@ -66,6 +66,10 @@ class LauncherSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     auth: bool = True
 
 
+#: services whose instances share one durable consumer (a queue group): they may come and go mid-run
+SCALABLE = {"rollout", "judge", "sandbox"}
+
+
 def check_weight_transport(tree: dict[str, Any], services: dict[str, int]) -> None:
     """Refuse launcher layouts the trainer's and rollouts' weight transports cannot serve (clear errors
     before anything starts): mismatched types, inproc without colocation, a wrong broadcast world size."""
@@ -167,6 +171,8 @@ class Child:
     started_at: float = 0.0
     next_start: float = 0.0
     given_up: bool = False
+    #: removed by a scale-down: stopped gracefully, never restarted
+    retired: bool = False
 
     @property
     def label(self) -> str:
@@ -201,6 +207,8 @@ class Supervisor:
         self.last_seen: dict[str, float] = {}  # "<service>/<instance>" -> monotonic time of its last heartbeat
         self.monitor_connected_since: float | None = None  # None: heartbeats are not being watched
         self.auth: Any = None  # services.launcher.auth.AuthBundle when the embedded server has users
+        self.control: Any = None  # services.launcher.control.ControlServer while running
+        self._layout_lock = threading.Lock()  # scale() (control thread) against poll() (supervision thread)
 
     def _check_cluster(self) -> None:
         """[launcher] nats_cluster against [nats] replicas: replicas default to the cluster size, and a
@@ -252,20 +260,65 @@ class Supervisor:
         asyncio.run(self._provision())
         for name, count in self.launcher.services.items():
             for i in range(count):
-                argv = [python_for(name, self.tree), "-m", "services.launcher.cli", "service", name,
-                        "--nats-url", self.nats_url, "--instance", f"{name}-{i}"]
-                if self.config_path:
-                    argv += ["--config", self.config_path]
-                for o in self.overrides:
-                    argv += ["--set", o]
-                if self.auth is not None:  # after the user's overrides: the generated login wins
-                    parts = name.split("+")
-                    for part in parts:
-                        for o in self.auth.for_role(part).nats_overrides():
-                            argv += ["--set", o] if len(parts) == 1 else ["--part-set", f"{part}:{o}"]
-                self.children.append(Child(name, i, argv, self.run_dir / "logs" / f"{name}-{i}.log"))
+                self.children.append(self._child(name, i))
         for c in self.children:
             self._spawn(c)
+        from services.launcher.control import ControlServer
+
+        self.control = ControlServer(self.run_dir, self.scale).start()
+
+    def _child(self, name: str, i: int) -> Child:
+        argv = [python_for(name, self.tree), "-m", "services.launcher.cli", "service", name,
+                "--nats-url", self.nats_url, "--instance", f"{name}-{i}"]
+        if self.config_path:
+            argv += ["--config", self.config_path]
+        for o in self.overrides:
+            argv += ["--set", o]
+        if self.auth is not None:  # after the user's overrides: the generated login wins
+            parts = name.split("+")
+            for part in parts:
+                for o in self.auth.for_role(part).nats_overrides():
+                    argv += ["--set", o] if len(parts) == 1 else ["--part-set", f"{part}:{o}"]
+        return Child(name, i, argv, self.run_dir / "logs" / f"{name}-{i}.log")
+
+    # --- elastic fleets ---------------------------------------------------------------------------
+
+    def scale(self, name: str, count: int) -> dict[str, int]:
+        """Run ``count`` instances of ``name`` from now on: new ones start at once; the highest-numbered
+        ones get SIGTERM (they drain; what they had not acked is redelivered to the others) and are not
+        restarted. Only queue-group workers scale (:data:`SCALABLE`); returns the layout after the change."""
+        from services.launcher.control import ControlError
+
+        if name not in self.launcher.services:
+            raise ControlError(f"{name} is not a service of this run (its layout: "
+                               f"{', '.join(f'{n}={c}' for n, c in self.launcher.services.items())})")
+        if not set(name.split("+")) <= SCALABLE:
+            raise ControlError(f"{name} cannot be scaled while the run goes: only {', '.join(sorted(SCALABLE))} "
+                               "workers share their work through a durable consumer")
+        if count < 0 or count > 64:
+            raise ControlError(f"{name}={count}: expected 0..64 instances")
+        if "rollout" in name.split("+"):
+            kind = ((self.tree.get("services") or {}).get("rollout") or {}).get("transport") or {}
+            if isinstance(kind, dict) and kind.get("type", "store") != "store":
+                raise ControlError(f"rollout engines of the {kind.get('type')} weight transport are a fixed group "
+                                   "(world_size): only the store transport lets engines come and go")
+        with self._layout_lock:
+            if self.stopping.is_set():
+                raise ControlError("the run is stopping")
+            live = [c for c in self.children if c.service == name and not c.retired]
+            for c in live[count:]:
+                c.retired = True
+                if c.proc is not None and c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+                self._say(f"{c.label}: scaled down (SIGTERM; its unacked work is redelivered)")
+            next_index = max((c.index for c in self.children if c.service == name), default=-1) + 1
+            for i in range(next_index, next_index + max(count - len(live), 0)):
+                c = self._child(name, i)
+                self.children.append(c)
+                self._spawn(c)
+            self.launcher.services[name] = count
+            self.events.append({"event": "scale", "service": name, "count": count, "t": time.time()})
+            return dict(self.launcher.services)
 
     def nats_section(self, role: str = "launcher") -> Any:
         """The [nats] section for the launcher's own connections (with its login when the server has users)."""
@@ -307,7 +360,16 @@ class Supervisor:
         """Restart children that exited (with backoff) or went silent; give up on crash loops."""
         now = time.monotonic()
         self._check_heartbeats(now)
-        for c in self.children:
+        with self._layout_lock:
+            children = list(self.children)
+        for c in children:
+            if c.retired:
+                if c.proc is not None and c.proc.poll() is not None:
+                    self.events.append({"event": "retired", "child": c.label, "code": c.proc.returncode,
+                                        "t": time.time()})
+                    self._say(f"{c.label} stopped (scaled down, exit code {c.proc.returncode})")
+                    c.proc, c.given_up = None, True
+                continue
             if c.given_up or c.proc is None:
                 if c.proc is None and not c.given_up and now >= c.next_start and not self.stopping.is_set():
                     self._spawn(c)
@@ -372,8 +434,8 @@ class Supervisor:
             return  # the monitor itself has not been listening long enough to judge
         if not any(now - t < timeout / 2 for t in self.last_seen.values()):
             return  # nobody is heard: a bus problem, not a hung service
-        for c in self.children:
-            if c.proc is None or c.proc.poll() is not None or now - c.started_at < timeout:
+        for c in list(self.children):
+            if c.retired or c.proc is None or c.proc.poll() is not None or now - c.started_at < timeout:
                 continue
             heard = [self.last_seen.get(f"{p}/{p}-{c.index}") for p in c.service.split("+")]
             if any(seen is None or now - seen > timeout for seen in heard):
@@ -406,8 +468,12 @@ class Supervisor:
 
     def stop_services(self) -> None:
         """SIGTERM every service, SIGKILL what has not drained within stop_timeout_s; NATS stays up."""
-        self.stopping.set()
-        procs = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
+        with self._layout_lock:
+            self.stopping.set()
+        if self.control is not None:
+            self.control.stop()
+            self.control = None
+        procs = [c.proc for c in list(self.children) if c.proc is not None and c.proc.poll() is None]
         for p in procs:
             p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.launcher.stop_timeout_s
