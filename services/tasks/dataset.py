@@ -39,6 +39,7 @@ their first call), so a rollout or a judge's own process never reads the data or
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import logging
 import random
@@ -207,7 +208,12 @@ class DatasetTask:
                  prompt_field: str = "prompt", messages_field: str = "", answer_field: str = "answer",
                  system_prompt: str = "", max_new_tokens: int = 64, stop: str | list[str] = "",
                  shuffle: bool = True, reward: str | list[str] = "exact_match",
-                 reward_weights: str | float | list[float] = "") -> None:
+                 reward_weights: str | float | list[float] = "", **unknown: Any) -> None:
+        if unknown:
+            known = [k for k, p in inspect.signature(DatasetTask).parameters.items() if p.kind is p.KEYWORD_ONLY
+                     or p.kind is p.POSITIONAL_OR_KEYWORD]
+            raise DatasetError(f"task_options.{sorted(unknown)[0]}: unknown option of the dataset task "
+                               f"(known: {', '.join(known)})")
         if format not in FORMATS:
             raise DatasetError(f"task_options.format: {format!r} is not one of {', '.join(FORMATS)}")
         if not 0.0 <= eval_fraction < 1.0:

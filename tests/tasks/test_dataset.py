@@ -134,7 +134,8 @@ def test_unusable_files_stop_start_up_naming_the_key_and_path(tmp_path):
                              ({"reward_weights": "x"}, "are not numbers"),
                              ({"reward": ""}, "name at least one"),
                              ({"eval_fraction": 1.0}, "eval_fraction"),
-                             ({"format": "xlsx"}, "task_options.format")]:
+                             ({"format": "xlsx"}, "task_options.format"),
+                             ({"pth": "x.jsonl"}, "task_options.pth: unknown option .*known: .*path")]:
         with pytest.raises(DatasetError, match=message):
             DatasetTask(**options)
 
