@@ -1,5 +1,6 @@
-"""A short `rlbus run` whose trainer is a group of 2 ranks (FSDP2 over gloo): the loop advances, the
-engines receive every version, the final model and a sharded checkpoint are written, nothing is lost."""
+"""A short `rlbus run` whose trainer is a group of 2 ranks (FSDP2 over gloo, bf16 mixed precision,
+activation checkpointing): the loop advances a version per step, the final model and a sharded
+checkpoint are written, rank 1 stops cleanly, and every trajectory is accounted for."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ def test_a_two_rank_trainer_runs_the_loop(tmp_path, loop_model_dir):
     cfg = run_file(tmp_path, loop_model_dir, run_id="ranks2",
                    services={"trainer": 1, "rollout": 1, "judge": 1},
                    trainer={"groups_per_step": 2, "total_steps": 3, "max_staleness": 1, "checkpoint_every": 2,
-                            "world_size": 2, "device": "cpu", "max_tokens_per_micro_batch": 64},
+                            "world_size": 2, "device": "cpu", "max_tokens_per_micro_batch": 64,
+                            # FSDP's bf16 mixed precision and activation checkpointing, on the real loop
+                            "dtype": "bfloat16", "gradient_checkpointing": True},
                    rollout={"max_tickets": 8})
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
                        text=True, timeout=600)
