@@ -48,6 +48,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from services.runtime.config import ConfigError
 from services.tasks.base import Prompt, Reward, encode_chat, encode_text, register_task
 from services.tasks.rewards import RewardFn, RewardSpecError, resolve_reward
 
@@ -58,8 +59,10 @@ FORMATS = ("auto", "jsonl", "json", "csv", "parquet", "arrow")
 LOGGED_BAD_ROWS = 20
 
 
-class DatasetError(ValueError):
-    """The dataset task's options or data are unusable (the message names the option and the path)."""
+class DatasetError(ConfigError):
+    """The dataset task's options or data are unusable (the message names the option and the path).
+
+    A :class:`ConfigError`: retrying cannot help, the run file must change."""
 
 
 def _list(value: Any, key: str) -> list[str]:

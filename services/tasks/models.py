@@ -18,9 +18,11 @@ import os
 import re
 from pathlib import Path
 
+from services.runtime.config import ConfigError
 
-class ModelSpecError(ValueError):
-    pass
+
+class ModelSpecError(ConfigError):
+    """The model a run file names cannot be found (a :class:`ConfigError`: the run file must change)."""
 
 
 BUILTIN = ("tiny-addition", "smollm2")
