@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument("--resume", action="store_const", dest="mode", const="resume",
                        help="extend a finished run (with services.trainer.total_steps above the step it finished "
                        "at); a stopped or crashed run is resumed without it")
+    again = run.add_mutually_exclusive_group()
+    again.add_argument("--fresh", action="store_const", dest="mode", const="fresh", default="auto",
+                       help="start over: an earlier run in the run directory is moved aside to <dir>.N first")
+    again.add_argument("--resume", action="store_const", dest="mode", const="resume",
+                       help="extend a finished run (with services.trainer.total_steps above the step it finished "
+                       "at); a stopped or crashed run is resumed without it")
 
     svc = sub.add_parser("service", help="run one service against any NATS server (what containers run)",
                          description="Run one service in the foreground against the NATS server of the run file "
@@ -284,7 +290,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     trainer_cfg = sup.tree.get("services", {}).get("trainer", {})
     total = trainer_cfg.get("total_steps") if isinstance(trainer_cfg, dict) else None
     try:
-        print(f"[rlbus] {prepare(sup.run_dir, sup.run.id, args.mode, total)}", file=sys.stderr)
+        said = prepare(sup.run_dir, sup.run.id, args.mode, total)
+        print(f"[rlbus] {said}", file=sys.stderr)
     except RunDirError as e:
         print(f"[rlbus] {e}", file=sys.stderr)
         return 2
@@ -315,7 +322,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 url = sup.nats_url
                 if sup.auth is not None:
                     url = ",".join(sup.auth.for_role("launcher").url(u) for u in url.split(","))
-                return await follow(url, sup.run.id, total, stop)
+                return await follow(url, sup.run.id, total, stop, extending=said.startswith("extending"))
             finally:
                 watcher.cancel()
 

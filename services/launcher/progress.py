@@ -53,8 +53,9 @@ class Progress:
 
 
 async def follow(nats_url: str, run_id: str, total_steps: int | None, stop: asyncio.Event,
-                 out: TextIO = sys.stderr) -> dict[str, Any]:
-    """Print progress until the run's state says finished/failed or ``stop`` is set; return the final state."""
+                 out: TextIO = sys.stderr, extending: bool = False) -> dict[str, Any]:
+    """Print progress until the run's state says finished/failed or ``stop`` is set; return the final state.
+    ``extending``: the run had finished before (``rlbus run --resume``): its old terminal state is not the end."""
     from services.runtime.config import NatsSection
 
     nc = await bus.connect(NatsSection(url=nats_url), "rlbus-run-progress")
@@ -75,6 +76,7 @@ async def follow(nats_url: str, run_id: str, total_steps: int | None, stop: asyn
     kv = await bus.ensure_kv(js, catalog.RUNS)
     watcher = await kv.watch(f"{run_id}.state")
     final: dict[str, Any] = {}
+    seen_running = False
     stop_task = asyncio.create_task(stop.wait(), name="progress-stop")
     try:
         while not stop.is_set():
@@ -90,7 +92,11 @@ async def follow(nats_url: str, run_id: str, total_steps: int | None, stop: asyn
             if entry is None or entry.value is None:
                 continue
             state = codec.msgspec.msgpack.decode(entry.value)
-            if state.get("state") in ("finished", "failed"):
+            if state.get("state") == "running":
+                seen_running = True
+            # the watch starts with the stored state: a finished run being extended (--resume) says
+            # "finished" until its trainer is up again, which it does by saving "running" first
+            elif state.get("state") in ("finished", "failed") and (seen_running or not extending):
                 final = state
                 break
     finally:

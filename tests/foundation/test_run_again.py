@@ -1,0 +1,58 @@
+"""``rlbus run`` on a run directory that already holds a run: it says what it does (fresh, resuming from
+step k, extending), refuses to silently "resume" a finished run, and ``--fresh`` moves the old run aside.
+A real finished run for the CLI case; the directory states for the rest."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from services.launcher.runstate import RunDirError, inspect, prepare
+from tests.conftest import run_file
+
+
+def test_states_of_a_run_directory(tmp_path):
+    d = tmp_path / "run"
+    assert inspect(d) is None and prepare(d, "r", "auto", 10) == f"run r: starting fresh in {d}"
+    (d / "nats").mkdir(parents=True)
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 3}) + "\n" + json.dumps({"step": 7}) + "\nnot json\n")
+    assert "resuming in" in prepare(d, "r", "auto", 10) and "from step 7" in prepare(d, "r", "auto", 10)
+    (d / "checkpoints").mkdir()
+    (d / "checkpoints" / "latest").write_text("step-000005")
+    assert "from step 5 (checkpoint" in prepare(d, "r", "auto", 10)
+    (d / "summary.json").write_text(json.dumps({"step": 9}))
+    with pytest.raises(RunDirError, match=r"already finished at step 9.*--fresh.*--resume"):
+        prepare(d, "r", "auto", 10)
+    with pytest.raises(RunDirError, match="above 9"):
+        prepare(d, "r", "resume", 9)
+    assert prepare(d, "r", "resume", 20).startswith("extending run r, finished at step 9")
+    said = prepare(d, "r", "fresh", 10)
+    assert "moved to" in said and not d.exists() and (tmp_path / "run.1" / "summary.json").is_file()
+    d.mkdir()
+    (d / "summary.json").write_text("{}")
+    prepare(d, "r", "fresh", 10)
+    assert (tmp_path / "run.2" / "summary.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_finished_run_is_not_silently_run_again(tmp_path, loop_model_dir):
+    cfg = run_file(tmp_path, loop_model_dir, run_id="again", services={"trainer": 1, "rollout": 1, "judge": 1},
+                   trainer={"groups_per_step": 2, "total_steps": 2, "max_staleness": 0, "eval_prompts": 4},
+                   rollout={"max_tickets": 8})
+    cli = [sys.executable, "-m", "services.launcher.cli", "run", str(cfg)]
+    first = subprocess.run(cli, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0 and "starting fresh in" in first.stderr, first.stderr[-2000:]
+    again = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "already finished at step 2" in again.stderr, again.stderr[-2000:]
+    assert "run finished" not in again.stderr  # nothing was started
+    more = subprocess.run(cli + ["--resume", "--set", "services.trainer.total_steps=4"], capture_output=True,
+                          text=True, timeout=600)
+    assert more.returncode == 0 and "extending run again, finished at step 2" in more.stderr, more.stderr[-2000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["step"] == 4
+    fresh = subprocess.run(cli + ["--fresh"], capture_output=True, text=True, timeout=600)
+    assert fresh.returncode == 0 and "moved to" in fresh.stderr, fresh.stderr[-2000:]
+    assert json.loads((tmp_path / "run.1" / "summary.json").read_text())["step"] == 4
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["step"] == 2
