@@ -90,12 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument("--resume", action="store_const", dest="mode", const="resume",
                        help="extend a finished run (with services.trainer.total_steps above the step it finished "
                        "at); a stopped or crashed run is resumed without it")
-    again = run.add_mutually_exclusive_group()
-    again.add_argument("--fresh", action="store_const", dest="mode", const="fresh", default="auto",
-                       help="start over: an earlier run in the run directory is moved aside to <dir>.N first")
-    again.add_argument("--resume", action="store_const", dest="mode", const="resume",
-                       help="extend a finished run (with services.trainer.total_steps above the step it finished "
-                       "at); a stopped or crashed run is resumed without it")
 
     svc = sub.add_parser("service", help="run one service against any NATS server (what containers run)",
                          description="Run one service in the foreground against the NATS server of the run file "
