@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 
 from proto import catalog
+from services.launcher.autoscale import CONSUMERS, AutoscaleRule, desired_count
 from services.launcher.environments import python_for
 from services.runtime.config import ConfigError, NatsSection, RunSection, convert, load_tree
 from services.runtime.gang import GANG_FAILED_EXIT, GangSection
@@ -61,6 +62,10 @@ class LauncherSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_timeout_s: float = 20.0
     #: a running service silent (no heartbeat) this long is killed and restarted (0: off)
     heartbeat_timeout_s: float = 30.0
+    #: autoscaler (off when empty): service -> { min, max, target_pending, period_s, cooldown_s }, sizing
+    #: rollout or judge workers on their consumer's lag like KEDA's NATS JetStream scaler
+    #: (services/launcher/autoscale.py)
+    autoscale: dict[str, AutoscaleRule] = {}
     #: embedded server: one NATS user per service with minimal permissions and generated passwords
     #: (services/launcher/auth.py; credentials under <run dir>/auth); false: an open server
     auth: bool = True
@@ -193,6 +198,12 @@ class Supervisor:
             if count < 0:
                 raise ConfigError(f"config key launcher.services.{name}: expected a count >= 0, got {count}")
         check_weight_transport(self.tree, self.launcher.services)
+        for name, rule in self.launcher.autoscale.items():
+            if name not in CONSUMERS or name not in self.launcher.services:
+                raise ConfigError(f"config key launcher.autoscale.{name}: only services of this run's layout that "
+                                  f"work from a consumer autoscale ({', '.join(sorted(CONSUMERS))})")
+            if rule.min > rule.max:
+                raise ConfigError(f"config key launcher.autoscale.{name}: min ({rule.min}) > max ({rule.max})")
         self._check_cluster()
         self.run_dir = Path(self.run.dir).resolve()
         self.nats: EmbeddedNats | NatsCluster | None = None
@@ -407,8 +418,46 @@ class Supervisor:
     # --- heartbeat monitor -----------------------------------------------------------------------
 
     def start_heartbeat_monitor(self) -> None:
-        """Watch the run's heartbeats from a thread of its own (its own event loop)."""
+        """Watch the run's heartbeats from a thread of its own (its own event loop); the autoscaler, when
+        configured, in another."""
         threading.Thread(target=lambda: asyncio.run(self._monitor()), name="heartbeat-monitor", daemon=True).start()
+        if self.launcher.autoscale:
+            threading.Thread(target=lambda: asyncio.run(self._autoscale()), name="autoscaler", daemon=True).start()
+
+    async def _autoscale(self) -> None:
+        """Every rule's period: read its consumer's lag, apply :func:`desired_count` through :meth:`scale`."""
+        from services.runtime import bus
+
+        nc = await bus.connect(self.nats_section(), "rlbus-launcher-autoscaler")
+        js = nc.jetstream()
+        low_since: dict[str, float | None] = {}
+        next_look = {name: 0.0 for name in self.launcher.autoscale}
+        try:
+            while not self.stopping.is_set():
+                now = time.monotonic()
+                for name, rule in self.launcher.autoscale.items():
+                    if now < next_look[name]:
+                        continue
+                    next_look[name] = now + rule.period_s
+                    cdef = CONSUMERS[name].for_run(self.run.id)
+                    try:
+                        ci = await js.consumer_info(cdef.stream, cdef.durable)
+                    except Exception as e:  # not created yet, or the bus is away: look again next period
+                        log.debug("autoscale %s: no consumer info (%s)", name, e)
+                        continue
+                    lag = ci.num_pending + ci.num_ack_pending
+                    current = self.launcher.services[name]
+                    want, low_since[name] = desired_count(current, lag, rule, low_since.get(name), now)
+                    if want != current:
+                        self._say(f"autoscale: {name} {current} -> {want} (lag {lag}, target {rule.target_pending} "
+                                  "per worker)")
+                        try:
+                            self.scale(name, want)
+                        except Exception as e:  # stopping, or refused: said, and looked at again next period
+                            self._say(f"autoscale: {name} not scaled: {e}")
+                await asyncio.sleep(0.5)  # rule periods are checked this often
+        finally:
+            await nc.close()
 
     async def _monitor(self) -> None:
         from services.runtime import bus
