@@ -32,8 +32,8 @@ import socket
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import msgspec
