@@ -84,14 +84,10 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 class DeviceDigest:
-    """A checksum of a byte stream computed on the device that holds it (never ``.numpy()``).
-
-    Fletcher-style: ``s1 = sum(b_i)`` and ``s2 = sum((i + 1) * b_i)`` over every byte ``b_i`` at
-    stream position ``i``, both modulo 2**64, plus the length. Integer sums are exact and
-    order-free, so a CUDA and a CPU computation, or buckets cut differently, give the same digest;
-    a changed byte changes ``s1``, moved bytes change ``s2``. It detects corruption and layout
-    mistakes, not tampering (the broadcast runs inside one trusted fabric).
-    """
+    """A checksum of a byte stream computed on the device that holds it (never ``.numpy()``): Fletcher-style
+    ``s1 = sum(b_i)``, ``s2 = sum((i + 1) * b_i)`` mod 2**64 over bytes ``b_i`` at stream position ``i``, and
+    the length. Integer sums are exact and order-free (CUDA and CPU, any bucket cuts: the same digest); a
+    changed byte changes ``s1``, moved bytes ``s2``. Against corruption and layout mistakes, not tampering."""
 
     _CHUNK = 1 << 24  # bytes widened to int64 at a time (128 MiB of scratch on the device)
     _MASK = (1 << 64) - 1
@@ -114,8 +110,7 @@ class DeviceDigest:
             self.length += chunk.numel()
 
     def digest(self) -> bytes:
-        return b"rlbusdev" + self.s1.to_bytes(8, "little") + self.s2.to_bytes(8, "little") + \
-            self.length.to_bytes(8, "little")
+        return b"rlbusdev" + b"".join(n.to_bytes(8, "little") for n in (self.s1, self.s2, self.length))
 
     def hexdigest(self) -> str:
         return self.digest().hex()
