@@ -25,6 +25,9 @@ def _common_bus_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-id", metavar="ID", help="run id (overrides [run] id)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set services.rollout.concurrency=64 (repeatable)")
+    p.add_argument("--run-dir", metavar="DIR", help="read a finished or stopped run from its directory: its stored "
+                   "JetStream is started on a free port and read (default: the live server; when none answers, "
+                   "the run directory of --config is read this way)")
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -107,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     tap = sub.add_parser("tap", help="print bus messages as JSON lines",
                          description="Print messages of a subject or stream as JSON lines, decoded from msgpack "
                          "with the proto schema. TARGET is a subject (rlbus.RUN.heartbeat.>), a family name of "
-                         "this run (heartbeat, prompts, rollouts, trajectories, metrics, dlq, sandbox, weights), a channel "
+                         "this run (heartbeat, prompts, rollouts, trajectories, outcomes, metrics, dlq, sandbox, weights), a channel "
                          "name of this run (sandbox_events, weight_announcements, ...: proto/catalog.py) "
                          "or a stream name in capitals (TRAJECTORIES). Without --from-start/--since it shows "
                          "new messages live; with them it replays what the stream stored.")
@@ -116,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     tap.add_argument("--from-start", action="store_true", help="replay the stream from its first message")
     tap.add_argument("--since", metavar="WHEN", help="replay from a time: 30s, 5m, 2h, 1d ago or ISO-8601")
     tap.add_argument("--count", type=int, metavar="N", help="stop after N messages")
+    tap.add_argument("--until-end", action="store_true", help="with --from-start/--since: stop after the last "
+                     "message the stream held when the tap started")
     tap.add_argument("--raw", action="store_true", help="do not apply the schema: schema-less msgpack or base64")
 
     st = sub.add_parser("status", help="members, stream depths, consumer lag, latest weight version",
@@ -196,6 +201,15 @@ async def _with_connection(args: argparse.Namespace, fn):
     from services.runtime import bus
 
     run, nats_cfg = _bus_sections(args)
+    run_dir = Path(getattr(args, "run_dir", None) or run.dir)
+    if getattr(args, "run_dir", None):
+        return await _with_stored_streams(run_dir, run.id, fn)
+    resolved = run_dir / "config.resolved.json"
+    if not getattr(args, "nats_url", None) and resolved.is_file():
+        try:  # the URL the run's launcher actually used (rlbus up picks another port when its own is taken)
+            nats_cfg.url = json.loads(resolved.read_text())["nats"]["url"]
+        except (ValueError, KeyError, TypeError):
+            pass
     nats_cfg.max_reconnect_attempts = 3
     if nats_cfg.user is None and nats_cfg.creds_file is None:
         from services.launcher.auth import AuthError, load_auth
@@ -205,11 +219,34 @@ async def _with_connection(args: argparse.Namespace, fn):
             nats_cfg.user, nats_cfg.password = admin.user, admin.password
         except AuthError:
             pass  # an open server, or credentials given some other way
-    nc = await bus.connect(nats_cfg, "rlbus-cli", first_attempts=1)
+    try:
+        nc = await bus.connect(nats_cfg, "rlbus-cli", first_attempts=1)
+    except bus.BusError:
+        if not (run_dir / "nats").is_dir():
+            raise
+        print(f"[rlbus] no NATS server at {nats_cfg.url}; reading the streams stored in {run_dir} "
+              "(a finished or stopped run)", file=sys.stderr)
+        return await _with_stored_streams(run_dir, run.id, fn)
     try:
         return await fn(nc, run.id)
     finally:
         await nc.close()
+
+
+async def _with_stored_streams(run_dir: Path, run_id: str, fn):
+    """Run ``fn(nc, run_id)`` against the run's stored JetStream, started on a free local port for the call."""
+    import nats
+
+    from services.runtime.natsd import EmbeddedNats
+
+    if not (run_dir / "nats").is_dir():
+        raise ConfigError(f"{run_dir / 'nats'} does not exist: not the directory of a run started by rlbus run/up")
+    with EmbeddedNats(run_dir / "nats", port=None) as server:
+        nc = await nats.connect(server.url, allow_reconnect=False)
+        try:
+            return await fn(nc, run_id)
+        finally:
+            await nc.close()
 
 
 def _part_overrides(args: argparse.Namespace, parts: list[str]) -> dict[str, list[str]]:
@@ -349,7 +386,7 @@ def cmd_tap(args: argparse.Namespace) -> int:
         for s in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(s, stop.set)
         await tap(nc, args.target, run_id, from_start=args.from_start, since=args.since, count=args.count,
-                  raw=args.raw, stop=stop)
+                  raw=args.raw, stop=stop, until_end=args.until_end)
 
     asyncio.run(_with_connection(args, go))
     return 0

@@ -68,8 +68,12 @@ def render(subject: str, data: bytes, headers: dict[str, str] | None, raw: bool,
 
 async def tap(nc: Any, target: str, run_id: str, *, from_start: bool = False, since: str | None = None,
               count: int | None = None, raw: bool = False, out: TextIO = sys.stdout,
-              stop: asyncio.Event | None = None) -> int:
-    """Print messages until ``count`` were printed or ``stop`` is set. Returns how many were printed."""
+              stop: asyncio.Event | None = None, until_end: bool = False) -> int:
+    """Print messages until ``count`` were printed or ``stop`` is set (``until_end``, with
+    ``from_start``/``since``: or the stream's messages stored when the tap started were all printed).
+    Returns how many were printed."""
+    if until_end and not (from_start or since is not None):
+        raise SystemExit("tap: --until-end reads what a stream stored: give --from-start or --since too")
     js = nc.jetstream()
     queue: asyncio.Queue[str] = asyncio.Queue()
     subs = []
@@ -113,6 +117,12 @@ async def tap(nc: Any, target: str, run_id: str, *, from_start: bool = False, si
             sub = await js.subscribe(f, stream=stream_name, cb=cb, ordered_consumer=True,
                                      config=api.ConsumerConfig(**cfg_kwargs))
             subs.append(sub)
+        if until_end:  # what was stored when the tap started: delivered so far + still pending
+            end = 0
+            for sub in subs:
+                info = await sub.consumer_info()
+                end += info.num_pending + (info.delivered.consumer_seq if info.delivered else 0)
+            count = end if count is None else min(count, end)
     else:
         for f in filters:
             async def live_cb(m: Any) -> None:

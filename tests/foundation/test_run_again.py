@@ -45,6 +45,19 @@ def test_a_finished_run_is_not_silently_run_again(tmp_path, loop_model_dir):
     cli = [sys.executable, "-m", "services.launcher.cli", "run", str(cfg)]
     first = subprocess.run(cli, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0 and "starting fresh in" in first.stderr, first.stderr[-2000:]
+    # post-mortem: the run is over, no server runs; tap and status read its stored streams
+    tap = subprocess.run([sys.executable, "-m", "services.launcher.cli", "tap", "trajectories", "-c", str(cfg),
+                          "--from-start", "--until-end"], capture_output=True, text=True, timeout=120)
+    assert tap.returncode == 0, tap.stderr[-2000:]
+    assert "reading the streams stored in" in tap.stderr
+    records = [json.loads(line) for line in tap.stdout.splitlines()]
+    trained = [r for r in records if not r["data"]["rollout"]["is_eval"]]
+    assert len(trained) >= 2 * 2 * 4 and all(r["subject"] == "rlbus.again.trajectories" for r in records)
+    status = subprocess.run([sys.executable, "-m", "services.launcher.cli", "status", "--run-dir",
+                             str(tmp_path / "run"), "-c", str(cfg), "--json"], capture_output=True, text=True,
+                            timeout=120)
+    assert status.returncode == 0, status.stderr[-2000:]
+    assert json.loads(status.stdout)["trainer"]["state"] == "finished"
     again = subprocess.run(cli, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already finished at step 2" in again.stderr, again.stderr[-2000:]
     assert "run finished" not in again.stderr  # nothing was started
