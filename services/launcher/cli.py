@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "this run's consumers and the latest weight version.")
     _common_bus_args(st)
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
+                    help="refresh in place every SECONDS (default 2) until Ctrl-C")
+    st.add_argument("--times", type=int, metavar="N", help=argparse.SUPPRESS)  # --watch: stop after N (tests)
     st.add_argument("--healthy", metavar="SERVICE", help="health check (containers, pods): exit 0 when an instance "
                     "of SERVICE on this host heartbeats (running or waiting for its gang), else 1")
     st.add_argument("--max-age-s", type=float, default=30.0, metavar="S",
@@ -172,10 +176,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "N-1 from the run's weight store), recompute its loss and gradient norm with the trainer's "
                         "code and compare them with metrics.jsonl (bit-identical on the CPU). Exit 0 when identical, "
                         "1 when they differ, 2 when the step cannot be rebuilt (the message says what is missing).")
-    rp.add_argument("what", choices=["step"], help="what to replay")
-    rp.add_argument("n", type=int, metavar="N", help="the trainer step (from 1)")
-    rp.add_argument("--run-dir", metavar="DIR", help="the run directory (default: [run] dir of --config)")
-    rp.add_argument("--config", "-c", metavar="FILE", help="run file (TOML) whose [run] dir is replayed")
+    rps = rp.add_subparsers(dest="what", required=True, metavar="{step,dlq}")
+    rstep = rps.add_parser("step", help="recompute trainer step N and compare it with what was recorded")
+    rstep.add_argument("n", type=int, metavar="N", help="the trainer step (from 1)")
+    rstep.add_argument("--run-dir", metavar="DIR", help="the run directory (default: [run] dir of --config)")
+    rstep.add_argument("--config", "-c", metavar="FILE", help="run file (TOML) whose [run] dir is replayed")
+    rdlq = rps.add_parser("dlq", help="list a family's dead letters; --publish sends them to their subjects again",
+                          description="List the dead letters of FAMILY (rollouts, trajectories, prompts, ...) with "
+                          "why each failed; after inspection (and a fix of what failed them), --publish re-publishes "
+                          "their original payloads to their original subjects, each with a new message id. The "
+                          "dead letters themselves stay on record. Works on a live run, or on a finished one "
+                          "with --run-dir.")
+    rdlq.add_argument("--family", required=True, metavar="FAMILY", help="the family of the failed messages")
+    rdlq.add_argument("--publish", action="store_true", help="re-publish them (default: only list)")
+    rdlq.add_argument("--seq", type=int, action="append", metavar="N",
+                      help="only the dead letter with this DLQ sequence number (repeatable)")
+    _common_bus_args(rdlq)
 
     sub.add_parser("services", help="list the services this installation can run",
                    description="List the service names `rlbus service NAME` and [launcher] services accept: the "
@@ -404,6 +420,26 @@ def cmd_status(args: argparse.Namespace) -> int:
         ok, why = healthy_here(asyncio.run(_with_connection(args, read_members)), args.healthy, args.max_age_s)
         print(why)
         return 0 if ok else 1
+    if args.watch is not None:
+        if args.watch <= 0 or args.json:
+            raise ConfigError("rlbus status --watch takes a positive period and goes without --json")
+
+        async def watch(nc, run_id):
+            shown = 0
+            while args.times is None or shown < args.times:
+                text = format_status(await collect(nc, run_id))
+                # home, clear to the end: the table is redrawn in place on a terminal
+                print(f"\x1b[H\x1b[J{time.strftime('%H:%M:%S')} every {args.watch:g}s (Ctrl-C to stop)\n{text}",
+                      flush=True)
+                shown += 1
+                if args.times is None or shown < args.times:
+                    await asyncio.sleep(args.watch)  # the refresh period
+            return 0
+
+        try:
+            return asyncio.run(_with_connection(args, watch))
+        except KeyboardInterrupt:
+            return 0
     st = asyncio.run(_with_connection(args, collect))
     print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
     return 0
@@ -479,9 +515,28 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from services.launcher.replay import ReplayError, replay_step
+    from services.launcher.replay import ReplayError, dead_letters, replay_step, republish
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.what == "dlq":
+        async def go(nc, run_id):
+            letters = await dead_letters(nc, run_id, args.family)
+            if args.seq:
+                letters = [x for x in letters if x.seq in set(args.seq)]
+            for x in letters:
+                print(x.line())
+            if not letters:
+                print(f"no dead letters of family {args.family!r} in run {run_id}")
+            elif args.publish:
+                n = await republish(nc, letters, attempt=str(time.time_ns()))
+                print(f"re-published {n} message(s) to their original subjects")
+            return 0
+
+        try:
+            return asyncio.run(_with_connection(args, go))
+        except ReplayError as e:
+            print(f"rlbus replay: {e}", file=sys.stderr)
+            return 2
     run_dir = args.run_dir or convert(load_tree(args.config, None, []).get("run"), RunSection, "run").dir
     try:
         result = replay_step(run_dir, args.n)

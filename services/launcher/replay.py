@@ -153,3 +153,65 @@ def replay_step(run_dir: str | Path, step: int) -> Replayed:
         with torch.no_grad():
             recomputed["optim/grad_norm"] = clip_grad_norm(learner.model.parameters(), cfg.max_grad_norm)
     return Replayed(step, len(batch), recorded, recomputed)
+
+
+# --- dead letters ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Letter:
+    seq: int
+    letter: Any  # proto.deadletter.DeadLetter
+
+    def line(self) -> str:
+        d = self.letter
+        return (f"#{self.seq} {d.original_subject} from {d.service} after {d.deliveries} deliveries: "
+                f"{d.error_type}: {d.reason[:200]}")
+
+
+async def dead_letters(nc: Any, run_id: str, family: str) -> list[Letter]:
+    """Every dead letter of ``family`` the run's DLQ stream holds, oldest first."""
+    from nats.js import api
+
+    from proto import catalog, codec
+    from proto.deadletter import DeadLetter
+
+    js = nc.jetstream()
+    subject = catalog.DEAD_LETTERS.subject(run_id, family)
+    try:
+        info = await js.stream_info(catalog.DLQ_STREAM.name)
+    except Exception as e:
+        raise ReplayError(f"the run has no {catalog.DLQ_STREAM.name} stream ({e})") from e
+    out: list[Letter] = []
+    if info.state.messages == 0:
+        return out
+    sub = await js.pull_subscribe(subject, stream=catalog.DLQ_STREAM.name, config=api.ConsumerConfig(
+        deliver_policy=api.DeliverPolicy.ALL, ack_policy=api.AckPolicy.NONE, inactive_threshold=60.0))
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(256, timeout=1.0)
+            except Exception:  # nats' TimeoutError: nothing more
+                break
+            for m in msgs:
+                out.append(Letter(m.metadata.sequence.stream, codec.decode(m.data, DeadLetter, max_bytes=None)))
+            if len(msgs) < 256:
+                break
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def republish(nc: Any, letters: list[Letter], *, attempt: str) -> int:
+    """Publish each letter's original payload to its original subject, with its original headers but a new
+    message id (``<id>-replay-<attempt>``: JetStream's de-duplication would drop the original id)."""
+    js = nc.jetstream()
+    done = 0
+    for item in letters:
+        d = item.letter
+        headers = {k: v for k, v in d.headers.items() if not k.lower().startswith("nats-")}
+        original = d.headers.get("Nats-Msg-Id", f"dlq-{item.seq}")
+        headers["Nats-Msg-Id"] = f"{original}-replay-{attempt}"
+        await js.publish(d.original_subject, d.payload, headers=headers)
+        done += 1
+    return done
