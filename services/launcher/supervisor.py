@@ -217,6 +217,8 @@ class Supervisor:
         self.gang_failed = False
         self.last_seen: dict[str, float] = {}  # "<service>/<instance>" -> monotonic time of its last heartbeat
         self.monitor_connected_since: float | None = None  # None: heartbeats are not being watched
+        self.monitor_closed = threading.Event()  # set once the monitor has disconnected (or never ran)
+        self.monitor_closed.set()
         self.auth: Any = None  # services.launcher.auth.AuthBundle when the embedded server has users
         self.control: Any = None  # services.launcher.control.ControlServer while running
         self._layout_lock = threading.Lock()  # scale() (control thread) against poll() (supervision thread)
@@ -420,6 +422,7 @@ class Supervisor:
     def start_heartbeat_monitor(self) -> None:
         """Watch the run's heartbeats from a thread of its own (its own event loop); the autoscaler, when
         configured, in another."""
+        self.monitor_closed.clear()
         threading.Thread(target=lambda: asyncio.run(self._monitor()), name="heartbeat-monitor", daemon=True).start()
         if self.launcher.autoscale:
             threading.Thread(target=lambda: asyncio.run(self._autoscale()), name="autoscaler", daemon=True).start()
@@ -462,20 +465,27 @@ class Supervisor:
     async def _monitor(self) -> None:
         from services.runtime import bus
 
-        nc = await bus.connect(self.nats_section(), "rlbus-launcher-monitor")
+        try:
+            nc = await bus.connect(self.nats_section(), "rlbus-launcher-monitor")
+        except BaseException:
+            self.monitor_closed.set()
+            raise
         self.monitor_connected_since = time.monotonic()
 
         async def on_hb(m: Any) -> None:
             self.last_seen[m.subject.rsplit(".", 1)[-1] + "/" + _instance_of(m.data)] = time.monotonic()
 
         await nc.subscribe(catalog.HEARTBEATS.wildcard(self.run.id), cb=on_hb)
-        while not self.stopping.is_set():
-            if not nc.is_connected:
-                self.monitor_connected_since = None
-            elif self.monitor_connected_since is None:
-                self.monitor_connected_since = time.monotonic()
-            await asyncio.sleep(1.0)  # connection-state sampling period
-        await nc.close()
+        try:
+            while not self.stopping.is_set():
+                if not nc.is_connected:
+                    self.monitor_connected_since = None
+                elif self.monitor_connected_since is None:
+                    self.monitor_connected_since = time.monotonic()
+                await asyncio.sleep(0.2)  # connection-state sampling period (and how soon a stop is seen)
+        finally:
+            await nc.close()
+            self.monitor_closed.set()
 
     def _check_heartbeats(self, now: float) -> None:
         timeout = self.launcher.heartbeat_timeout_s
@@ -511,6 +521,8 @@ class Supervisor:
     def stop(self) -> None:
         self.stop_services()
         if self.nats is not None:
+            # the heartbeat monitor disconnects first: a clean stop prints no "unexpected EOF" from it
+            self.monitor_closed.wait(timeout=5.0)
             self.nats.stop()
             self.nats = None
         self._say("stopped")

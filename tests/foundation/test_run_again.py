@@ -69,3 +69,14 @@ def test_a_finished_run_is_not_silently_run_again(tmp_path, loop_model_dir):
     assert fresh.returncode == 0 and "moved to" in fresh.stderr, fresh.stderr[-2000:]
     assert json.loads((tmp_path / "run.1" / "summary.json").read_text())["step"] == 4
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["step"] == 2
+
+
+def test_no_nats_error_on_a_clean_stop(tmp_path, loop_model_dir):
+    """The launcher's own connections close before its NATS server stops: nothing says "unexpected EOF"."""
+    cfg = run_file(tmp_path, loop_model_dir, run_id="quiet", services={"trainer": 1, "rollout": 1, "judge": 1},
+                   trainer={"groups_per_step": 2, "total_steps": 1, "max_staleness": 0, "eval_prompts": 2},
+                   rollout={"max_tickets": 8})
+    r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "NATS error" not in r.stderr and "unexpected EOF" not in r.stderr, r.stderr[-2000:]
