@@ -314,6 +314,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         sup.start()
         sup.start_heartbeat_monitor()
+        _write_nats_context(sup)
         if args.duration:
             timer = threading.Timer(args.duration, sup.stopping.set)
             timer.start()
@@ -323,6 +324,21 @@ def cmd_up(args: argparse.Namespace) -> int:
             timer.cancel()
         sup.stop()
     return 0
+
+
+def _write_nats_context(sup) -> None:
+    """``<run dir>/nats-context.json``: a context of the ``nats`` CLI for the run's admin login (read-only on
+    the run's streams), so stock tools can look at the bus; says how to use it."""
+    url = sup.nats_url
+    context = {"description": f"rlbus run {sup.run.id} ({sup.run_dir})", "url": url}
+    if sup.auth is not None:
+        admin = sup.auth.for_role("admin")
+        context.update(user=admin.user, password=admin.password)
+    path = sup.run_dir / "nats-context.json"
+    path.write_text(json.dumps(context, indent=2) + "\n")
+    path.chmod(0o600)
+    print(f"[rlbus] nats CLI: cp {path} ~/.config/nats/context/rlbus-{sup.run.id}.json && nats --context "
+          f"rlbus-{sup.run.id} stream ls   (or: rlbus tap/status --config ...)", file=sys.stderr)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

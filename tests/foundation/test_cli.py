@@ -55,6 +55,22 @@ def test_up_tap_status_and_ctrl_c(tmp_path):
         assert {m["instance"] for m in status["members"]} == {"echo-0", "echo-1"}
         assert "ECHO" in status["streams"]
 
+        # the nats CLI context rlbus up wrote: the admin login of this server (logging in with it works)
+        context = json.loads((run_dir / "nats-context.json").read_text())
+        assert context["url"] == url and context["user"] and oct((run_dir / "nats-context.json").stat().st_mode)[-3:] == "600"
+
+        async def admin_login() -> list[str]:
+            import nats
+
+            nc = await nats.connect(context["url"], user=context["user"], password=context["password"])
+            names = [si.config.name for si in await nc.jetstream().streams_info()]
+            await nc.close()
+            return names
+
+        import asyncio
+
+        assert "ECHO" in asyncio.run(admin_login())
+
         assert len(processes_mentioning(str(tmp_path))) >= 3  # nats-server + 2 services
         up.send_signal(signal.SIGINT)
         out, _ = up.communicate(timeout=60)
