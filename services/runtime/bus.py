@@ -63,6 +63,8 @@ async def connect(cfg: NatsSection, name: str, *, first_attempts: int = 0) -> Cl
         user_credentials=cfg.creds_file,
         inbox_prefix=cfg.inbox_prefix,
         pending_size=64 * 1024 * 1024,
+        ping_interval=cfg.ping_interval_s,
+        max_outstanding_pings=cfg.max_outstanding_pings,
     )
     where = ", ".join(cfg.servers())
     attempts = first_attempts or (1_000_000 if cfg.max_reconnect_attempts < 0 else 1)

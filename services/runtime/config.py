@@ -77,6 +77,11 @@ class NatsSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reconnect_wait_s: float = 1.0
     #: -1: reconnect forever (a restarted server is waited for)
     max_reconnect_attempts: int = -1
+    #: seconds between client pings; a server that misses max_outstanding_pings of them in a row is taken
+    #: as gone and the client reconnects (to another server of the cluster), so a cut link is noticed
+    #: within about ping_interval_s * max_outstanding_pings
+    ping_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
+    max_outstanding_pings: Annotated[int, msgspec.Meta(ge=1)] = 3
 
     def servers(self) -> list[str]:
         """The server URLs, in order (``url`` as a list or comma separated)."""
