@@ -10,7 +10,7 @@ import pytest
 
 from services.judge.config import UserCodeConfig
 from services.judge.user_code import ProcessUserCode
-from services.tasks import get_task
+from services.tasks import Prompt, get_task
 from services.tasks.graders import UserCodeError
 
 
@@ -37,20 +37,16 @@ async def test_rewards_run_in_the_judges_worker_processes_bounded(tmp_path, rewa
     results = {}
     for case, reward in cases.items():
         options = {"path": str(data), "reward": reward}
-        trainer_task = get_task("dataset", **options)
-        prompt = trainer_task.eval_prompts()[0] if case != "missing" else None
         judge_task = get_task("dataset", **options)  # the judge's own process: no data read, no user import
         assert "rewards" not in vars(judge_task) and "_split" not in vars(judge_task)
+        # the prompt as the trainer sends it (built without the rewards: a trainer would refuse 'missing')
+        prompt = get_task("dataset", path=str(data)).eval_prompts()[0]
+        prompt = Prompt(id=prompt.id, text=prompt.text, metadata={**prompt.metadata, "reward": judge_task.reward_spec})
         runner = ProcessUserCode(UserCodeConfig(workers=1, timeout_s=5.0), {"dataset": options})
         try:
-            if prompt is None:
-                prompt = get_task("dataset", path=str(data)).eval_prompts()[0]
-                prompt = type(prompt)(id=prompt.id, text=prompt.text,
-                                      metadata={**prompt.metadata, "reward": judge_task.reward_spec})
-            try:
-                results[case] = await runner.call("dataset", judge_task, "reward", prompt, prompt.answer)
-            except UserCodeError as e:
-                results[case] = e
+            results[case] = await runner.call("dataset", judge_task, "reward", prompt, prompt.answer)
+        except UserCodeError as e:
+            results[case] = e
         finally:
             await runner.close()
     assert results["ok"].value == pytest.approx(0.75) and "exact_match=1" in results["ok"].explanation
