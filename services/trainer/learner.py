@@ -44,6 +44,10 @@ class CheckpointError(RuntimeError):
     pass
 
 
+class ShardingError(RuntimeError):
+    """The model cannot be sharded over the trainer's ranks."""
+
+
 def completion_tensors(batch: list[ScoredTrajectory]) -> tuple[list[list[int]], list[list[int]], list[list[int]],
                                                                  list[list[float]]]:
     """Per trajectory: prompt ids, completion ids, loss mask (0 on tool tokens), behaviour logprobs."""
@@ -111,7 +115,8 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise CheckpointError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+        raise ShardingError(f"cannot find the decoder layers of {type(model).__name__} to shard (it names no "
+                            "_no_split_modules); run it with world_size = 1")
     return layers
 
 
@@ -123,7 +128,7 @@ class Learner:
     """
 
     def __init__(self, cfg: TrainerConfig, model_dir: Path, placement: Placement | None = None, *,
-                 rank: int = 0, init_method: str = "", group: Any = None) -> None:
+                 rank: int = 0, init_method: str = "", group: Any = None, ref_dir: Path | None = None) -> None:
         self.cfg = cfg
         self.placement = placement or Placement("cpu", "cpu", "gloo")
         self.rank, self.world_size = rank, cfg.world_size
@@ -159,7 +164,8 @@ class Learner:
                                            cfg.total_steps if cfg.lr_schedule != "constant" else None)
         self.ref_model = None
         if cfg.kl_coef > 0:
-            self.ref_model, _ = load_policy(model_dir, dtype=cfg.dtype, device=self.placement.ref_device)
+            # the initial policy (``ref_dir``), also when the policy itself comes from a checkpoint
+            self.ref_model, _ = load_policy(ref_dir or model_dir, dtype=cfg.dtype, device=self.placement.ref_device)
             self.ref_model.eval().requires_grad_(False)
 
     def _shard(self) -> None:

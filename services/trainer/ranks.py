@@ -115,9 +115,10 @@ class RankGroup:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self.failed.set)
 
-    def init(self, model_dir: Path) -> None:
+    def init(self, model_dir: Path, ref_dir: Path | None = None) -> None:
         """Ranks 1..N-1 build their learners (and join the process group) from ``model_dir``."""
-        self.send("init", msgspec.json.encode(self.cfg), str(model_dir), self.init_method)
+        self.send("init", msgspec.json.encode(self.cfg), str(model_dir), self.init_method,
+                  str(ref_dir) if ref_dir else "")
 
     def send(self, name: str, *args: Any) -> None:
         """Tell every other rank to run learner method ``name(*args)``."""
@@ -226,11 +227,12 @@ def worker(rank: int, commands: IO[bytes]) -> int:
     from services.trainer import devices
     from services.trainer.learner import Learner
 
-    name, (cfg_json, model_dir, init_method) = pickle.load(commands)
+    name, (cfg_json, model_dir, init_method, ref_dir) = pickle.load(commands)
     if name != "init":
         raise RankGroupFailed(f"rank {rank}: expected 'init' first, got {name!r}")
     cfg = msgspec.json.decode(cfg_json, type=TrainerConfig)
-    learner = Learner(cfg, Path(model_dir), devices.resolve(cfg, rank), rank=rank, init_method=init_method)
+    learner = Learner(cfg, Path(model_dir), devices.resolve(cfg, rank), rank=rank, init_method=init_method,
+                      ref_dir=Path(ref_dir) if ref_dir else None)
     log.info("rank %d of %d ready on %s", rank, cfg.world_size, learner.placement.device)
     while True:
         try:

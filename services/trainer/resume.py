@@ -57,9 +57,12 @@ def load(cfg: TrainerConfig, checkpoints: Path, seed: int, placement: Placement 
     task = get_task(cfg.task, **cfg.task_options)
     ckpt = Learner.latest_checkpoint(checkpoints)
     model_dir = ckpt or resolve_model(cfg.model, cfg.cache_dir or None, seed=seed)
+    # the KL reference is the initial policy, not the checkpoint's
+    ref_dir = resolve_model(cfg.model, cfg.cache_dir or None, seed=seed) if ckpt and cfg.kl_coef > 0 else None
     if group is not None:
-        group.init(model_dir)
-    learner = Learner(cfg, model_dir, placement, init_method=group.init_method if group else "", group=group)
+        group.init(model_dir, ref_dir)
+    learner = Learner(cfg, model_dir, placement, init_method=group.init_method if group else "", group=group,
+                      ref_dir=ref_dir)
     state = from_checkpoint(learner.load_optimizer(ckpt)) if ckpt is not None else TrainerState()
     state.state = "running"
     return Start(task=task, learner=learner, state=state, checkpoint=ckpt)

@@ -71,3 +71,17 @@ def test_the_reference_model_lives_on_its_own_device(loop_model_dir, ref_device)
     assert not any(p.requires_grad for p in learner.ref_model.parameters())
     metrics = learner.step_input(StepInput.of(batch(9), learner.cfg))
     assert metrics["losses/kl"] >= 0.0 and metrics["optim/skipped"] == 0.0
+
+
+def test_the_reference_model_is_the_initial_policy_when_the_policy_comes_from_a_checkpoint(loop_model_dir, tmp_path):
+    from services.lib.model_io import save_policy
+
+    trained = _learner(loop_model_dir)
+    trained.step_input(StepInput.of(batch(3), trained.cfg))  # weights that differ from the initial policy
+    ckpt = save_policy(trained.model, trained.tokenizer, tmp_path / "ckpt")
+    cfg = msgspec.convert({"num_threads": 1, "device": "cpu", "kl_coef": 0.1}, TrainerConfig)
+    resumed = Learner(cfg, ckpt, devices.resolve(cfg), ref_dir=loop_model_dir)
+    initial = _learner(loop_model_dir).model.state_dict()
+    ref = resumed.ref_model.state_dict()
+    assert all(torch.equal(ref[k], initial[k]) for k in initial)
+    assert not all(torch.equal(resumed.model.state_dict()[k], initial[k]) for k in initial)
