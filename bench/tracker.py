@@ -13,6 +13,7 @@ table is written, with the messages it read and their rate. Last stdout line: on
 
     python bench/tracker.py                       # 2 pairs of 100 steps
     python bench/tracker.py --steps 20 --pairs 1 --quick-check   # a smoke run (figure not meaningful)
+    python bench/tracker.py --follow runs/addition --steps N      # only following a finished N-step run
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ async def follow_after_the_fact(nats_dir: Path, run_id: str, steps: int, out_dir
     """A fresh tracker on a finished run's streams: seconds until every step's table is written."""
     import nats
 
+    from proto import codec
     from proto.metrics import MetricsReport
     from services.launcher import registry
-    from services.launcher.accounting import read_all
     from services.runtime import service
     from services.runtime.config import load_service_config
     from services.runtime.natsd import EmbeddedNats
@@ -59,20 +60,25 @@ async def follow_after_the_fact(nats_dir: Path, run_id: str, steps: int, out_dir
                        "[services.tracker]\nreport_every_s = 0.5\ntable_after_s = 1.0\n")
         loaded = load_service_config("tracker", TrackerConfig, cfg, env={})
         stop = asyncio.Event()
+        done = asyncio.Event()
+
+        async def on_report(m) -> None:  # the tracker's own reports say how far it got
+            rep = codec.decode(m.data, MetricsReport, max_bytes=None)
+            if rep.instance == "after-0" and rep.values.get("tracker/tables", 0) >= steps:
+                done.set()
+
+        sub = await nc.subscribe(f"rlbus.{run_id}.metrics.tracker", cb=on_report)
         t0 = time.monotonic()
         task = asyncio.create_task(service.serve("tracker", registry.load("tracker")[1], loaded, "after-0",
                                                  stop=stop))
-        while True:  # the tracker's own reports say how far it got
-            reps = [r for r in await read_all(js, "METRICS", f"rlbus.{run_id}.metrics.tracker", MetricsReport,
-                                              idle_s=0.2) if r.instance == "after-0"]
-            if reps and reps[-1].values.get("tracker/tables", 0) >= steps:
-                break
-            if task.done():
-                raise RuntimeError(f"the tracker stopped early with code {task.result()}")
-            await asyncio.sleep(0.2)  # the bench's own polling period (reading the report stream)
+        finished = asyncio.create_task(done.wait())
+        await asyncio.wait({task, finished}, return_when=asyncio.FIRST_COMPLETED)
+        if not done.is_set():
+            raise RuntimeError(f"the tracker stopped early with code {task.result()}")
         seconds = time.monotonic() - t0
         stop.set()
         await task
+        await sub.unsubscribe()
         await nc.close()
     return {"after_the_fact_s": round(seconds, 2), "messages": stored, "messages_per_s": round(stored / seconds, 1)}
 
@@ -82,8 +88,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--quick-check", action="store_true", help="say the figure is not meaningful (smoke run)")
+    parser.add_argument("--follow", type=Path, metavar="RUN_DIR",
+                        help="only follow this finished run (its nats/ is copied; --steps: its step count)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.follow is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            shutil.copytree(args.follow / "nats", Path(tmp) / "nats-copy")
+            run_id = json.loads((args.follow / "config.resolved.json").read_text())["run"]["id"]
+            after = asyncio.run(follow_after_the_fact(Path(tmp) / "nats-copy", run_id, args.steps, Path(tmp) / "a"))
+        print(json.dumps({**after, "steps": args.steps, "load_average": [round(x, 2) for x in os.getloadavg()]}))
+        return
     common = {"services.trainer.total_steps": args.steps, "services.trainer.max_wall_s": 0,
               "services.trainer.eval_every": 0, "services.trainer.checkpoint_every": 0}
     per_step: dict[str, list[float]] = {"on": [], "off": []}

@@ -71,7 +71,7 @@ class TrackerService:
             self._submit("scalars", rep.step if rep.step >= 0 else self.step, dict(rep.values), rep.created_at)
 
     async def on_trajectory(self, t: ScoredTrajectory, d: Delivery[ScoredTrajectory]) -> None:
-        self.sampler.add_trajectory(t)
+        self.sampler.add_trajectory(t, time.monotonic())
 
     async def on_outcome(self, o: TrajectoryOutcome, d: Delivery[TrajectoryOutcome]) -> None:
         self.sampler.add_outcome(o, time.monotonic())
