@@ -404,6 +404,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("[rlbus] run failed: its gang was not admitted (see the service logs for the missing roles)",
               file=sys.stderr)
         return 1
+    bad = sorted({e["child"] for e in sup.events if e.get("event") == "config_error"})
+    if bad:
+        print(f"[rlbus] run failed: {', '.join(bad)} stopped on a configuration error (above)", file=sys.stderr)
+        return 1
     return 0 if final.get("state") in ("finished", None) else 1
 
 

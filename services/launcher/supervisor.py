@@ -30,6 +30,7 @@ from services.launcher.environments import python_for
 from services.runtime.config import ConfigError, NatsSection, RunSection, convert, load_tree
 from services.runtime.gang import GANG_FAILED_EXIT, GangSection
 from services.runtime.natsd import EmbeddedNats, NatsCluster, die_with_parent, port_is_free
+from services.runtime.service import CONFIG_ERROR_EXIT
 
 log = logging.getLogger("rlbus.launcher")
 
@@ -400,6 +401,14 @@ class Supervisor:
                 c.given_up = True
                 self.gang_failed = True
                 self._say(f"{c.label}: the run's gang was not admitted in time; see {c.log_path}")
+                continue
+            if code == CONFIG_ERROR_EXIT:  # restarting cannot help: the run file must change
+                c.given_up = True
+                tail = last_lines(c.log_path, CRASH_LOG_LINES)
+                self.events.append({"event": "config_error", "child": c.label, "code": code, "last_lines": tail,
+                                    "t": time.time()})
+                self._say(f"{c.label} stopped on a configuration error, not restarting it (see {c.log_path}):\n"
+                          + "\n".join(f"    {line}" for line in tail))
                 continue
             if not self.launcher.restart or self.stopping.is_set():
                 continue

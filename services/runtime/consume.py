@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
 
 from proto import catalog, codec, subjects
@@ -247,6 +248,7 @@ class Consumer(Generic[T]):
         self._free = self.concurrency
         self._slot_freed = asyncio.Condition()
         stop_wait = asyncio.create_task(self._wake_on_stop(stop), name=f"{self.name}-stopwait")
+        failures = 0  # fetches failed in a row (a reconnect, a leader election)
         try:
             while not stop.is_set():
                 async with self._slot_freed:  # flow control: fetch only what we can start now
@@ -265,9 +267,15 @@ class Consumer(Generic[T]):
                     except (TimeoutError, nats.errors.TimeoutError):
                         msgs = []
                     except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError,
-                            nats.errors.NoRespondersError) as e:
-                        log.warning("%s: fetch interrupted (%s)", self.name, e)
+                            nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as e:
+                        # ServiceUnavailable: the consumer's leader node went away and a new one is being
+                        # elected (a replicated stream); transient like a reconnect
+                        failures += 1
+                        if failures == 1 or failures % 30 == 0:
+                            log.warning("%s: fetch interrupted (%s; %d in a row)", self.name, e, failures)
                         failed = True
+                    else:
+                        failures = 0
                 else:
                     fetch.cancel()
                 async with self._slot_freed:

@@ -26,10 +26,12 @@ from proto import catalog, membership, subjects
 from proto.membership import Heartbeat
 from proto.metrics import MetricsReport
 from services.runtime import bus, gang, metrics, tracing
-from services.runtime.config import Loaded
+from services.runtime.config import ConfigError, Loaded
 from services.runtime.consume import Consumer, DeadLetterSink, Handler
 
 log = logging.getLogger("rlbus.service")
+#: exit code of a service stopped by a configuration error (sysexits' EX_CONFIG): supervisors do not restart it
+CONFIG_ERROR_EXIT = 78
 
 
 class Service(Protocol):
@@ -225,6 +227,9 @@ async def serve(name: str, service_factory: Callable[[Loaded], Service], loaded:
     except gang.GangFailed as e:
         log.error("%s: %s", name, e)
         code = gang.GANG_FAILED_EXIT
+    except ConfigError as e:  # the run file must change: a restart would fail the same way
+        log.error("%s: configuration error: %s", name, e)
+        code = CONFIG_ERROR_EXIT
     except Exception:
         log.exception("%s: crashed", name)
         code = 1

@@ -80,3 +80,17 @@ def test_no_nats_error_on_a_clean_stop(tmp_path, loop_model_dir):
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "NATS error" not in r.stderr and "unexpected EOF" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_configuration_error_is_not_restarted(tmp_path, loop_model_dir):
+    """A service that stops on a configuration error (here: a model directory that does not exist) exits with
+    EX_CONFIG; the launcher does not restart it (it would fail the same way) and says why, with its log."""
+    cfg = run_file(tmp_path, tmp_path / "no-such-model", run_id="badcfg",
+                   services={"trainer": 1, "rollout": 1, "judge": 1},
+                   trainer={"groups_per_step": 2, "total_steps": 2}, rollout={"max_tickets": 8})
+    r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0
+    assert "trainer-0 stopped on a configuration error, not restarting it" in r.stderr, r.stderr[-3000:]
+    assert "no-such-model" in r.stderr  # the reason, from its log
+    assert "run failed: " in r.stderr and "trainer-0 exited with code" not in r.stderr  # never restarted

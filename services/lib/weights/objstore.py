@@ -180,6 +180,7 @@ class ObjectStoreBlobs:
             deliver_policy=api.DeliverPolicy.ALL,
             inactive_threshold=60.0,
             mem_storage=True,
+            num_replicas=1,  # an ephemeral reader needs no replicas (on an R3 stream it would inherit 3 and stall)
         )
 
     async def _raw_reader(self) -> RawPullReader | None:
