@@ -155,7 +155,10 @@ class Learner:
         self.model.train()
         self.model.config.use_cache = False
         if cfg.gradient_checkpointing:
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.24
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.world_size > 1:
             self._shard()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
