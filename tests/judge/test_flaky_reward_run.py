@@ -32,6 +32,7 @@ def install_plugin(where: Path) -> None:
     (dist / "entry_points.txt").write_text("[rlbus.tasks]\nflaky-addition = tests.judge.flaky_task:FlakyAddition\n")
 
 
+@pytest.mark.timeout(1800)  # the shared tiny-model fixture alone took 552 s on a machine loaded to 13-16
 def test_a_run_with_a_misbehaving_reward_trains_on_the_rest(tmp_path, loop_model_dir):
     run_dir = tmp_path / "run"
     install_plugin(tmp_path / "site")
