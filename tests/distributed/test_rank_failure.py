@@ -23,7 +23,8 @@ from services.runtime.natsd import EmbeddedNats
 from services.trainer.ranks import rank_pid
 from tests.conftest import run_file, wait_for
 
-pytestmark = pytest.mark.slow
+# the waits below are generous for a loaded machine; their sum is above the suite's default 600 s
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def _steps(metrics) -> list[int]:
@@ -45,7 +46,7 @@ def test_killing_one_rank_restarts_the_group_and_loses_nothing(tmp_path, loop_mo
     cfg = run_file(tmp_path, loop_model_dir, run_id="rankkill",
                    services={"trainer": 1, "rollout": 1, "judge": 1},
                    common={"heartbeat_s": 1.0, "drain_timeout_s": 3.0},
-                   trainer={"groups_per_step": 2, "total_steps": 6, "max_staleness": 1, "checkpoint_every": 2,
+                   trainer={"groups_per_step": 2, "total_steps": 4, "max_staleness": 1, "checkpoint_every": 2,
                             "world_size": 2, "device": "cpu", "group_timeout_s": 60},
                    rollout={"max_tickets": 8})
     sup = Supervisor(str(cfg), quiet=True)
@@ -75,7 +76,7 @@ def test_killing_one_rank_restarts_the_group_and_loses_nothing(tmp_path, loop_mo
         sup.stop()
 
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["step"] == 6
+    assert summary["step"] == 4
     steps = _steps(metrics)
     assert any(s > step_before for s in steps)
     # resumed, not restarted from scratch: no step before the newest durable point is taken again
