@@ -1,6 +1,7 @@
 """A task plugin whose reward function misbehaves on some prompts, as a careless user's might.
 
-Addition, except that the reward, chosen by ``(a + b) % 10`` of the prompt ``a+b=``:
+Addition, except that the reward, chosen by the prompt's position in its stream (the number its id ends
+with) modulo 10, so that every misbehaviour meets a short run:
 
 * 1 — never returns (an infinite loop);
 * 2 — raises ValueError;
@@ -25,9 +26,8 @@ from services.tasks.base import Prompt, Reward, register_task
 BEHAVIOURS = {1: "hang", 2: "raise", 3: "nan", 4: "out_of_range", 5: "die", 6: "print"}
 
 
-def behaviour(prompt_text: str) -> str:
-    a, b = prompt_text.rstrip("=").split("+")
-    return BEHAVIOURS.get((int(a) + int(b)) % 10, "ok")
+def behaviour(prompt_id: str) -> str:
+    return BEHAVIOURS.get(int(prompt_id.rsplit("/", 1)[-1]) % 10, "ok")
 
 
 @register_task("flaky-addition")
@@ -35,7 +35,7 @@ class FlakyAddition(AdditionTask):
     name = "flaky-addition"
 
     def reward(self, prompt: Prompt, completion: str) -> Reward:
-        what = behaviour(prompt.text)
+        what = behaviour(prompt.id)
         if what == "hang":
             while True:
                 pass

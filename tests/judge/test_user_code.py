@@ -31,14 +31,15 @@ from tests.judge.flaky_task import behaviour
 
 RUN = "usercode"
 
-# a prompt for each behaviour of the flaky reward ((a + b) % 10 picks it)
-PROMPTS = {"ok": "12+35=", "hang": "10+31=", "raise": "10+32=", "nan": "10+33=", "out_of_range": "10+34=",
-           "die": "10+35=", "print": "10+6="}
+# a prompt for each behaviour of the flaky reward (its position modulo 10 picks it); the text is "12+35="
+PROMPTS = {"ok": "t/0", "hang": "t/1", "raise": "t/2", "nan": "t/3", "out_of_range": "t/4", "die": "t/5",
+           "print": "t/16"}
 
 
-def rollout(prompt_text: str, answer: str, task: str = "flaky-addition", msg_id: str = "r-1") -> Rollout:
+def rollout(prompt_id: str, answer: str, task: str = "flaky-addition", msg_id: str = "r-1") -> Rollout:
+    prompt_text = "12+35="
     a, b = prompt_text.rstrip("=").split("+")
-    r = Rollout(run_id=RUN, task=task, group_id="g", prompt_id="p", sample_index=0, group_size=1,
+    r = Rollout(run_id=RUN, task=task, group_id="g", prompt_id=prompt_id, sample_index=0, group_size=1,
                 prompt_ids=[1, 2], turns=[Turn(role="assistant", token_ids=[3], logprobs=[-0.1], versions=[0],
                                                text=answer)],
                 finish_reason="eos", policy_version=0, metadata={"answer": str(int(a) + int(b))},
@@ -117,7 +118,7 @@ async def test_a_reward_that_prints_does_not_break_the_worker_protocol():
     graders = GraderFactory(None, JudgeCache(), user_code=pool).build("flaky-addition", [RewardGraderSpec()])
     try:
         for _ in range(2):
-            g = await grade_all(graders, rollout(PROMPTS["print"], "16"), task)
+            g = await grade_all(graders, rollout(PROMPTS["print"], "47"), task)
             assert g.failure is None and g.reward == 1.0
     finally:
         await pool.close()
