@@ -192,7 +192,8 @@ class AgentLoop:
     async def _episode(self, task: AgentTask, prompt: Prompt, prompt_ids: list[int], params: SamplingParams,
                        labels: dict[str, str], out: AgentOutcome, written: set[str]) -> None:
         cfg = self.cfg
-        limits = api.Limits(memory_mb=cfg.sandbox.memory_mb, pids=cfg.sandbox.pids, cpus=cfg.sandbox.cpus)
+        limits = api.Limits(memory_mb=cfg.sandbox.memory_mb, pids=cfg.sandbox.pids, cpus=cfg.sandbox.cpus,
+                            disk_mb=cfg.sandbox.disk_mb, inodes=cfg.sandbox.inodes)
         created = await self.sandboxes.create(
             base=cfg.sandbox.base, limits=limits, files=task.sandbox_files(prompt), egress=cfg.sandbox.egress,
             lease_ttl_s=cfg.wall_time_s + 2 * cfg.sandbox_timeout_s + 60.0, labels=labels)

@@ -87,6 +87,10 @@ class SandboxSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     memory_mb: Annotated[int, msgspec.Meta(ge=16)] | None = None
     pids: Annotated[int, msgspec.Meta(ge=4)] | None = None
     cpus: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    #: MiB of files it may write (work directory, /tmp, snapshots; counted in memory_mb too)
+    disk_mb: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    #: files, directories and links it may create
+    inodes: Annotated[int, msgspec.Meta(ge=64)] | None = None
     #: ``host:port`` entries the sandbox may reach (empty: no network)
     egress: list[str] = []
 

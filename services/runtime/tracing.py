@@ -1,5 +1,9 @@
 """OpenTelemetry tracing, set up once per process; context carried in NATS headers.
 
+Which: one prompt group in ten by default, with its whole trace (the sampling decision is the root's and
+travels with the context), and one train step in ten; ``OTEL_TRACES_SAMPLER=always_on`` traces everything
+(the standard variables ``OTEL_TRACES_SAMPLER``/``_ARG`` choose any sampler).
+
 Where spans go:
 
 * **the run directory, always** (``<run dir>/traces/<service>-<pid>.jsonl``, one JSON object per span:
@@ -45,6 +49,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
     SpanExportResult,
 )
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 log = logging.getLogger("rlbus.tracing")
 _tracer: trace.Tracer | None = None
@@ -56,6 +61,8 @@ _KINDS = {
     "consumer": trace.SpanKind.CONSUMER,
 }
 
+#: share of prompt groups (and train steps) traced unless OTEL_TRACES_SAMPLER says otherwise
+DEFAULT_GROUP_RATIO = 0.1
 #: spans dropped per exporter because an export failed (an unreachable collector, a full disk)
 DROPPED: dict[str, int] = {}
 _WARN_EVERY_S = 60.0
@@ -166,7 +173,12 @@ def setup(service: str, run_dir: str | os.PathLike[str] | None = None) -> trace.
     global _tracer, _provider
     if _tracer is not None:
         return _tracer
-    provider = TracerProvider(resource=Resource.create({"service.name": f"rlbus-{service}"}))
+    sampler = None  # OTEL_TRACES_SAMPLER (and _ARG), when set, is read by the SDK itself
+    if "OTEL_TRACES_SAMPLER" not in os.environ:
+        # by default one prompt group in DEFAULT_GROUP_RATIO is traced (its whole trace: parent-based), and so
+        # is the same share of train steps: every span of every sample costs the hot path (BENCHMARKS.md)
+        sampler = ParentBased(TraceIdRatioBased(DEFAULT_GROUP_RATIO))
+    provider = TracerProvider(resource=Resource.create({"service.name": f"rlbus-{service}"}), sampler=sampler)
     if run_dir is not None and os.environ.get("RLBUS_TRACES_FILE", "1") != "0":
         path = Path(run_dir) / "traces" / f"{service}-{os.getpid()}.jsonl"
         try:

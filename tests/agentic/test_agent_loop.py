@@ -17,7 +17,7 @@ from services.judge.service import JudgeService
 from services.lib.engine.base import Engine, SamplingParams
 from services.lib.sandbox_client import SandboxClient
 from services.rollout.agent import AgentLoop
-from services.rollout.config import AgentSection, RolloutConfig
+from services.rollout.config import AgentSection, RolloutConfig, SandboxSection
 from services.rollout.service import RolloutService
 from services.runtime import bus as runtime_bus
 from services.tasks import get_task
@@ -34,7 +34,8 @@ SCRIPT = [
 
 async def start_pipeline(b: Bus, engine: ScriptedEngine, tokenizer, agent: AgentSection | None = None) -> None:
     """The rollout and judge services' consume loops in this event loop (their engines: the stand-in)."""
-    r_loaded = loaded(b.url, RolloutConfig(agent=agent or AgentSection(max_turns=6, wall_time_s=60.0)))
+    r_loaded = loaded(b.url, RolloutConfig(agent=agent or AgentSection(
+        max_turns=6, wall_time_s=60.0, sandbox=SandboxSection(disk_mb=64, inodes=4096))))
     r_ctx = await b.context("rollout", r_loaded)
     rollout = RolloutService(r_loaded)
     rollout.attach(engine, tokenizer, SandboxClient(r_ctx.nc, RUN, timeout_s=20.0))
@@ -85,6 +86,8 @@ async def test_scripted_multi_turn_rollout_through_sandbox_judge_and_loss_mask(b
         "resumed", "exec_started", "exec_finished", "paused",  # python
         "snapshotted", "destroyed",                             # the judge's fork, then the judge's destroy
     ]
+    created = events[r.sandbox_id][0].detail  # the rollout's sandbox section reached the sandbox's limits
+    assert created.limits.disk_mb == 64 and created.limits.inodes == 4096
     [fork_id] = [sid for sid, evs in events.items()
                  if evs[0].kind == "forked" and evs[0].detail.parent_id == r.sandbox_id]
     assert [e.kind for e in events[fork_id]] == ["forked", "exec_started", "exec_finished", "destroyed"]

@@ -69,7 +69,7 @@ def test_one_group_is_traced_from_admission_to_the_engine_applying_its_step(tmp_
                        rollout={"max_tickets": 8})
         env = {**__import__("os").environ, "OTEL_TRACES_EXPORTER": "otlp",
                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
-               "OTEL_BSP_SCHEDULE_DELAY": "200"}
+               "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_TRACES_SAMPLER": "always_on"}  # default: 1 group in 10
         r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
                            text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stderr[-3000:]
