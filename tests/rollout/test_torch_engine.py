@@ -22,6 +22,7 @@ from services.lib.engine.base import (
 from services.lib.engine.kv_cache import PaddedBatchCache, cache_kwarg
 from services.lib.engine.torch_config import TorchEngineConfig
 from services.lib.engine.torch_engine import TorchEngine
+from tests.conftest import wait_for_async
 
 PROMPTS = ["hello world", "a", "the quick brown fox jumps", "1+2=", "RL on a bus"]
 
@@ -437,7 +438,8 @@ async def test_sleep_keeps_requests_and_wake_resumes_them_exactly(tiny_model_dir
             assert engine.asleep and engine._cache is None
             frozen = engine.stats().total_generated_tokens
             queued = asyncio.create_task(engine.generate(prompts[0], params))  # arrives while asleep
-            await asyncio.sleep(0.3)  # a window in which an awake engine would decode several steps
+            await wait_for_async(lambda: engine.stats().pending == 5, 30, "the new request to be queued")
+            assert not engine._has_work()  # the engine thread waits: nothing to decode while asleep
             assert engine.stats().total_generated_tokens == frozen
             assert not any(t.done() for t in tasks) and not queued.done()
         assert not engine.asleep and share.turns == 1 and share.failures == 0

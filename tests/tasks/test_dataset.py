@@ -28,9 +28,9 @@ def texts(prompts):
 
 
 def test_every_format_gives_the_same_prompts(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    import datasets  # the bench extra, in .venv: a save_to_disk directory made by the real library
+    import pyarrow as pa  # the data extra
     import pyarrow.parquet as pq
-    datasets = pytest.importorskip("datasets")
 
     jsonl = write_jsonl(tmp_path / "d.jsonl", ROWS)
     (tmp_path / "d.json").write_text(json.dumps(ROWS))
