@@ -145,3 +145,42 @@ def nats_cluster(tmp_path):
         yield cluster
     finally:
         cluster.stop()
+
+
+# ---- what a finished run left on record ----
+
+
+class Recorded:
+    """A finished run's stored JetStream, read back: trajectories, outcomes, the trainer consumer's state
+    (``None`` when it has none) and the names of the streams it holds."""
+
+    def __init__(self, trajectories: list, outcomes: list, trainer_consumer: Any, streams: list[str]) -> None:
+        self.trajectories, self.outcomes = trajectories, outcomes
+        self.trainer_consumer, self.streams = trainer_consumer, streams
+
+
+def recorded(run_dir: Path, run_id: str) -> Recorded:
+    """Start the run's stored JetStream on a free port and read what the run recorded (see :class:`Recorded`)."""
+    import nats
+
+    from proto.accounting import TrajectoryOutcome
+    from proto.trajectories import ScoredTrajectory
+    from services.launcher.accounting import read_all
+
+    async def read() -> Recorded:
+        with EmbeddedNats(Path(run_dir) / "nats", port=None) as server:
+            nc = await nats.connect(server.url)
+            try:
+                js = nc.jetstream()
+                trajectories = await read_all(js, "TRAJECTORIES", f"rlbus.{run_id}.trajectories", ScoredTrajectory)
+                outcomes = await read_all(js, "OUTCOMES", f"rlbus.{run_id}.outcomes", TrajectoryOutcome)
+                try:
+                    consumer = await js.consumer_info("TRAJECTORIES", f"trainer-{run_id}")
+                except Exception:  # nats' NotFoundError: the run never started a trainer consumer
+                    consumer = None
+                streams = [s.config.name for s in await js.streams_info()]
+                return Recorded(trajectories, outcomes, consumer, streams)
+            finally:
+                await nc.close()
+
+    return asyncio.run(read())

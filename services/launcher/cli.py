@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.launcher.connect import bus_sections, overrides, with_connection
 from services.runtime.config import ConfigError, RunSection, convert, load_service_config, load_tree
 
 DESCRIPTION = """\
@@ -29,15 +30,6 @@ def _common_bus_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", metavar="DIR", help="read a finished or stopped run from its directory: its stored "
                    "JetStream is started on a free port and read (default: the live server; when none answers, "
                    "the run directory of --config is read this way)")
-
-
-def _overrides(args: argparse.Namespace) -> list[str]:
-    o = list(args.overrides)
-    if getattr(args, "nats_url", None):
-        o.append(f'nats.url="{args.nats_url}"')
-    if getattr(args, "run_id", None):
-        o.append(f'run.id="{args.run_id}"')
-    return o
 
 
 DEFAULT_EXAMPLE = "addition"  # the main job: README, `./rlbus run`
@@ -206,65 +198,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _bus_sections(args: argparse.Namespace):
-    from services.runtime.config import NatsSection
-
-    tree = load_tree(args.config, None, _overrides(args))
-    return convert(tree.get("run"), RunSection, "run"), convert(tree.get("nats"), NatsSection, "nats")
-
-
-async def _with_connection(args: argparse.Namespace, fn):
-    from services.runtime import bus
-
-    run, nats_cfg = _bus_sections(args)
-    run_dir = Path(getattr(args, "run_dir", None) or run.dir)
-    if getattr(args, "run_dir", None):
-        return await _with_stored_streams(run_dir, run.id, fn)
-    resolved = run_dir / "config.resolved.json"
-    if not getattr(args, "nats_url", None) and resolved.is_file():
-        try:  # the URL the run's launcher actually used (rlbus up picks another port when its own is taken)
-            nats_cfg.url = json.loads(resolved.read_text())["nats"]["url"]
-        except (ValueError, KeyError, TypeError):
-            pass
-    nats_cfg.max_reconnect_attempts = 3
-    if nats_cfg.user is None and nats_cfg.creds_file is None:
-        from services.launcher.auth import AuthError, load_auth
-
-        try:  # a run started by `rlbus up` / `rlbus run`: read-only admin login from its run directory
-            admin = load_auth(run.dir).for_role("admin")
-            nats_cfg.user, nats_cfg.password = admin.user, admin.password
-        except AuthError:
-            pass  # an open server, or credentials given some other way
-    try:
-        nc = await bus.connect(nats_cfg, "rlbus-cli", first_attempts=1)
-    except bus.BusError:
-        if not (run_dir / "nats").is_dir():
-            raise
-        print(f"[rlbus] no NATS server at {nats_cfg.url}; reading the streams stored in {run_dir} "
-              "(a finished or stopped run)", file=sys.stderr)
-        return await _with_stored_streams(run_dir, run.id, fn)
-    try:
-        return await fn(nc, run.id)
-    finally:
-        await nc.close()
-
-
-async def _with_stored_streams(run_dir: Path, run_id: str, fn):
-    """Run ``fn(nc, run_id)`` against the run's stored JetStream, started on a free local port for the call."""
-    import nats
-
-    from services.runtime.natsd import EmbeddedNats
-
-    if not (run_dir / "nats").is_dir():
-        raise ConfigError(f"{run_dir / 'nats'} does not exist: not the directory of a run started by rlbus run/up")
-    with EmbeddedNats(run_dir / "nats", port=None) as server:
-        nc = await nats.connect(server.url, allow_reconnect=False)
-        try:
-            return await fn(nc, run_id)
-        finally:
-            await nc.close()
-
-
 def _part_overrides(args: argparse.Namespace, parts: list[str]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {p: [] for p in parts}
     for item in args.part_overrides:
@@ -286,7 +219,7 @@ def cmd_service(args: argparse.Namespace) -> int:
     group = []
     for part in parts:
         cfg_cls, factory = registry.load(part)
-        loaded = load_service_config(part, cfg_cls, args.config, None, _overrides(args) + per_part[part])
+        loaded = load_service_config(part, cfg_cls, args.config, None, overrides(args) + per_part[part])
         instance = args.instance
         if instance and len(parts) > 1:
             instance = instance.replace(args.name, part) if args.name in instance else f"{instance}-{part}"
@@ -424,7 +357,7 @@ def cmd_tap(args: argparse.Namespace) -> int:
         await tap(nc, args.target, run_id, from_start=args.from_start, since=args.since, count=args.count,
                   raw=args.raw, stop=stop, until_end=args.until_end)
 
-    asyncio.run(_with_connection(args, go))
+    asyncio.run(with_connection(args, go))
     return 0
 
 
@@ -437,7 +370,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         async def read_members(nc, run_id):
             return {"run_id": run_id, "members": await members(nc.jetstream(), run_id)}
 
-        ok, why = healthy_here(asyncio.run(_with_connection(args, read_members)), args.healthy, args.max_age_s)
+        ok, why = healthy_here(asyncio.run(with_connection(args, read_members)), args.healthy, args.max_age_s)
         print(why)
         return 0 if ok else 1
     if args.watch is not None:
@@ -457,10 +390,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             return 0
 
         try:
-            return asyncio.run(_with_connection(args, watch))
+            return asyncio.run(with_connection(args, watch))
         except KeyboardInterrupt:
             return 0
-    st = asyncio.run(_with_connection(args, collect))
+    st = asyncio.run(with_connection(args, collect))
     print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
     return 0
 
@@ -493,8 +426,8 @@ def cmd_provision(args: argparse.Namespace) -> int:
     from services.runtime import bus
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    tree = load_tree(args.config, None, _overrides(args))
-    run, nats_cfg = _bus_sections(args)
+    tree = load_tree(args.config, None, overrides(args))
+    run, nats_cfg = bus_sections(args)
     nats_cfg.max_reconnect_attempts = 3  # an unreachable server is an error within seconds, not a wait forever
 
     async def go() -> None:
@@ -553,7 +486,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             return 0
 
         try:
-            return asyncio.run(_with_connection(args, go))
+            return asyncio.run(with_connection(args, go))
         except ReplayError as e:
             print(f"rlbus replay: {e}", file=sys.stderr)
             return 2

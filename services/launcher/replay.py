@@ -65,55 +65,51 @@ def _recorded(run_dir: Path, step: int) -> dict[str, float]:
 
 
 async def _batch_and_weights(run_dir: Path, run_id: str, cfg: Any, step: int) -> tuple[list[Any], dict | None]:
-    import nats
-
     from proto.accounting import TrajectoryOutcome
     from proto.trajectories import ScoredTrajectory
     from services.launcher.accounting import read_all
+    from services.launcher.connect import with_stored_streams
     from services.lib.weights.config import StoreTransportConfig
     from services.lib.weights.transport import store_subscriber
-    from services.runtime.natsd import EmbeddedNats
 
     store = run_dir / "nats"
     if not store.is_dir():
         raise ReplayError(f"{store} is missing: the run's JetStream store is not in its run directory")
-    with EmbeddedNats(store, port=None) as server:
-        nc = await nats.connect(server.url)
-        try:
-            js = nc.jetstream()
-            outcomes = await read_all(js, "OUTCOMES", f"rlbus.{run_id}.outcomes", TrajectoryOutcome)
-            used = sorted((o for o in outcomes if o.outcome == "trained" and o.step == step),
-                          key=lambda o: o.batch_index)
-            if not used:
-                raise ReplayError(f"no trajectory is recorded as trained at step {step} in the OUTCOMES stream")
-            if any(o.batch_index < 0 for o in used):
-                raise ReplayError(f"step {step}'s outcomes carry no batch order (recorded by an older rlbus): "
-                                  "its batch cannot be rebuilt exactly")
-            wanted = {o.trajectory_id for o in used}
-            trajectories = {t.msg_id: t for t in await read_all(
-                js, "TRAJECTORIES", f"rlbus.{run_id}.trajectories", ScoredTrajectory) if t.msg_id in wanted}
-            missing = [o.trajectory_id for o in used if o.trajectory_id not in trajectories]
-            if missing:
-                raise ReplayError(f"{len(missing)} of step {step}'s {len(used)} trajectories are no longer in the "
-                                  f"TRAJECTORIES stream (retention removed them), e.g. {missing[0]}")
-            batch = [trajectories[o.trajectory_id] for o in used]
-            weights = None
-            if step - 1 > 0:
-                transport = cfg.transport
-                if not isinstance(transport, StoreTransportConfig):
-                    raise ReplayError(f"the run's weight transport is {type(transport).__name__}: it stores no "
-                                      f"versions, so the weights of version {step - 1} are not on record")
-                sub = store_subscriber(transport, nc, run_id)
-                await sub.ensure()
-                manifest = await sub.index.manifest(step - 1)
-                if manifest is None:
-                    kept = await sub.index.versions()
-                    raise ReplayError(f"weight version {step - 1} is not in the run's weight store (kept: "
-                                      f"{kept[:10]}{' ...' if len(kept) > 10 else ''}): retention removed it")
-                weights = await sub.fetch(manifest)
-            return batch, weights
-        finally:
-            await nc.close()
+    async def read(nc: Any, _run: str) -> tuple[list[Any], dict | None]:
+        js = nc.jetstream()
+        outcomes = await read_all(js, "OUTCOMES", f"rlbus.{run_id}.outcomes", TrajectoryOutcome)
+        used = sorted((o for o in outcomes if o.outcome == "trained" and o.step == step),
+                      key=lambda o: o.batch_index)
+        if not used:
+            raise ReplayError(f"no trajectory is recorded as trained at step {step} in the OUTCOMES stream")
+        if any(o.batch_index < 0 for o in used):
+            raise ReplayError(f"step {step}'s outcomes carry no batch order (recorded by an older rlbus): "
+                              "its batch cannot be rebuilt exactly")
+        wanted = {o.trajectory_id for o in used}
+        trajectories = {t.msg_id: t for t in await read_all(
+            js, "TRAJECTORIES", f"rlbus.{run_id}.trajectories", ScoredTrajectory) if t.msg_id in wanted}
+        missing = [o.trajectory_id for o in used if o.trajectory_id not in trajectories]
+        if missing:
+            raise ReplayError(f"{len(missing)} of step {step}'s {len(used)} trajectories are no longer in the "
+                              f"TRAJECTORIES stream (retention removed them), e.g. {missing[0]}")
+        batch = [trajectories[o.trajectory_id] for o in used]
+        weights = None
+        if step - 1 > 0:
+            transport = cfg.transport
+            if not isinstance(transport, StoreTransportConfig):
+                raise ReplayError(f"the run's weight transport is {type(transport).__name__}: it stores no "
+                                  f"versions, so the weights of version {step - 1} are not on record")
+            sub = store_subscriber(transport, nc, run_id)
+            await sub.ensure()
+            manifest = await sub.index.manifest(step - 1)
+            if manifest is None:
+                kept = await sub.index.versions()
+                raise ReplayError(f"weight version {step - 1} is not in the run's weight store (kept: "
+                                  f"{kept[:10]}{' ...' if len(kept) > 10 else ''}): retention removed it")
+            weights = await sub.fetch(manifest)
+        return batch, weights
+
+    return await with_stored_streams(store.parent, run_id, read)
 
 
 def replay_step(run_dir: str | Path, step: int) -> Replayed:

@@ -4,19 +4,14 @@ checkpoint are written, rank 1 stops cleanly, and every trajectory is accounted 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
 
-import nats
 import pytest
 
 from proto.accounting import TrajectoryOutcome
-from proto.trajectories import ScoredTrajectory
-from services.launcher.accounting import read_all
-from services.runtime.natsd import EmbeddedNats
-from tests.conftest import run_file
+from tests.conftest import recorded, run_file
 
 pytestmark = pytest.mark.slow
 
@@ -50,17 +45,8 @@ def test_a_two_rank_trainer_runs_the_loop(tmp_path, loop_model_dir):
     ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     assert sorted(p.name for p in (ckpt / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
-    async def accounting():
-        with EmbeddedNats(run_dir / "nats", port=None) as server:
-            nc = await nats.connect(server.url)
-            js = nc.jetstream()
-            trajectories = await read_all(js, "TRAJECTORIES", "rlbus.ranks2.trajectories", ScoredTrajectory)
-            outcomes = await read_all(js, "OUTCOMES", "rlbus.ranks2.outcomes", TrajectoryOutcome)
-            ci = await js.consumer_info("TRAJECTORIES", "trainer-ranks2")
-            await nc.close()
-            return trajectories, outcomes, ci
-
-    trajectories, outcomes, ci = asyncio.run(accounting())
+    rec = recorded(run_dir, "ranks2")
+    trajectories, outcomes, ci = rec.trajectories, rec.outcomes, rec.trainer_consumer
     by_id: dict[str, list[TrajectoryOutcome]] = {}
     for o in outcomes:
         by_id.setdefault(o.trajectory_id, []).append(o)

@@ -3,19 +3,15 @@ import path (the shipped exact_match and the example's own module), with real se
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-import nats
 import pytest
 
-from proto.accounting import TrajectoryOutcome
-from proto.trajectories import ScoredTrajectory
-from services.launcher.accounting import read_all
-from services.runtime.natsd import EmbeddedNats, free_port
+from services.runtime.natsd import free_port
+from tests.conftest import recorded
 
 pytestmark = pytest.mark.slow
 
@@ -43,17 +39,8 @@ def test_dataset_example_trains_and_scores_with_named_rewards(tmp_path, loop_mod
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "eval/reward" in m] == [0, 3, 6]
 
-    async def streams():
-        with EmbeddedNats(run_dir / "nats", port=None) as server:
-            nc = await nats.connect(server.url)
-            js = nc.jetstream()
-            trajectories = await read_all(js, "TRAJECTORIES", "rlbus.dataset.trajectories", ScoredTrajectory)
-            outcomes = await read_all(js, "OUTCOMES", "rlbus.dataset.outcomes", TrajectoryOutcome)
-            ci = await js.consumer_info("TRAJECTORIES", "trainer-dataset")
-            await nc.close()
-            return trajectories, outcomes, ci
-
-    trajectories, outcomes, ci = asyncio.run(streams())
+    rec = recorded(run_dir, "dataset")
+    trajectories, outcomes, ci = rec.trajectories, rec.outcomes, rec.trainer_consumer
     rows = {json.loads(line)["prompt"]: json.loads(line)["answer"]
             for line in (REPO / "examples/data/addition.jsonl").read_text().splitlines()}
     for t in trajectories:
