@@ -69,15 +69,17 @@ class RolloutService:
         self.agents: AgentLoop | None = None  # set by attach() when the engine has a tokenizer
         self.engine_failure: BaseException | None = None  # set when the engine died under requests
 
-    def _engine(self) -> Engine:
+    def _engine(self) -> tuple[Engine, bool]:
+        """The engine (not started) and whether it sleeps while a colocated trainer steps."""
         model_dir = resolve_model(self.cfg.model, self.cfg.cache_dir or None, seed=self.loaded.run.seed)
-        return build_engine(self.cfg.engine, model_dir)
+        section = concrete_engine(self.cfg.engine, str(model_dir))  # "auto" decided once, here
+        return build_engine(section, model_dir), section.enable_sleep_mode
 
     async def run(self, ctx: ServiceContext) -> None:
 
-        engine = await asyncio.to_thread(self._engine)
+        engine, sleeps = await asyncio.to_thread(self._engine)
         await engine.start()
-        if getattr(concrete_engine(self.cfg.engine, self.cfg.model), "enable_sleep_mode", False):
+        if sleeps:
             DEVICE_SHARE.register(engine)  # asleep while a colocated trainer steps (services/lib/colocation.py)
         self.attach(engine, engine.tokenizer, SandboxClient(
             ctx.nc, ctx.run_id, timeout_s=self.cfg.agent.sandbox_timeout_s,
