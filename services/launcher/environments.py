@@ -70,14 +70,9 @@ def _auto_wants_vllm(section: dict[str, Any], engine: dict[str, Any]) -> bool:
     return True
 
 
-def has_vllm() -> bool:
-    """Whether this interpreter can import vLLM (a real package: a stray ``vllm`` directory does not count)."""
-    return vllm_available()
-
-
 def vllm_python() -> str:
     """The interpreter of an environment with vLLM: this one, ``$RLBUS_VLLM_PYTHON`` or ``.venv-vllm``."""
-    if has_vllm():
+    if vllm_available():
         return sys.executable
     explicit = os.environ.get(VLLM_PYTHON_ENV, "")
     if explicit:

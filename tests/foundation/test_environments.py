@@ -8,6 +8,7 @@ import pytest
 
 from services.launcher import environments
 from services.launcher.environments import MissingEnvironment, needs_vllm, python_for
+from services.lib.engine.vllm_config import vllm_available
 
 VLLM_TREE = {"services": {"rollout": {"engine": {"type": "vllm"}}, "trainer": {}}}
 
@@ -24,7 +25,7 @@ def test_only_parts_with_a_vllm_engine_need_it():
 
 
 def test_the_vllm_environment_is_found_or_the_error_says_how_to_install_it(tmp_path, monkeypatch):
-    if environments.has_vllm():
+    if vllm_available():
         pytest.skip("this environment has vLLM itself: every service runs here (the case tested is its absence)")
     monkeypatch.setattr(environments, "REPO", tmp_path)  # a checkout without .venv-vllm
     monkeypatch.delenv(environments.VLLM_PYTHON_ENV, raising=False)
@@ -45,7 +46,7 @@ def test_the_vllm_environment_is_found_or_the_error_says_how_to_install_it(tmp_p
 def test_auto_engine_runs_the_rollout_under_vllm_for_models_of_its_size(tmp_path, monkeypatch):
     """``engine = { type = "auto" }`` (the default) needs vLLM's environment for a >= 50 M model only, and
     only where such an environment exists (else the rollout serves with the torch engine, saying why)."""
-    if environments.has_vllm():
+    if vllm_available():
         pytest.skip("this environment has vLLM itself: every service runs here (the case tested is its absence)")
     monkeypatch.setattr(environments, "REPO", tmp_path)
     monkeypatch.delenv(environments.VLLM_PYTHON_ENV, raising=False)
