@@ -88,6 +88,7 @@ class ServiceContext:
     async def report(self, values: dict[str, float], step: int = -1) -> None:
         """Publish a metrics report (channel METRICS) and keep the values as heartbeat gauges."""
         self.gauges.update(values)
+        metrics.follow_gauges(self.gauges)  # a reported figure is scrapeable at once, not from the next beat
         msg = MetricsReport(run_id=self.run_id, service=self.name, instance=self.instance, step=step, values=values)
         try:
             await self.publish(catalog.METRICS, msg, self.name)

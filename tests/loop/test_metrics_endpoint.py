@@ -80,8 +80,13 @@ def test_each_service_serves_metrics_that_move(tmp_path, loop_model_dir):
             scraped = scrape(ports[service])
             assert (value(scraped, "rlbus_messages_handled_total", consumer=f"{service}-*") or 0) > 0, \
                 (service, names(scraped))
-        rollout = scrape(ports["rollout"])
-        assert any(n.startswith("rlbus_rollout_") for n in names(rollout)), names(rollout)
+        # the rollout's engine figures come with its first report (every report_every_s)
+        def rollout_reported() -> list | None:
+            samples = scrape(ports["rollout"])
+            return samples if value(samples, "rlbus_rollout_tokens_per_s") is not None else None
+
+        rollout = wait_for(rollout_reported, 60, "the rollout's engine figures on its endpoint")
+        assert value(rollout, "rlbus_rollout_pending_requests") is not None, names(rollout)
         assert value(rollout, "rlbus_metrics_port", service="rollout") == ports["rollout"]
         # every series the Grafana dashboard in deploy/ queries is one a service serves (failure counters
         # appear with their first event, so they are named here rather than observed)
