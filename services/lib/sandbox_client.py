@@ -6,7 +6,8 @@ from the id); ``list`` is a scatter/gather over every instance. Each method retu
 or raises :class:`SandboxClientError` carrying the service's :class:`proto.sandbox.ErrorReply`
 (transport failures are turned into one too: no instance → ``unavailable`` for creates and
 ``not_found`` for a sandbox whose instance is gone, with ``instance_gone`` set; no answer in time →
-:class:`SandboxTimeout`).
+:class:`SandboxTimeout`, unless a probe of the owning instance then finds no one serving it: an instance
+killed while it held the request never answers, and that too is ``instance_gone``).
 
 Usage::
 
@@ -88,16 +89,18 @@ class SandboxClient:
     """Typed request/reply with the sandbox instances of one run (see the module docstring)."""
 
     def __init__(self, nc: Client, run_id: str, *, timeout_s: float = 60.0, default_exec_timeout_s: float = 60.0,
-                 exec_margin_s: float = 10.0, list_window_s: float = 0.5) -> None:
+                 exec_margin_s: float = 10.0, list_window_s: float = 0.5, probe_timeout_s: float = 5.0) -> None:
         """``timeout_s``: how long to wait for a reply to anything but a foreground exec; a foreground exec
         waits for its own ``timeout_s`` (or ``default_exec_timeout_s``, the service's default) plus
-        ``exec_margin_s``; ``list_window_s``: how long ``list`` waits for one more instance to answer."""
+        ``exec_margin_s``; ``list_window_s``: how long ``list`` waits for one more instance to answer;
+        ``probe_timeout_s``: how long the probe of an instance that did not answer in time waits."""
         self.nc = nc
         self.run_id = run_id
         self.timeout_s = timeout_s
         self.default_exec_timeout_s = default_exec_timeout_s
         self.exec_margin_s = exec_margin_s
         self.list_window_s = list_window_s
+        self.probe_timeout_s = probe_timeout_s
 
     # --- the generic call ------------------------------------------------------------------------
 
@@ -140,6 +143,8 @@ class SandboxClient:
                 raise SandboxClientError(verb, self._no_responders(req),
                                          instance_gone=not isinstance(req, api.CreateRequest)) from None
             except nats.errors.TimeoutError:
+                if not isinstance(req, api.CreateRequest) and await self._owner_gone(subject, req):
+                    raise SandboxClientError(verb, self._no_responders(req), instance_gone=True) from None
                 raise SandboxTimeout(verb, api.ErrorReply(
                     run_id=self.run_id, code="unavailable", sandbox_id=getattr(req, "sandbox_id", None),
                     message=f"no reply on {subject} within {timeout:.1f}s (the instance is overloaded or gone); "
@@ -149,6 +154,19 @@ class SandboxClient:
         if isinstance(reply, api.ErrorReply):
             raise SandboxClientError(verb, reply)
         return reply
+
+    async def _owner_gone(self, subject: str, req: Any) -> bool:
+        """After ``req`` went unanswered: whether its owning instance has stopped serving. The probe reads no
+        file of the target (a request with no side effects); only the server's "no responders" says gone,
+        an answer or a further silence (an overloaded instance) does not."""
+        probe = api.ReadFilesRequest(run_id=self.run_id, sandbox_id=self.target_of(req), paths=[])
+        try:
+            await self.nc.request(subject, codec.encode(probe), timeout=self.probe_timeout_s)
+        except nats.errors.NoRespondersError:
+            return True
+        except nats.errors.TimeoutError:
+            return False
+        return False
 
     def _no_responders(self, req: Any) -> api.ErrorReply:
         if isinstance(req, api.CreateRequest):

@@ -19,6 +19,14 @@ safety net for a sandbox nobody destroys (a crashed judge, a duplicate rollout).
 **Failures stay local.** A sandbox that fails or stops answering ends only its own rollout, with
 ``finish_reason = "error"`` and the reason in ``error``; the rollout is still published (it reaches the judge,
 which scores it 0 and says why, and the trainer's accounting).
+
+**A lost instance costs no rollout.** When the sandbox instance that owns the episode's sandbox stops or
+crashes (the client says ``instance_gone``), the sandbox and everything in it are gone: the episode starts
+again from its beginning on a new sandbox (the create reaches a live instance), up to
+``AgentSection.sandbox_retries`` times, each attempt with its own wall time. The backends keep no snapshot
+outside the instance, so there is nothing nearer to resume from; the engine's work for the lost attempt is
+the price. The rollout records how often it was retried (``AgentOutcome.sandbox_retries``, counter
+``sandbox_retries``).
 """
 
 from __future__ import annotations
@@ -138,6 +146,8 @@ class AgentOutcome:
     #: True when the sandbox was handed to the judge (alive, paused, lease extended)
     handed_off: bool = False
     assistant_texts: list[str] = field(default_factory=list)
+    #: times the episode started again on a new sandbox because its sandbox's instance was gone
+    sandbox_retries: int = 0
 
 
 class AgentLoop:
@@ -150,22 +160,48 @@ class AgentLoop:
         self.cfg = cfg
         self.frame = ChatFrame(tokenizer, cfg.observation_role)
         self.active = 0
-        self.counters = {"rollouts": 0, "tool_calls": 0, "errors": 0, "wall_time": 0}
+        self.counters = {"rollouts": 0, "tool_calls": 0, "errors": 0, "wall_time": 0, "sandbox_retries": 0}
 
     async def run(self, task: AgentTask, prompt: Prompt, prompt_ids: list[int], params: SamplingParams,
                   labels: dict[str, str] | None = None) -> AgentOutcome:
         """One episode. Sandbox failures and requests the engine refuses end the rollout with an error
-        instead of raising; anything else (the engine stopping, cancellation) propagates after the
+        instead of raising (a sandbox lost with its instance first starts the episode again, up to
+        ``sandbox_retries`` times); anything else (the engine stopping, cancellation) propagates after the
         sandbox is destroyed."""
         self.active += 1
+        try:
+            retries = 0
+            while True:
+                out, gone = await self._attempt(task, prompt, prompt_ids, params, labels or {})
+                if not gone or retries >= self.cfg.sandbox_retries:
+                    break
+                retries += 1
+                self.counters["sandbox_retries"] += 1
+                log.warning("agent rollout %s lost its sandbox with the sandbox instance (%s); starting the episode "
+                            "again on a new sandbox (retry %d of %d)", prompt.id, out.error, retries,
+                            self.cfg.sandbox_retries)
+            out.sandbox_retries = retries
+        finally:
+            self.active -= 1
+        if out.error is not None:
+            self.counters["errors"] += 1
+            log.warning("agent rollout %s ended with an error: %s", prompt.id, out.error)
+        self.counters["rollouts"] += 1
+        return out
+
+    async def _attempt(self, task: AgentTask, prompt: Prompt, prompt_ids: list[int], params: SamplingParams,
+                       labels: dict[str, str]) -> tuple[AgentOutcome, bool]:
+        """The episode from its start on a new sandbox; also says whether it failed because the sandbox's
+        instance is gone (then the sandbox went with it: nothing to destroy)."""
         out = AgentOutcome(turns=[], finish_reason="error")
         written: set[str] = set()
         settled = False
+        gone = False
         try:
             try:
                 async with asyncio.timeout(self.cfg.wall_time_s):
-                    with tracing.span("agent loop", **(labels or {})):
-                        await self._episode(task, prompt, prompt_ids, params, labels or {}, out, written)
+                    with tracing.span("agent loop", **labels):
+                        await self._episode(task, prompt, prompt_ids, params, labels, out, written)
             except TimeoutError:
                 out.finish_reason = "wall_time"
                 self.counters["wall_time"] += 1
@@ -176,18 +212,14 @@ class AgentLoop:
             settled = True
         except (SandboxClientError, AgentSandboxError) as e:
             out.finish_reason, out.error = "error", f"sandbox: {e}"
+            gone = isinstance(e, SandboxClientError) and e.instance_gone
             settled = True
         finally:
-            self.active -= 1
             if not settled and out.sandbox_id is not None:
                 await self.destroy_quietly(out.sandbox_id)
-        if out.error is not None:
-            self.counters["errors"] += 1
-            log.warning("agent rollout %s ended with an error: %s", prompt.id, out.error)
-            if out.sandbox_id is not None:
-                await self.destroy_quietly(out.sandbox_id)
-        self.counters["rollouts"] += 1
-        return out
+        if out.error is not None and out.sandbox_id is not None and not gone:
+            await self.destroy_quietly(out.sandbox_id)
+        return out, gone
 
     async def _episode(self, task: AgentTask, prompt: Prompt, prompt_ids: list[int], params: SamplingParams,
                        labels: dict[str, str], out: AgentOutcome, written: set[str]) -> None:

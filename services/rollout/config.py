@@ -117,6 +117,11 @@ class AgentSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     handoff: bool = True
     #: lease the judge gets on a handed-off sandbox (seconds); an unclaimed sandbox goes when it expires
     handoff_lease_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    #: times an episode starts again from its beginning, on a new sandbox, when the sandbox instance that
+    #: owned its sandbox stops or crashes (the rollout counts as retried: ``rollout/agent_sandbox_retries``
+    #: and the rollout's ``metadata["sandbox_retries"]``); each attempt has its own ``wall_time_s``. Past
+    #: them the rollout ends with ``finish_reason = "error"`` and the reason, as any sandbox failure does
+    sandbox_retries: Annotated[int, msgspec.Meta(ge=0)] = 2
     sandbox: SandboxSection = msgspec.field(default_factory=SandboxSection)
 
 

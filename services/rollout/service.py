@@ -171,7 +171,8 @@ class RolloutService:
                 **({} if self.agents is None else {
                     "rollout/agent_loops": float(self.agents.active),
                     "rollout/agent_tool_calls": float(self.agents.counters["tool_calls"]),
-                    "rollout/agent_errors": float(self.agents.counters["errors"])}),
+                    "rollout/agent_errors": float(self.agents.counters["errors"]),
+                    "rollout/agent_sandbox_retries": float(self.agents.counters["sandbox_retries"])}),
             })
 
     async def handle(self, ctx: ServiceContext, ticket: PromptTicket, d: Delivery[PromptTicket]) -> None:
@@ -232,6 +233,8 @@ class RolloutService:
                 log.warning("agent loop failed for %s/%d: %s", ticket.group_id, i, out)
                 rollout = Rollout(**common, turns=[], finish_reason="error", error=f"{type(out).__name__}: {out}")
             else:
+                if out.sandbox_retries:  # started again on a new sandbox after losing its instance
+                    common["metadata"] = {**common["metadata"], "sandbox_retries": str(out.sandbox_retries)}
                 rollout = Rollout(**common, turns=out.turns, finish_reason=out.finish_reason,
                                   sandbox_id=out.sandbox_id, error=out.error)
             ack = await ctx.publish(catalog.ROLLOUTS, rollout)
