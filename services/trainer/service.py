@@ -149,7 +149,9 @@ class Trainer:
             self.state.version += 1
             with tracing.span("publish weights", version=self.state.version):
                 publish_s = await self._send_weights()  # durable before anything is acked
+        t_commit = time.perf_counter()
         await self._commit(groups, failed, samples)
+        metrics["time/commit_s"] = time.perf_counter() - t_commit  # outcomes, state, acks
         if self.cfg.checkpoint_every and self.state.step % self.cfg.checkpoint_every == 0:
             await self._checkpoint()
         metrics.update({
