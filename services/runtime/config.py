@@ -43,6 +43,13 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or of the wrong type."""
 
 
+#: one value of a task's options (``task_options`` of the trainer, the rollout and the judge): a scalar or
+#: a list of scalars (``reward = ["mypkg.rewards:exact", "rlbus.rewards:format"]``, ``stop = ["\\n"]``);
+#: which keys take a list, and whether a comma-separated string is read as one, is the task's to say
+TaskScalar = int | float | str | bool
+TaskOption = TaskScalar | list[TaskScalar]
+
+
 class RunSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: run id: a NATS subject token scoping every subject, consumer and key of this run
     id: str = "default"

@@ -10,6 +10,10 @@
   from before DCP fills in the state), gathered onto and written by rank 0;
 * ``extra.pt`` (learning-rate schedule, RNG) and ``trainer_state.json`` (the bookkeeping).
 
+With LoRA (``lora`` set) the checkpoint holds the adapters only: DCP saves the adapter tensors and their
+optimiser moments, ``adapter/`` is the peft adapter directory, and no model directory is written (a
+restarted trainer builds the base model from ``model`` again and loads the adapters into it).
+
 The directory is written under a temporary name and renamed into place by rank 0 once every rank
 has written its shard; ``latest`` then points at it, and the two newest are kept. DCP needs a
 filesystem every rank sees (one host here; a shared filesystem across nodes).
@@ -62,8 +66,13 @@ def write(learner: Learner, path: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     out = Path(path)
-    save_hf_local(learner, out)  # first: it writes the directory as a whole
     model_sd, optim_sd = get_state_dict(learner.model, learner.optimizer)
+    if learner.lora is not None:  # the adapters, not the frozen base
+        out.mkdir(parents=True, exist_ok=True)
+        learner.save_adapter(out / "adapter")
+        model_sd = _adapters_only(model_sd)
+    else:
+        save_hf_local(learner, out)  # first: it writes the directory as a whole
     with _one_process_quiet():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out / "dcp"))
 
@@ -74,7 +83,16 @@ def save_hf(learner: Learner, out: Path) -> Path:
     return out
 
 
+def _adapters_only(model_sd: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in model_sd.items() if "lora_" in k}
+
+
 def save_hf_local(learner: Learner, out: str | Path) -> None:
+    if learner.lora is not None:  # one rank: the adapters merged into a plain model directory
+        from services.trainer.lora import merged_state
+
+        save_policy(learner.model.get_base_model(), learner.tokenizer, out, state_dict=merged_state(learner.model))
+        return
     if learner.world_size == 1:
         save_policy(learner.model, learner.tokenizer, out)
         return
@@ -96,14 +114,15 @@ def read(learner: Learner, path: str) -> None:
     ckpt = Path(path)
     if (ckpt / "dcp").is_dir():
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(learner.model, learner.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        lora = learner.lora is not None
+        state = {"model": _adapters_only(model_sd) if lora else model_sd, "optim": optim_sd}
         with _one_process_quiet():
             dcp.load(state, checkpoint_id=str(ckpt / "dcp"))
         set_state_dict(learner.model, learner.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=StateDictOptions(strict=not lora))
         extra = torch.load(ckpt / "extra.pt", weights_only=False)
     else:  # a checkpoint written before sharded checkpoints (one rank): the optimiser in optimizer.pt
         extra = torch.load(ckpt / "optimizer.pt", weights_only=False)

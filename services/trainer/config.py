@@ -7,9 +7,27 @@ from typing import Annotated, Literal
 import msgspec
 
 from services.lib.weights.config import StoreTransportConfig, TransportConfig
+from services.runtime.config import TaskOption
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+
+#: the linear layers of Llama/Qwen/Mistral-style decoders
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[services.trainer] lora = { r, alpha, dropout, target_modules }``: train low-rank adapters (peft)
+    instead of every weight; only the adapters travel to the engines per version."""
+
+    #: rank of the adapter matrices
+    r: Annotated[int, msgspec.Meta(ge=1)] = 8
+    #: scale numerator: the update is (alpha / r) · B A
+    alpha: Annotated[float, msgspec.Meta(gt=0)] = 16.0
+    #: dropout on the adapter's input during training
+    dropout: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
+    #: names (suffixes) of the linear modules that get adapters
+    target_modules: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -23,7 +41,14 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dtype: Literal["float32", "bfloat16"] = "float32"
     #: task name from the task registry, and its options
     task: str = "addition"
-    task_options: dict[str, int | float | str | bool] = {}
+    task_options: dict[str, TaskOption] = {}
+
+    #: LoRA adapters instead of full fine-tuning (absent: every weight trains): { r = 8, alpha = 16.0,
+    #: dropout = 0.0, target_modules = ["q_proj", ...] }. Weight versions then carry only the adapters (the
+    #: engines merge them into their base weights); checkpoints hold the adapters and their optimiser state;
+    #: the final model is saved merged (final_model/) and as a peft adapter directory (final_adapter/).
+    #: The KL reference (kl_coef > 0) is the base model (adapters disabled). One rank only (world_size = 1)
+    lora: LoraConfig | None = None
 
     # --- batch and sampling ---
     #: prompt groups per optimiser step
@@ -104,6 +129,11 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: { type = "inproc" } (trainer and rollout colocated: ``[launcher] services = { "trainer+rollout" = 1 }``).
     #: See services/lib/weights/config.py for every field.
     transport: TransportConfig = msgspec.field(default_factory=StoreTransportConfig)
+
+    def __post_init__(self) -> None:
+        if self.lora is not None and self.world_size > 1:
+            raise ValueError("lora trains on one rank only: set world_size = 1 or remove lora "
+                             "(FSDP sharding of adapters is not supported yet)")
 
     @property
     def max_groups_in_flight(self) -> int:

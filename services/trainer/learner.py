@@ -14,6 +14,10 @@ collective operation (a step, gathering the weights, a checkpoint) is sent by ra
 ranks as a command (:mod:`services.trainer.ranks`) and then run by all of them together, so every
 rank issues the same collectives in the same order. A step sends the whole batch to every rank;
 each takes its share (:mod:`services.trainer.batching`).
+
+LoRA (``lora`` set; one rank): the model is wrapped with peft adapters (:mod:`services.trainer.lora`), only
+they train, :meth:`Learner.state_dict` is the adapter version engines merge, and the KL reference is the
+same model with its adapters disabled (the base), so no second copy of the model is loaded.
 """
 
 from __future__ import annotations
@@ -152,6 +156,11 @@ class Learner:
         self.bf16 = cfg.dtype == "bfloat16"
         # float32 master weights; bf16 only in the forward/backward (autocast, or FSDP's policy)
         self.model, self.tokenizer = load_policy(model_dir, dtype="float32", device=device)
+        self.lora = cfg.lora
+        if self.lora is not None:
+            from services.trainer.lora import apply_lora
+
+            self.model = apply_lora(self.model, self.lora)
         self.model.train()
         self.model.config.use_cache = False
         if cfg.gradient_checkpointing:
@@ -166,7 +175,7 @@ class Learner:
         self.scheduler = build_lr_schedule(self.optimizer, cfg.lr_schedule, cfg.lr_warmup_steps,
                                            cfg.total_steps if cfg.lr_schedule != "constant" else None)
         self.ref_model = None
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 and self.lora is None:  # with LoRA the reference is the base: adapters disabled
             # the initial policy (``ref_dir``), also when the policy itself comes from a checkpoint
             self.ref_model, _ = load_policy(ref_dir or model_dir, dtype=cfg.dtype, device=self.placement.ref_device)
             self.ref_model.eval().requires_grad_(False)
@@ -255,9 +264,11 @@ class Learner:
         width = logprobs.shape[1]
         behaviour_lp = _pad([inp.behaviour[i] for i in rows], width).to(logprobs.device)
         ref_lp = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref_lp, _ = sequence_logprobs(self.ref_model, prompts, completions, completion_masks=masks,
+        if cfg.kl_coef > 0:
+            ref_model = self.ref_model if self.ref_model is not None else self.model
+            base = self.model.disable_adapter() if self.ref_model is None else contextlib.nullcontext()
+            with torch.no_grad(), base:
+                ref_lp, _ = sequence_logprobs(ref_model, prompts, completions, completion_masks=masks,
                                               pad_token_id=self.pad_id, temperature=cfg.temperature)
             ref_lp = ref_lp.to(logprobs.device)
         advantages = torch.tensor([inp.advantages[i] for i in rows], dtype=torch.float32, device=logprobs.device)
@@ -285,6 +296,10 @@ class Learner:
         return self._all("full_state_dict")
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.lora is not None:  # the adapters only (services/lib/weights/lora_merge.py)
+            from services.trainer.lora import wire_state
+
+            return wire_state(self.model, self.lora, torch.bfloat16 if self.bf16 else None)
         if self.world_size == 1:
             sd = {k: v.detach() for k, v in self.model.state_dict().items()}
         else:
@@ -304,6 +319,16 @@ class Learner:
         self.group.guarded(self._on_device, self.load_full_weights, state_dict)
 
     def load_full_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        if self.lora is not None:
+            from services.lib.weights.lora_merge import is_adapter
+            from services.trainer.lora import load_wire_state
+
+            if not is_adapter(state_dict):
+                raise CheckpointError("lora is set but the weights to load are a full state dict, not an adapter "
+                                      "version (did this run train without lora before?): remove lora, or start "
+                                      "a fresh run")
+            load_wire_state(self.model, state_dict)
+            return
         if self.world_size == 1:
             self.model.load_state_dict(state_dict, strict=False)
             return
@@ -315,10 +340,20 @@ class Learner:
             full_state_dict=True, broadcast_from_rank0=True, strict=False))
 
     def save_pretrained(self, out: Path) -> Path:
-        """The model as a Hugging Face directory (float32 master weights), written by rank 0."""
+        """The model as a Hugging Face directory (float32 master weights), written by rank 0; with LoRA the
+        adapters merged in."""
         from services.trainer import checkpoint
 
         return checkpoint.save_hf(self, out)
+
+    def save_adapter(self, out: Path) -> Path:
+        """LoRA only: the adapters as a peft directory (``adapter_config.json`` + safetensors)."""
+        from services.trainer.lora import save_adapter
+
+        if self.lora is None:
+            raise CheckpointError("save_adapter needs lora: this learner trains every weight")
+        save_adapter(self.model, out)
+        return out
 
     # --- checkpoints (services/trainer/checkpoint.py) --------------------------------------------
 

@@ -1,41 +1,33 @@
-"""LoRA adapters for the policy, through ``peft`` (not yet wired into the trainer service; see below).
+"""LoRA adapters for the policy, through ``peft`` (``[services.trainer] lora = { r, alpha, dropout, target_modules }``).
 
 With LoRA the optimiser trains two small matrices per targeted linear layer, ``A`` (r × in) and ``B``
 (out × r), and the layer computes ``W x + (alpha / r) · B A x`` with ``W`` frozen. What that buys an RL
 loop is measured by ``bench/lora.py``: the bytes one weight version costs on the bus when only the
 adapter travels, against full weights (and their sparse deltas), and the optimiser step time.
 
-This module is the library part: :func:`apply_lora` wraps a Hugging Face causal LM, :func:`adapter_state`
-is what would travel per version, :func:`merged_state` is the full state dict (original names) that
-engines load today, and :func:`save_adapter` / :func:`save_merged` are the two forms of a final model.
-Still to do for the service: a ``lora`` key in the trainer's config, the learner building its model with
-:func:`apply_lora`, and engines applying adapter versions (torch engine: merge into its weights; vLLM: its
-LoRA support) so that only :func:`adapter_state` is sent.
+:func:`apply_lora` wraps a Hugging Face causal LM (the learner's model when ``lora`` is set);
+:func:`wire_state` is what travels per weight version (the adapter tensors in the form of
+:mod:`services.lib.weights.lora_merge`, which engines merge into the base weights they keep) and
+:func:`load_wire_state` puts such a version back into the wrapped model (a resumed trainer);
+:func:`merged_state` is the full state dict under the base model's names; :func:`save_adapter` /
+:func:`save_merged` are the two forms of a final model.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import msgspec
 import torch
 
-#: the linear layers of Llama/Qwen/Mistral-style decoders
-DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from services.lib.weights import lora_merge
+from services.trainer.config import DEFAULT_LORA_TARGETS as DEFAULT_TARGETS
+from services.trainer.config import LoraConfig
 
+__all__ = ["DEFAULT_TARGETS", "LoraConfig", "LoraError", "adapter_state", "apply_lora", "load_wire_state",
+           "merged_state", "save_adapter", "save_merged", "wire_state"]
 
-class LoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """LoRA settings (what ``[services.trainer] lora = { ... }`` would hold)."""
-
-    #: rank of the adapter matrices
-    r: Annotated[int, msgspec.Meta(ge=1)] = 8
-    #: scale numerator: the update is (alpha / r) · B A
-    alpha: Annotated[float, msgspec.Meta(gt=0)] = 16.0
-    #: dropout on the adapter's input during training
-    dropout: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
-    #: names (suffixes) of the linear modules that get adapters
-    target_modules: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_TARGETS))
+_PREFIX = "base_model.model."
 
 
 class LoraError(ValueError):
@@ -68,7 +60,43 @@ def adapter_state(model: Any) -> dict[str, torch.Tensor]:
 
 
 def _base_name(key: str) -> str:
-    return key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    return key.removeprefix(_PREFIX).replace(".base_layer.", ".")
+
+
+def wire_state(model: Any, cfg: LoraConfig, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The adapter as one weight version (:mod:`services.lib.weights.lora_merge`'s form): per adapted
+    weight ``<name>.lora_A`` / ``<name>.lora_B`` (cast to ``dtype`` if given) and the settings."""
+    pairs: dict[str, list[torch.Tensor]] = {}
+    for key, t in adapter_state(model).items():
+        for half, index in ((".lora_A.weight", 0), (".lora_B.weight", 1)):
+            if key.endswith(half):
+                name = key.removeprefix(_PREFIX)[: -len(half)] + ".weight"
+                pairs.setdefault(name, [torch.empty(0), torch.empty(0)])[index] = t if dtype is None else t.to(dtype)
+    targets = sorted(model.peft_config["default"].target_modules)
+    meta = lora_merge.AdapterMeta(r=cfg.r, alpha=cfg.alpha, target_modules=targets)
+    return lora_merge.pack({k: (a, b) for k, (a, b) in pairs.items()}, meta)
+
+
+def load_wire_state(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Load an adapter version (:func:`wire_state`'s form) into the wrapped ``model``; its rank and
+    adapted weights must be the model's."""
+    from peft import set_peft_model_state_dict
+
+    meta, pairs = lora_merge.unpack(state)
+    ours = adapter_state(model)
+    peft_sd: dict[str, torch.Tensor] = {}
+    for name, (a, b) in pairs.items():
+        stem = _PREFIX + name.removesuffix(".weight")
+        peft_sd[stem + ".lora_A.weight"], peft_sd[stem + ".lora_B.weight"] = a, b
+    if peft_sd.keys() != ours.keys():
+        odd = sorted(peft_sd.keys() ^ ours.keys())
+        raise LoraError(f"the adapter version does not match this model's adapters (r = {meta.r}; differs at "
+                        f"{odd[:2]}): lora.r and lora.target_modules must be the run's")
+    for k, t in peft_sd.items():
+        if tuple(t.shape) != tuple(ours[k].shape):
+            raise LoraError(f"adapter tensor {k} has shape {tuple(t.shape)}, this model's {tuple(ours[k].shape)}: "
+                            "lora.r must be the run's")
+    set_peft_model_state_dict(model, {k: t.to(ours[k].dtype) for k, t in peft_sd.items()})
 
 
 def merged_state(model: Any) -> dict[str, torch.Tensor]:

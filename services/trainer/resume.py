@@ -56,9 +56,11 @@ def load(cfg: TrainerConfig, checkpoints: Path, seed: int, placement: Placement 
     of the checkpoint (written by any number of ranks)."""
     task = get_task(cfg.task, **cfg.task_options)
     ckpt = Learner.latest_checkpoint(checkpoints)
-    model_dir = ckpt or resolve_model(cfg.model, cfg.cache_dir or None, seed=seed)
-    # the KL reference is the initial policy, not the checkpoint's
-    ref_dir = resolve_model(cfg.model, cfg.cache_dir or None, seed=seed) if ckpt and cfg.kl_coef > 0 else None
+    # a LoRA checkpoint holds adapters only: the model is the configured base again, the adapters load into it
+    model_dir = ckpt if ckpt and cfg.lora is None else resolve_model(cfg.model, cfg.cache_dir or None, seed=seed)
+    # the KL reference is the initial policy, not the checkpoint's (LoRA: the base, adapters disabled)
+    ref_dir = (resolve_model(cfg.model, cfg.cache_dir or None, seed=seed)
+               if ckpt and cfg.kl_coef > 0 and cfg.lora is None else None)
     if group is not None:
         group.init(model_dir, ref_dir)
     learner = Learner(cfg, model_dir, placement, init_method=group.init_method if group else "", group=group,

@@ -234,11 +234,16 @@ class Trainer:
         await self._start_eval()
         await self.evals.wait_all(self.ctx.stop)
         final = self.run_dir / "final_model"
-        await asyncio.to_thread(self.learner.save_pretrained, final)
+        await asyncio.to_thread(self.learner.save_pretrained, final)  # LoRA: adapters merged in
+        extra = {}
+        if self.cfg.lora is not None:  # and the adapters on their own, as a peft directory
+            extra["final_adapter"] = str(await asyncio.to_thread(self.learner.save_adapter,
+                                                                 self.run_dir / "final_adapter"))
         await self._checkpoint()
         self.state.state, self.state.final_model = "finished", str(final)
         summary = {"step": self.state.step, "version": self.state.version, "eval_history": self.state.eval_history,
-                   "counters": self.state.counters, "wall_s": time.time() - self.started, "final_model": str(final)}
+                   "counters": self.state.counters, "wall_s": time.time() - self.started, "final_model": str(final),
+                   **extra}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         await self.save_state()
         log.info("finished: %d steps, final model in %s", self.state.step, final)

@@ -22,6 +22,9 @@ An in-flight update recomputes the running rows' KV cache under the new weights
 preempting them): no token attends to keys and values of older weights, so each
 token's logprob is exactly that of the version it carries.
 
+A LoRA run's versions carry adapters only (:mod:`services.lib.weights.lora_merge`): the engine keeps the
+base of each adapted weight (copied on the first adapter) and loads base + B A · alpha / r.
+
 The engine's settings are :class:`~services.lib.engine.torch_config.TorchEngineConfig`.
 """
 
@@ -54,6 +57,7 @@ from services.lib.engine.kv_cache import PaddedBatchCache, cache_kwarg
 from services.lib.engine.prefill import left_padded, prefill_chunks
 from services.lib.engine.sampling import DecodeState, sample_tokens
 from services.lib.engine.torch_config import DTYPES, TorchEngineConfig
+from services.lib.weights.lora_merge import AdapterFormatError, AdapterMerger, is_adapter
 
 log = logging.getLogger("rlbus.rollout.torch_engine")
 
@@ -171,6 +175,8 @@ class TorchEngine:
         self._max_positions = getattr(text_config, "max_position_embeddings", None)
         self._vocab_size = text_config.vocab_size
         self._targets = model.state_dict(keep_vars=True)
+        self._adapters = AdapterMerger(lambda names: {n: self._targets[n].detach() for n in names},
+                                       {k: tuple(v.shape) for k, v in self._targets.items()})
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if self._tokenizer is not None and self._tokenizer.eos_token_id is not None:
@@ -241,6 +247,21 @@ class TorchEngine:
         """
         if not self._running:
             raise EngineNotRunningError("the torch engine is not running; call start() first")
+        if is_adapter(state_dict):  # a LoRA version: merged into the kept base weights when applied
+            try:
+                self._adapters.check(state_dict)
+            except AdapterFormatError as exc:
+                raise WeightUpdateError(f"adapter version {version}: {exc}") from exc
+        else:
+            self._check_names_and_shapes(state_dict)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        with self._cond:
+            self._updates.append(_WeightUpdate(dict(state_dict), version, loop, future))
+            self._cond.notify()
+        await future
+
+    def _check_names_and_shapes(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         unknown = [k for k in state_dict if k not in self._targets]
         if unknown:
             raise WeightUpdateError(f"unknown tensor names {unknown[:5]} (of {len(unknown)}); "
@@ -250,12 +271,6 @@ class TorchEngine:
             k = bad[0]
             raise WeightUpdateError(f"shape mismatch for {k}: got {tuple(state_dict[k].shape)}, "
                                     f"model has {tuple(self._targets[k].shape)}")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-        with self._cond:
-            self._updates.append(_WeightUpdate(dict(state_dict), version, loop, future))
-            self._cond.notify()
-        await future
 
     # ------------------------------------------------------------------ sleep / wake (colocation)
     async def sleep(self) -> None:
@@ -407,9 +422,13 @@ class TorchEngine:
     def _apply_update(self, update: _WeightUpdate) -> None:
         try:
             with torch.no_grad():
+                if is_adapter(update.tensors):
+                    update.tensors = self._adapters.merged(update.tensors)
+                else:
+                    self._adapters.rebase(update.tensors)  # a full version: the new base of adapted weights
                 for name, tensor in update.tensors.items():
                     self._targets[name].copy_(tensor)
-        except (RuntimeError, TypeError) as exc:  # the update's caller hears of it; generation goes on
+        except (RuntimeError, TypeError, ValueError) as exc:  # the update's caller hears of it; generation goes on
             log.exception("weight update to version %d failed", update.version)
             resolve_threadsafe(update.loop, update.future, error=WeightUpdateError(
                 f"copying version {update.version} failed ({exc!r}); the model may hold a mix of versions "

@@ -17,6 +17,9 @@ CUDA: ``pip install rlbus[vllm]``). How the conventions of :mod:`services.lib.en
   prefix cache is reset (running requests are preempted and their KV recomputed by the new
   weights: unlike the torch engine, no token attends to KV of older weights), the version label
   is set and generation resumes.
+* **LoRA versions** (adapters only, :mod:`services.lib.weights.lora_merge`) are merged here, in the
+  engine's process, into base weights read once from ``model_dir`` (with the other parts of each fused
+  layer), and the merged layers load through the same path as full weights.
 * **Sleep/wake** (``enable_sleep_mode``) is GPU-only: vLLM on CPU has no sleep mode.
 """
 
@@ -66,6 +69,7 @@ class VllmEngine:
         self._targets: dict[str, tuple[int, ...]] = {}
         self._tied = False
         self._groups: dict[str, str] = {}
+        self._adapters: Any = None  # lora_merge.AdapterMerger, made on the first adapter version
         self._eos_ids: frozenset[int] = frozenset()
         self._vocab_size = 0
         self._max_len = 0
@@ -298,6 +302,12 @@ class VllmEngine:
         """
         if not self._running:
             raise EngineNotRunningError("the vllm engine is not running; call start() first")
+        from services.lib.weights import lora_merge
+
+        if lora_merge.is_adapter(state_dict):  # LoRA: the merged layers load like full weights
+            state_dict = await asyncio.to_thread(self._merge_adapter, state_dict, version)
+        elif self._adapters is not None:
+            self._adapters.rebase(state_dict)  # a full version: the new base of adapted weights
         unknown = [k for k in state_dict if k not in self._targets]
         if unknown:
             raise WeightUpdateError(f"unknown tensor names {unknown[:5]} (of {len(unknown)}); "
@@ -333,6 +343,22 @@ class VllmEngine:
                     await llm.resume_generation()
         log.info("applied weights version %d (%d tensors) in %.3f s, %d requests pending", version,
                  len(state_dict), time.perf_counter() - started, len(self._requests))
+
+    def _merge_adapter(self, state_dict: Mapping[str, Any], version: int) -> dict[str, Any]:
+        """The full tensors of every layer an adapter version touches (fused layers whole)."""
+        from services.lib.weights import lora_merge
+
+        if self._adapters is None:
+            self._adapters = lora_merge.AdapterMerger(
+                lambda names: lora_merge.read_tensors(self.config.model_dir, names), self._targets)
+        try:
+            _, pairs = self._adapters.check(state_dict)
+            touched = {self._groups[n] for n in pairs}
+            siblings = [k for k, g in self._groups.items() if g in touched and k not in pairs
+                        and not (self._tied and k == "lm_head.weight")]
+            return self._adapters.merged(state_dict, include=siblings)
+        except lora_merge.AdapterFormatError as exc:
+            raise WeightUpdateError(f"adapter version {version}: {exc}") from exc
 
     def _stage(self, state_dict: Mapping[str, Any], version: int) -> str:
         """Write the tensors (CPU, contiguous, tied ones de-duplicated) to a safetensors file the workers read."""

@@ -1,0 +1,145 @@
+"""LoRA wired through the learner, the weight version and the torch engine (real tiny Llama, CPU).
+
+* the learner trains adapters only and sends them as an adapter version, far smaller than the full state;
+* an engine given that adapter version samples with the same logprobs as one given the merged full weights
+  (peft's own merge), version after version (the base is kept, never merged twice);
+* a malformed adapter is refused and changes nothing;
+* a checkpoint holds the adapters and their optimiser moments: a learner resumed from it takes the same
+  next step as the one that kept going;
+* the config refuses lora with several ranks, naming the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import torch
+
+from services.lib.engine.base import SamplingParams, WeightUpdateError
+from services.lib.engine.torch_config import TorchEngineConfig
+from services.lib.engine.torch_engine import TorchEngine
+from services.lib.weights import lora_merge
+from services.runtime.config import ConfigError, convert
+from services.trainer import devices
+from services.trainer.config import TrainerConfig
+from services.trainer.learner import Learner, StepInput
+from services.trainer.lora import merged_state
+from tests.distributed.rank_script import batch
+
+LORA = {"r": 4, "alpha": 8.0}
+
+
+def _learner(model_dir, **keys) -> Learner:
+    cfg = msgspec.convert({"num_threads": 1, "device": "cpu", "lr": 1e-2, "lora": LORA, **keys}, TrainerConfig)
+    return Learner(cfg, model_dir, devices.resolve(cfg))
+
+
+def _nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+async def _logprobs(engine: TorchEngine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=11, ignore_eos=True)
+    results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+    return [(r.token_ids, r.logprobs) for r in results]
+
+
+def test_learner_sends_adapters_and_an_engine_merges_them_like_peft(loop_model_dir):
+    learner = _learner(loop_model_dir)
+    trainable = [n for n, p in learner.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    full_bytes = _nbytes({k: v for k, v in learner.model.get_base_model().state_dict().items()})
+    prompts = [[1, 5, 9, 3], [1, 7, 7, 4, 12], [1, 3]]
+
+    async def main() -> None:
+        cfg = TorchEngineConfig(model_dir=str(loop_model_dir), num_threads=1, seed=0)
+        adapted, merged = TorchEngine(cfg), TorchEngine(cfg)
+        await adapted.start()
+        await merged.start()
+        try:
+            for version in (1, 2):
+                metrics = learner.step_input(StepInput.of(batch(version), learner.cfg))
+                assert metrics["optim/grad_norm"] > 0
+                wire = learner.state_dict()
+                assert lora_merge.is_adapter(wire)
+                assert all(k == lora_merge.ADAPTER_KEY or k.endswith((".lora_A", ".lora_B")) for k in wire)
+                assert _nbytes(wire) < 0.2 * full_bytes
+                await adapted.update_weights(wire, version)
+                await merged.update_weights(merged_state(learner.model), version)
+                got, want = await _logprobs(adapted, prompts), await _logprobs(merged, prompts)
+                assert [t for t, _ in got] == [t for t, _ in want]
+                for (_, a), (_, b) in zip(got, want, strict=True):
+                    assert a == pytest.approx(b, abs=1e-5)
+            # version 2's adapters changed the sampled distribution: the comparison above had something to see
+            base = TorchEngine(cfg)
+            await base.start()
+            try:
+                assert [lp for _, lp in await _logprobs(base, prompts)] != [lp for _, lp in got]
+            finally:
+                await base.stop()
+
+            bad = dict(wire)
+            name = next(k for k in bad if k.endswith(".lora_A"))
+            bad[name] = torch.zeros(LORA["r"] + 1, bad[name].shape[1])
+            with pytest.raises(WeightUpdateError, match="lora_A"):
+                await adapted.update_weights(bad, 3)
+            assert adapted.version == 2
+        finally:
+            await adapted.stop()
+            await merged.stop()
+
+    asyncio.run(main())
+
+
+def test_resume_from_an_adapter_checkpoint_takes_the_same_next_step(loop_model_dir, tmp_path):
+    torch.manual_seed(0)
+    kept = _learner(loop_model_dir)
+    kept.step_input(StepInput.of(batch(1), kept.cfg))
+    ckpt = kept.save_checkpoint(tmp_path / "checkpoints", 1, {"step": 1})
+    assert (ckpt / "adapter" / "adapter_config.json").is_file()
+    assert not (ckpt / "model.safetensors").exists()  # no copy of the frozen base
+
+    resumed = _learner(loop_model_dir)  # the base model again: the checkpoint fills in the adapters
+    assert resumed.load_optimizer(ckpt) == {"step": 1}
+    before = {k: v.clone() for k, v in kept.state_dict().items()}  # views of live parameters otherwise
+    assert all(torch.equal(before[k], v) for k, v in resumed.state_dict().items())
+    kept.step_input(StepInput.of(batch(2), kept.cfg))
+    resumed.step_input(StepInput.of(batch(2), resumed.cfg))
+    after_kept, after_resumed = kept.state_dict(), resumed.state_dict()
+    assert not torch.equal(after_kept[next(k for k in before if k.endswith("lora_B"))],
+                           before[next(k for k in before if k.endswith("lora_B"))])
+    for k, v in after_kept.items():
+        assert torch.allclose(v, after_resumed[k], atol=1e-7), k
+
+    # the kept-version path of a restart (resume.continue_from_saved): an adapter version loads back
+    fresh = _learner(loop_model_dir)
+    fresh.load_weights(after_kept)
+    assert all(torch.equal(after_kept[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_final_model_is_saved_merged_and_as_an_adapter(loop_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    learner = _learner(loop_model_dir)
+    learner.step_input(StepInput.of(batch(4), learner.cfg))
+    learner.save_pretrained(tmp_path / "final_model")
+    learner.save_adapter(tmp_path / "final_adapter")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final_model")
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(loop_model_dir),
+                                        tmp_path / "final_adapter")
+    ids = torch.tensor([[1, 5, 9, 3, 4]])
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, adapter(input_ids=ids).logits, atol=1e-5)
+        assert not torch.allclose(merged(input_ids=ids).logits,
+                                  AutoModelForCausalLM.from_pretrained(loop_model_dir)(input_ids=ids).logits)
+
+
+def test_lora_with_several_ranks_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"services\.trainer.*lora.*world_size"):
+        convert({"lora": {"r": 4}, "world_size": 2}, TrainerConfig, "services.trainer")
+    with pytest.raises(ConfigError, match=r"services\.trainer\.lora\.r"):
+        convert({"lora": {"r": 0}}, TrainerConfig, "services.trainer")
+    assert convert({}, TrainerConfig, "services.trainer").lora is None
