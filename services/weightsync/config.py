@@ -42,6 +42,9 @@ class WeightsyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     hmac_key_env: str = ""
     #: chunks transferred concurrently
     parallel: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    #: seconds without an upstream announcement after which the relay reads the upstream's latest version
+    #: itself and, if it is new, subscribes afresh (a watch across a dropped link can fall silent)
+    recheck_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
 
     def __post_init__(self) -> None:
         if self.relay is not None and self.relay.scope == self.upstream_scope:

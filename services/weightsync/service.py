@@ -8,6 +8,14 @@ local scope and store then read locally, so N engines cost one upstream read.
 A delta whose base the relay has not copied (the relay joined late) pulls the
 missing chain from its anchor first. Retention runs on each side after every
 new version (see ``retention.py``).
+
+The relay may sit across a long link from the upstream (region B's relay reading region A's store
+through a NATS leaf node, deploy/README.md "Two regions"). A watch across a link that dropped can
+end or fall silent without an error, so after ``recheck_s`` without an announcement the relay reads
+the upstream's latest version itself and, when it is newer than the last one handled, subscribes
+afresh; a transient failure (the link or the server away) is logged and retried after a back-off
+(doubling to ``recheck_s``), and the version is relayed once the upstream answers again. Versions
+announced while the link was down are skipped; only the newest (and the chain it needs) is copied.
 """
 
 from __future__ import annotations
@@ -17,19 +25,24 @@ import logging
 from dataclasses import dataclass
 
 import msgspec
+import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from proto.weights import WeightAnnouncement, WeightManifest
 from services.lib.weights.blobs import WeightIntegrityError, copy_chunks, read_chunks, verify_signature
 from services.lib.weights.config import ConfigError, load_hmac_key
 from services.lib.weights.index import VersionIndex
-from services.lib.weights.store import BlobStore, open_store
+from services.lib.weights.store import BlobStore, StoreError, open_store
 from services.runtime.config import Loaded
 from services.runtime.service import ServiceContext
 from services.weightsync.config import WeightsyncConfig
 from services.weightsync.retention import ManifestCache, collect_garbage
 
 log = logging.getLogger("rlbus.weightsync.service")
+
+#: failures of an upstream (or local) bus or store that pass: retried, never the end of the service
+_TRANSIENT = (StoreError, nats.errors.Error, nats.js.errors.Error, TimeoutError, ConnectionError, OSError)
 
 
 @dataclass
@@ -40,6 +53,8 @@ class RelayStats:
     upstream_bytes: int = 0
     local_bytes: int = 0
     refused: int = 0
+    #: times the upstream (or the link to it) failed and the relay backed off
+    upstream_failures: int = 0
 
 
 class WeightsyncService:
@@ -92,11 +107,48 @@ class WeightsyncService:
                 await self.local_store.close()
 
     async def _watch(self) -> None:
-        async for ann in self.upstream.watch(include_current=True):
+        """Handle each announcement; re-check and re-subscribe after silence, back off after failures."""
+        backoff = 0.5
+        while True:
+            watch = aiter(self.upstream.watch(include_current=True))
+            nxt: asyncio.Future[WeightAnnouncement] | None = None  # an anext() that outlives re-checks
+            try:
+                while True:
+                    if nxt is None:
+                        nxt = asyncio.ensure_future(anext(watch))
+                    done, _ = await asyncio.wait({nxt}, timeout=self.config.recheck_s)
+                    if done:
+                        ann, nxt = nxt.result(), None
+                        await self._handle_newer(ann)
+                    else:
+                        latest = await self.upstream.latest()
+                        if latest is not None and self._newer(latest):
+                            log.info("re-check found v%d that the watch did not announce; re-subscribing",
+                                     latest.policy_version)
+                            await self._handle_newer(latest)
+                            break  # the watch may be stuck (its link dropped): subscribe afresh
+                    backoff = 0.5
+            except (StopAsyncIteration, *_TRANSIENT) as err:
+                self.stats.upstream_failures += 1
+                log.warning("upstream unavailable (%r); retrying in %.1fs", err, backoff)
+                await asyncio.sleep(backoff)  # back-off while the upstream (or the link to it) is away
+                backoff = min(backoff * 2, self.config.recheck_s)
+            finally:
+                if nxt is not None:
+                    nxt.cancel()
+                    await asyncio.wait({nxt})
+                await watch.aclose()  # type: ignore[attr-defined]
+
+    def _newer(self, ann: WeightAnnouncement) -> bool:
+        return self.last_handled is None or ann.policy_version > self.last_handled
+
+    async def _handle_newer(self, ann: WeightAnnouncement) -> None:
+        if self._newer(ann):
             await self.handle(ann)
 
     async def handle(self, ann: WeightAnnouncement) -> None:
-        """Relay one announced version (and any missing chain) and run retention."""
+        """Relay one announced version (and any missing chain) and run retention. A transient failure
+        (bus, link or store away) raises and leaves the version unhandled, to be tried again."""
         try:
             if self.local is not None:
                 await self._relay(ann)
