@@ -16,7 +16,10 @@ Failure is all-or-nothing, bounded in time:
   redelivered: they are acked only after the step that used them is durable);
 * when rank 0 dies, the kernel stops the other ranks (``PR_SET_PDEATHSIG``), and a rank whose
   stdin closes exits;
-* a collective that hangs fails after ``rank_timeout_s``.
+* a collective that hangs fails after ``rank_timeout_s``;
+* after a failure rank 0's exit is bounded too (:meth:`RankGroup.close`): its collective threads get a
+  few seconds to fail out, and the heap is frozen so the interpreter's final garbage collections skip
+  it (over torch's millions of objects they took 1.5–4 s here, 20 s on a loaded machine).
 
 Each rank writes ``<run dir>/ranks/rank-<r>.pid`` and logs to ``<run dir>/ranks/rank-<r>.log``.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import pickle
@@ -32,6 +36,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -71,6 +76,7 @@ class RankGroup:
         self.closing = False
         self.failed = asyncio.Event()
         self._waiters: set[threading.Event] = set()  # rank 0's calls in progress (guarded), woken by a failure
+        self._threads: set[threading.Thread] = set()  # the threads running them (guarded)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
 
@@ -151,14 +157,18 @@ class RankGroup:
                 error.append(e)
             finally:
                 done.set()
+                with self._lock:
+                    self._threads.discard(thread)
 
+        thread = threading.Thread(target=call, name=f"trainer-rank-0-{getattr(fn, '__name__', 'call')}", daemon=True)
         with self._lock:
             self._waiters.add(done)
             failed = bool(self.reason)
+            if not failed:
+                self._threads.add(thread)
         try:
             if not failed:
-                threading.Thread(target=call, name=f"trainer-rank-0-{getattr(fn, '__name__', 'call')}",
-                                 daemon=True).start()
+                thread.start()
                 done.wait()
         finally:
             with self._lock:
@@ -188,8 +198,11 @@ class RankGroup:
             raise RankGroupFailed(self.reason) from task.exception()
         return task.result()
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Stop ranks 1..N-1 (cleanly when all are alive, else by SIGKILL) and leave the process group."""
+    def close(self, timeout_s: float = 30.0, settle_s: float = 5.0) -> None:
+        """Stop ranks 1..N-1 (cleanly when all are alive, else by SIGKILL) and leave the process group.
+
+        After a failure rank 0 is about to exit non-zero for the launcher's restart, and how soon bounds
+        the group's recovery: see :meth:`_settle`."""
         import torch.distributed as dist
 
         self.closing = True
@@ -199,9 +212,12 @@ class RankGroup:
                 self.send("stop")
             except RankGroupFailed:
                 clean = False
-        for proc in self.procs.values():
+        for rank, proc in self.procs.items():
             if proc.stdin is not None:
-                proc.stdin.close()
+                try:
+                    proc.stdin.close()
+                except OSError as e:  # a dead rank: what was still buffered for it cannot be flushed
+                    log.debug("trainer rank %d: stdin not flushed (%s)", rank, e)
             try:
                 proc.wait(timeout_s if clean else 5.0)
             except subprocess.TimeoutExpired:
@@ -210,6 +226,25 @@ class RankGroup:
         # after a failure another thread may still be inside a collective (failing): leave the group to exit
         if clean and dist.is_initialized():
             dist.destroy_process_group()
+        if not clean:
+            self._settle(settle_s)
+
+    def _settle(self, timeout_s: float) -> None:
+        """Make the exit after a failure quick. Rank 0's collective threads get ``timeout_s`` to fail out
+        (they see the dead rank's closed connections at once; a daemon thread still inside torch while the
+        interpreter finalizes aborts the process). Then the heap is frozen: the interpreter's final garbage
+        collections walk every object torch and transformers made, which took 1.5–4 s here and 20 s on a
+        loaded machine after the service itself had stopped; frozen objects are skipped (the process is
+        ending: nothing needs collecting)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck:
+            log.warning("trainer rank 0: %s still inside a collective after %.0fs; exiting anyway", stuck, timeout_s)
+        gc.freeze()
 
 
 def rank_pid(run_dir: Path, rank: int) -> int | None:
