@@ -11,7 +11,9 @@ When the task's code raises, hangs (its worker is killed), dies, or returns NaN/
 the trajectory is published with ``rollout.error = "grading failed: <grader>: <reason>"`` so the trainer
 records it as dropped with that reason, and the failure is counted (``judge/failed/<kind>``). A rollout that
 came back more than ``poison_after_deliveries`` times without being settled (it killed or hung a judge each
-time) is published the same way and dead-lettered, instead of crash-looping the fleet.
+time) is published the same way and dead-lettered, instead of crash-looping the fleet. So is a rollout whose
+task this judge cannot build (unknown, or its ``task_options`` refused: a bad path, a bad option, a plugin that
+raises): the reason is remembered per task, so the next rollouts of that task fail at once with it.
 
 **Sandbox ownership.** An agent rollout arrives with its sandbox handed over (paused, lease extended): the
 judge forks it for hidden tests and, once the trajectory is published, destroys it. Publishing first means a
@@ -34,11 +36,15 @@ from services.lib.sandbox_client import SandboxClient, SandboxClientError
 from services.runtime.config import Loaded
 from services.runtime.consume import Delivery, Poison
 from services.runtime.service import ServiceContext
-from services.tasks import UnknownTaskError, get_task
+from services.tasks import get_task
 from services.tasks.graders import GraderFactory, Grading, grade_all
 from services.tasks.judge_backends import JudgeCache
 
 log = logging.getLogger("rlbus.judge")
+
+
+class TaskUnavailable(Exception):
+    """This judge cannot build the rollout's task (the message says which and why); never retried."""
 
 
 class JudgeService:
@@ -47,12 +53,14 @@ class JudgeService:
         self.cfg: JudgeConfig = loaded.service
         self.seed = loaded.run.seed
         self.tasks: dict[str, Any] = {}
+        #: tasks this judge failed to build: name -> why (run-file options do not change while it runs)
+        self.task_errors: dict[str, str] = {}
         self.graders: dict[str, list[Any]] = {}
         self.cache = JudgeCache(self.cfg.judge_cache_entries)
         self.user_code = ProcessUserCode(self.cfg.user_code, self.cfg.task_options)
         self.factory = GraderFactory(None, self.cache, seed=self.seed, user_code=self.user_code)
         self.sandboxes: Any = None
-        #: samples scored failed, by why (timeout, exception, crash, bad_value, out_of_range, poison)
+        #: samples scored failed, by why (timeout, exception, crash, bad_value, out_of_range, poison, task)
         self.failed: dict[str, int] = {}
 
     def attach(self, sandboxes: Any) -> None:
@@ -61,12 +69,17 @@ class JudgeService:
         self.factory.sandboxes = sandboxes
 
     def task(self, name: str) -> Any:
-
+        """The task ``name`` built with this judge's options (once); :class:`TaskUnavailable` if it cannot be."""
+        if name in self.task_errors:
+            raise TaskUnavailable(self.task_errors[name])
         if name not in self.tasks:
             try:
                 self.tasks[name] = get_task(name, **self.cfg.task_options.get(name, {}))
-            except UnknownTaskError as e:
-                raise Poison(str(e)) from e
+            except Exception as e:  # unknown task, refused options, or a plugin's own error: none heal on retry
+                self.task_errors[name] = (f"task {name!r} cannot be built from [services.judge.task_options.{name}]:"
+                                          f" {type(e).__name__}: {e}")
+                log.error("%s", self.task_errors[name])
+                raise TaskUnavailable(self.task_errors[name]) from e
         return self.tasks[name]
 
     def graders_for(self, task: str) -> list[Any]:
@@ -88,7 +101,11 @@ class JudgeService:
                       f"time; poison_after_deliveries = {self.cfg.poison_after_deliveries})")
             await self._publish(ctx, rollout, Grading(0.0, [], reason, None), "poison")
             raise Poison(f"rollout {rollout.msg_id} {reason}; published as failed")
-        grading = await self.score(rollout)
+        try:
+            grading = await self.score(rollout)
+        except TaskUnavailable as e:  # the trainer drops the sample with the reason; the message is dead-lettered
+            await self._publish(ctx, rollout, Grading(0.0, [], str(e), None), "task")
+            raise Poison(f"rollout {rollout.msg_id}: {e}; published as failed") from e
         await self._publish(ctx, rollout, grading, grading.failure_kind)
         if rollout.sandbox_id is not None and self.cfg.destroy_sandboxes and self.sandboxes is not None:
             await self._destroy(rollout.sandbox_id)
