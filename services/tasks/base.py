@@ -23,6 +23,7 @@ calls it with the options from the run config.
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
@@ -99,8 +100,22 @@ class Task(Protocol):
         ...
 
 
+@runtime_checkable
+class TaskMetrics(Protocol):
+    """Optional part of a task: figures about its data (named by path, e.g. ``task/skipped_rows``), which the
+    trainer reports once it has built the task's prompts."""
+
+    def metrics(self) -> dict[str, float]:
+        """The figures now."""
+        ...
+
+
 class UnknownTaskError(LookupError):
     """No task is registered (or installed as an entry point) under the name."""
+
+
+class TaskOptionTypeError(TypeError):
+    """A task option was given a list where the task takes one value (the message names the key)."""
 
 
 class TaskRegistrationError(ValueError):
@@ -172,6 +187,7 @@ def get_task(name: str, **options: Any) -> Task:
                 f"entry point {name!r} ({entry_point.value}) of group {ENTRY_POINT_GROUP!r} failed to load: {exc}"
             ) from exc
         _REGISTRY.setdefault(name, factory)
+    _check_list_options(name, factory, options)
     task = factory(**options)
     if not isinstance(task, Task):
         raise TaskRegistrationError(
@@ -179,6 +195,27 @@ def get_task(name: str, **options: Any) -> Task:
             "(name, max_new_tokens, stop, train_prompts, eval_prompts, reward, format_prompt)"
         )
     return task
+
+
+#: words in a parameter's annotation that say it takes several values
+_LIST_WORDS = ("list", "List", "Sequence", "Iterable", "tuple", "Any")
+
+
+def _check_list_options(name: str, factory: TaskFactory, options: dict[str, Any]) -> None:
+    """A list given for an option the factory declares as one value is refused, naming the key (the factory's
+    own code would otherwise fail somewhere inside, or take the list for a value)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C factory: nothing to check against
+        return
+    for key, value in options.items():
+        param = params.get(key)
+        if not isinstance(value, list) or param is None or param.annotation is inspect.Parameter.empty:
+            continue
+        declared = param.annotation if isinstance(param.annotation, str) else repr(param.annotation)
+        if not any(word in declared for word in _LIST_WORDS):
+            raise TaskOptionTypeError(f"task_options.{key}: task {name!r} takes one value here ({declared}), "
+                                      f"got the list {value!r}")
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
