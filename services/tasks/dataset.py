@@ -250,6 +250,10 @@ class DatasetTask:
         #: rows skipped as unusable, by file (train and eval files alike)
         self.skipped = 0
 
+    def metrics(self) -> dict[str, float]:
+        """``task/skipped_rows``: rows skipped as unusable so far (:class:`~services.tasks.base.TaskMetrics`)."""
+        return {"task/skipped_rows": float(self.skipped)}
+
     # --- data ---
 
     def _load(self, path_text: str, key: str, split: str) -> list[tuple[int, Prompt]]:

@@ -32,6 +32,7 @@ from services.lib.weights.transport import WeightSender, make_sender
 from services.runtime import bus, metrics, tracing
 from services.runtime.config import Loaded
 from services.runtime.service import ServiceContext
+from services.tasks.base import TaskMetrics
 from services.trainer import devices, resume
 from services.trainer.admission import Sample
 from services.trainer.collect import Collector, Outcomes
@@ -108,6 +109,8 @@ class Trainer:
         if not self.version_kept:  # the engines' first version (or the checkpoint's under a new number)
             await self._send_weights()
         await self.save_state()
+        if isinstance(self.task, TaskMetrics):  # figures about the task's data (its prompts are built by now)
+            await self._metrics(self.task.metrics(), step=self.state.step)
         consumer = asyncio.create_task(
             ctx.consume(catalog.TRAJECTORIES, self.collector.handle, concurrency=64),
             name="trainer-consume")
