@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 
 import nats
+import nats.errors
 
+from proto import catalog, codec, membership
 from services.runtime import bus, gang
 from tests.conftest import wait_for_async
 
@@ -16,6 +19,33 @@ def start(cfg_path, instance: str, run_id: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "service", "echo", "--config",
                              str(cfg_path), "--instance", instance, "--run-id", run_id],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+async def waited_through_heartbeats(js, run_id: str, instance: str, count: int, timeout: float = 120.0) -> None:
+    """Return once ``instance`` of the echo service has published ``count`` heartbeats in state ``waiting``
+    (a KV watch on its membership key: each of its heartbeats is one update), or as soon as it stops waiting."""
+    kv = await js.key_value(catalog.MEMBERS.bucket)
+    watcher = await kv.watch(membership.member_key(run_id, "echo", instance))
+    seen = 0
+    deadline = time.monotonic() + timeout
+    try:
+        while seen < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{instance} published {seen} of {count} 'waiting' heartbeats in {timeout:g}s")
+            try:
+                entry = await watcher.updates(timeout=left)
+            except nats.errors.TimeoutError:
+                continue
+            if entry is None or not entry.value:
+                continue  # the end of the initial values, or a deletion
+            state = codec.decode(entry.value, membership.Heartbeat, max_bytes=None).state
+            if state == "waiting":
+                seen += 1
+            elif state != "starting":
+                return  # it stopped waiting (admitted or failed): the caller's assertion says which
+    finally:
+        await watcher.stop()
 
 
 def write_cfg(tmp_path, nats_url: str, name: str, quorum: int, timeout: float):
@@ -36,7 +66,9 @@ async def test_quorum_admits_and_missing_quorum_fails_without_blocking_other_run
     await bus.provision_all(js)
     runs_kv = await js.key_value("rlbus_runs")
     try:
-        await asyncio.sleep(2.0)  # a single member of A must not be admitted
+        # a single member of A must not be admitted: a-0 waits through several of its own heartbeats (every
+        # 0.3 s), so through more than one quorum check of its barrier (every 0.5 s), and A is still undecided
+        await waited_through_heartbeats(js, "runA", "a-0", 5)
         assert await gang.read_state(runs_kv, "runA") is None
         a2 = start(cfg_a, "a-1", "runA")
         state_a = await wait_for_async(lambda: gang.read_state(runs_kv, "runA"), 20, "run A's gang state")

@@ -120,8 +120,13 @@ async def test_pause_stops_processes_and_resume_continues(backend, events):
     await backend.pause(api.PauseRequest(run_id=RUN, sandbox_id=sid))
     assert backend.sandboxes[sid].cgroup.is_frozen()
     frozen_at = await counter(backend, sid)
-    await asyncio.sleep(0.5)  # ~25 iterations if it were running
+    # a witness sandbox runs the same counter unpaused to 25: the paused one had as long to count on,
+    # however loaded the machine
+    witness = await new_sandbox(backend)
+    await sh(backend, witness, COUNTER, detach=True)
+    await wait_above(backend, witness, 25)
     assert await counter(backend, sid) == frozen_at
+    await backend.destroy(api.DestroyRequest(run_id=RUN, sandbox_id=witness))
     listed = await backend.list(api.ListRequest(run_id=RUN))
     assert [s.state for s in listed.sandboxes if s.sandbox_id == sid] == ["paused"]
     await backend.resume(api.ResumeRequest(run_id=RUN, sandbox_id=sid))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import msgspec
@@ -46,8 +45,17 @@ async def test_unsafe_backend_warns_loudly_and_works(unsafe, caplog):
     await wait_for_async(lambda: read(b, sid, "log"), 60, "the detached loop to write its log")
     await b.pause(api.PauseRequest(run_id=RUN, sandbox_id=sid))
     frozen = await read(b, sid, "log")
-    await asyncio.sleep(0.3)  # the loop would write ~15 more lines if it ran
+    # a witness sandbox runs the same loop unpaused until it has written 15 lines: the paused loop had as
+    # long to write more, however loaded the machine
+    witness = (await b.create(api.CreateRequest(run_id=RUN))).sandbox_id
+    await sh(b, witness, "while :; do echo x >> log; sleep 0.02; done", detach=True)
+
+    async def witness_wrote() -> bool:
+        return (await read(b, witness, "log") or b"").count(b"\n") >= 15
+
+    await wait_for_async(witness_wrote, 60, "the witness loop to write 15 lines")
     assert await read(b, sid, "log") == frozen
+    await b.destroy(api.DestroyRequest(run_id=RUN, sandbox_id=witness))
     await b.resume(api.ResumeRequest(run_id=RUN, sandbox_id=sid))
 
     async def grown() -> bool:

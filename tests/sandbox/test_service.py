@@ -122,8 +122,13 @@ async def test_pause_and_resume_via_the_bus(bus):
         await c.exec(sid, "true")
     assert err.value.code == "conflict"
     frozen = await c.read_file(sid, "n")
-    await asyncio.sleep(0.3)  # the loop would write ~6 more values if it ran
+    # a witness sandbox runs the same loop unpaused until it has written 6 values: the paused loop had as
+    # long to write more, however loaded the machine
+    witness = (await c.create()).sandbox_id
+    await c.exec(witness, "i=0; while true; do i=$((i+1)); echo $i > n.tmp; mv n.tmp n; sleep 0.05; done", detach=True)
+    await c.exec(witness, "while [ \"$(cat n 2>/dev/null || echo 0)\" -lt 6 ]; do sleep 0.02; done", timeout_s=60)
     assert await c.read_file(sid, "n") == frozen
+    await c.destroy(witness)
     assert (await c.resume(sid)).state == "running"
     assert bus.instances[0].ctx.gauges["sandbox/paused"] == 0.0
     r = await c.exec(sid, f"while [ \"$(cat n)\" = '{frozen.decode().strip()}' ]; do sleep 0.05; done; echo moved",

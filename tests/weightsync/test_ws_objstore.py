@@ -136,7 +136,8 @@ async def test_upload_ends_when_the_server_dies_mid_way_instead_of_hanging(tmp_p
         put = asyncio.create_task(store.put("blob", data, sha))
         await wait_for_async(lambda: nc.stats["out_msgs"] > 100, 30, "the upload to be under way", interval=0.001)
         server.kill()
-        await asyncio.sleep(0.5)  # the server stays down a while
+        # the server stays down until the client has seen it go (mid-upload: the publishes in flight are lost)
+        await wait_for_async(lambda: nc.is_reconnecting, 60, "the client to notice the server is gone")
         server.start()
         t0 = time.monotonic()
         try:
