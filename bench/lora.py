@@ -14,7 +14,14 @@ codec (``services/lib/weights/encoding.py``, bf16):
 Step time: one forward + backward + AdamW step, configurations interleaved step by step so they share
 the machine's load; medians. Ratios name LoRA over full. Last stdout line: one JSON object.
 
+``--loop``: instead, two real runs of the services (``rlbus run``: trainer, rollout, judge; the addition
+task on the tiny model; store transport, anchors every 10 versions), one full fine-tuning and one with
+``lora``, and from each the bytes of every stored weight version (the manifests the run's own JetStream
+kept: anchors and deltas), the trainer's step and publish times (``time/step_s``, ``time/publish_s``)
+and the held-out reward at the start and the end. The runs go one after the other.
+
 Usage: ``python bench/lora.py [--steps 20] [--batch 128] [--r 8] [--hidden 128] [--lr 1e-4]``
+       ``python bench/lora.py --loop [--steps 60] [--r 8] [--lr 1e-4] [--lora-lr 1e-3] [--out DIR]``
 """
 
 from __future__ import annotations
@@ -52,6 +59,84 @@ def step(model, optimizer, batch) -> float:
     return time.perf_counter() - t0
 
 
+def loop_run(out: Path, name: str, steps: int, lr: float, lora: dict | None, cache_dir: str,
+             reuse: bool = False) -> dict:
+    """One ``rlbus run`` of the addition task; its stored version sizes, step/publish times and rewards."""
+    import asyncio
+    import subprocess
+
+    run_id = f"lorabench-{name}"
+    run_dir = out / name
+    trainer = (f'model = "tiny-addition"\ncache_dir = "{cache_dir}"\ntask = "addition"\ngroups_per_step = 16\n'
+               f'group_size = 8\nmax_new_tokens = 6\nlr = {lr}\ntotal_steps = {steps}\nmax_staleness = 1\n'
+               'eval_every = 0\neval_prompts = 200\neval_samples = 2\ncheckpoint_every = 0\nnum_threads = 1\n'
+               'transport = { type = "store", encoding = { anchor_every = 10 } }\n')
+    if lora is not None:
+        trainer += "lora = { " + ", ".join(f"{k} = {v}" for k, v in lora.items()) + " }\n"
+    cfg = out / f"{name}.toml"
+    cfg.write_text(f'[run]\nid = "{run_id}"\ndir = "{run_dir}"\n[launcher]\n'
+                   'services = { trainer = 1, rollout = 1, judge = 1 }\n'
+                   f'[services.trainer]\n{trainer}[services.rollout]\nmodel = "tiny-addition"\n'
+                   f'cache_dir = "{cache_dir}"\nmax_tickets = 32\n'
+                   'engine = { type = "torch", max_batch_size = 128, num_threads = 1 }\n')
+    t0 = time.perf_counter()
+    reused = reuse and (run_dir / "summary.json").is_file()
+    if not reused:
+        done = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
+                              text=True, cwd=Path(__file__).resolve().parents[1])
+        if done.returncode != 0:
+            raise SystemExit(f"the {name} run failed:\n{done.stderr[-3000:]}")
+    wall = None if reused else round(time.perf_counter() - t0, 1)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_s = [r["time/step_s"] for r in records if "time/step_s" in r][1:]
+    publish_s = [r["time/publish_s"] for r in records if "time/publish_s" in r][1:]
+    evals = [r["eval/reward"] for r in records if "eval/reward" in r]
+    kinds = asyncio.run(_stored_sizes(run_dir, run_id))
+    every = kinds["full"] + kinds["delta"]
+    # the publisher sends an anchor where a delta would not be smaller, so a run may store no delta at all
+    return {"bytes_per_version": int(statistics.mean(every)), "anchor_bytes": int(statistics.median(kinds["full"])),
+            "delta_bytes": int(statistics.median(kinds["delta"])) if kinds["delta"] else None,
+            "anchors": len(kinds["full"]), "deltas": len(kinds["delta"]), "step_s": round(statistics.median(steps_s), 4),
+            "publish_s": round(statistics.median(publish_s), 4), "eval_start": evals[0], "eval_end": evals[-1],
+            "wall_s": wall}
+
+
+async def _stored_sizes(run_dir: Path, run_id: str) -> dict[str, list[int]]:
+    """Blob bytes of every stored weight version of a finished run, by kind (from its own JetStream)."""
+    import nats
+
+    from services.lib.weights.index import VersionIndex
+    from services.runtime.natsd import EmbeddedNats
+
+    with EmbeddedNats(run_dir / "nats", port=None) as server:
+        nc = await nats.connect(server.url)
+        try:
+            index = VersionIndex(nc, run_id)
+            sizes: dict[str, list[int]] = {"full": [], "delta": []}
+            for version in await index.versions():
+                manifest = await index.manifest(version)
+                if manifest is not None:
+                    sizes[manifest.kind].append(manifest.blob_nbytes)
+            return sizes
+        finally:
+            await nc.close()
+
+
+def loop_main(args: argparse.Namespace) -> None:
+    out = Path(args.out or tempfile.mkdtemp(prefix="rlbus-lora-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+    lora = {"r": args.r, "alpha": float(2 * args.r)}
+    runs = {"full": loop_run(out, "full", args.steps, args.lr, None, args.cache_dir, args.reuse),
+            "lora": loop_run(out, "lora", args.steps, args.lora_lr, lora, args.cache_dir, args.reuse)}
+    full, lo = runs["full"], runs["lora"]
+    print(json.dumps({"bench": "lora-loop", "steps": args.steps, "lora": lora, "lr": args.lr,
+                      "lora_lr": args.lora_lr, "runs": runs, "ratios": {
+                          "bytes_per_version_lora_vs_full": round(lo["bytes_per_version"] / full["bytes_per_version"], 4),
+                          "anchor_lora_vs_full": round(lo["anchor_bytes"] / full["anchor_bytes"], 4),
+                          "step_lora_vs_full": round(lo["step_s"] / full["step_s"], 3),
+                          "publish_lora_vs_full": round(lo["publish_s"] / full["publish_s"], 3)}}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
@@ -60,7 +145,15 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128, help="hidden size of the tiny Llama (128: the default model)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--loop", action="store_true", help="two real runs of the services (full, LoRA) instead")
+    ap.add_argument("--lora-lr", type=float, default=1e-3, help="--loop: the LoRA run's learning rate")
+    ap.add_argument("--cache-dir", default="", help="--loop: where the tiny model is built (default: rlbus's cache)")
+    ap.add_argument("--out", default="", help="--loop: directory of the two runs (default: a new temporary one)")
+    ap.add_argument("--reuse", action="store_true", help="--loop: read runs already finished in --out again")
     args = ap.parse_args()
+    if args.loop:
+        loop_main(args)
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
