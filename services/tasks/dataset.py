@@ -66,7 +66,7 @@ class DatasetError(ConfigError):
 
 
 def _list(value: Any, key: str) -> list[str]:
-    """A list option: a TOML array, or one string with commas (run-file options are scalars today)."""
+    """A list option: a TOML array, or one string with commas (the older form, still read)."""
     if isinstance(value, str):
         return [part.strip() for part in value.split(",") if part.strip()]
     if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -143,3 +143,24 @@ def test_lora_with_several_ranks_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"services\.trainer\.lora\.r"):
         convert({"lora": {"r": 0}}, TrainerConfig, "services.trainer")
     assert convert({}, TrainerConfig, "services.trainer").lora is None
+
+
+def test_the_kl_reference_of_a_lora_learner_is_the_base_model(loop_model_dir):
+    from services.lib.model_io import sequence_logprobs
+
+    learner = _learner(loop_model_dir, kl_coef=0.5)
+    assert learner.ref_model is None  # no second copy: the base is the policy with its adapters disabled
+    first = learner.step_input(StepInput.of(batch(5), learner.cfg))
+    assert first["losses/kl"] == pytest.approx(0.0, abs=1e-7)  # B starts at zero: policy == base
+    second = learner.step_input(StepInput.of(batch(5), learner.cfg))
+    assert second["losses/kl"] > 1e-6  # the adapters moved the policy away from the base
+
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(loop_model_dir)
+    prompts, completions = [[1, 5, 9], [1, 3]], [[4, 6, 2], [7, 7]]
+    with torch.no_grad(), learner.model.disable_adapter():
+        ref, _ = sequence_logprobs(learner.model, prompts, completions, pad_token_id=learner.pad_id)
+    with torch.no_grad():
+        want, _ = sequence_logprobs(base, prompts, completions, pad_token_id=learner.pad_id)
+    assert torch.allclose(ref, want, atol=1e-6)
