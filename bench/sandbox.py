@@ -25,8 +25,9 @@ Direct and bus iterations alternate so both see the same machine load; ``ratio_*
 overhead; ``renew_lease_ms_p50`` is the same call made directly).
 
 Usage: ``sudo python bench/sandbox.py [--quick] [--root DIR] [--bus URL | --direct-only]`` (root: overlay
-mounts and cgroups). The machine may be shared: ``loadavg_1m`` is reported with the figures. The last
-stdout line is a JSON object of the figures.
+mounts and cgroups). The machine may be shared: ``loadavg_1m`` is reported with the figures. A table of the
+latencies (p50 and p99 side by side, against the goals of issue 17: create+exec+destroy p50 <= 10 ms, p99 <=
+50 ms) is printed before the last stdout line, a JSON object of the figures.
 """
 
 from __future__ import annotations
@@ -194,12 +195,45 @@ async def bench_create_exec_destroy(targets: list[Target], n: int) -> dict[str, 
         out.update({
             f"{p}create_exec_destroy_ms_p50": statistics.median(total),
             f"{p}create_exec_destroy_ms_p99": pct(total, 0.99),
+            f"{p}create_exec_destroy_n": len(total),
             f"{p}create_ms_p50": statistics.median(c_ms),
+            f"{p}create_ms_p99": pct(c_ms, 0.99),
             f"{p}exec_true_ms_p50": statistics.median(e_ms),
+            f"{p}exec_true_ms_p99": pct(e_ms, 0.99),
             f"{p}destroy_ms_p50": statistics.median(d_ms),
+            f"{p}destroy_ms_p99": pct(d_ms, 0.99),
             f"{p}renew_lease_ms_p50": statistics.median(renew[p]),
         })
     return out
+
+
+#: latency rows of the table: (label, figure stem, goal p50 ms, goal p99 ms)
+LATENCIES = [
+    ("create+exec+destroy", "create_exec_destroy_ms", 10.0, 50.0),
+    ("  create", "create_ms", None, None),
+    ("  exec true", "exec_true_ms", None, None),
+    ("  destroy", "destroy_ms", None, None),
+]
+
+
+def latency_table(figures: dict[str, Any]) -> str:
+    """p50 and p99 of each latency, per target (direct, bus), with the goals and whether they are met."""
+    lines = [f"{'latency (ms)':<28}{'p50':>8}{'p99':>8}   goal"]
+    for prefix, target in (("", "direct"), ("bus_", "bus")):
+        if f"{prefix}create_exec_destroy_ms_p50" not in figures:
+            continue
+        n = figures[f"{prefix}create_exec_destroy_n"]
+        for label, stem, goal50, goal99 in LATENCIES:
+            p50, p99 = figures[f"{prefix}{stem}_p50"], figures[f"{prefix}{stem}_p99"]
+            goal = ""
+            if goal50 is not None and goal99 is not None:
+                goal = (f"p50 <= {goal50:g} ({'met' if p50 <= goal50 else 'NOT met'}), "
+                        f"p99 <= {goal99:g} ({'met' if p99 <= goal99 else 'NOT met'})")
+            lines.append(f"{target + ' ' + label:<28}{p50:>8.1f}{p99:>8.1f}   {goal}".rstrip())
+        lines.append(f"{target + ' samples':<28}{n:>8}")
+    if "bare_bwrap_true_ms_p50" in figures:
+        lines.append(f"{'bare bwrap true':<28}{figures['bare_bwrap_true_ms_p50']:>8.1f}")
+    return "\n".join(lines)
 
 
 async def fork_100mb(t: Target, backend: BwrapBackend | None) -> tuple[float, list[float]]:
@@ -409,4 +443,6 @@ if __name__ == "__main__":
         import uvloop
 
         uvloop.install()
-    print(json.dumps(asyncio.run(main(args))))
+    result = asyncio.run(main(args))
+    print(latency_table(result))
+    print(json.dumps(result))
