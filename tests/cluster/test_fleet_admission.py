@@ -1,0 +1,109 @@
+"""The admission bound follows the live rollout fleet: real rollout workers (``rlbus service rollout``)
+join and leave a real nats-server; their heartbeats in the members bucket give the live fleet, and
+:func:`~services.trainer.admission.fleet_bound` rises when the second worker joins and falls back when
+it leaves, never above the staleness bound. :meth:`Admission.resize` applies a new bound without taking
+back what is in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+import pytest
+
+from proto import catalog, codec
+from proto.membership import Heartbeat
+from services.trainer.admission import Admission, AdmissionError, fleet_bound, live_workers
+from tests.conftest import run_file, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+G, STALENESS, TICKETS = 2, 3, 2  # staleness bound (3 + 1) * 2 = 8; one worker holds 2 groups
+
+
+def test_fleet_bound_rises_with_the_fleet_up_to_the_staleness_bound():
+    assert fleet_bound(STALENESS, G, None, TICKETS) == 8  # fleet unknown: the staleness bound
+    assert fleet_bound(STALENESS, G, 0, TICKETS) == 8  # no worker yet: admit for the first that comes
+    assert [fleet_bound(STALENESS, G, n, TICKETS) for n in (1, 2, 3, 4)] == [4, 6, 8, 8]
+    assert fleet_bound(1, 16, 1, 64) == 32  # the default example: one worker can hold every group
+    with pytest.raises(AdmissionError):
+        fleet_bound(1, 0, 1, 4)
+
+
+def test_resize_takes_nothing_back_and_admits_again_under_the_new_bound():
+    a = Admission(6)
+    for i in range(6):
+        a.admit(f"g{i}", 0)
+    a.resize(4)  # a worker left: six stay in flight, none admitted until fewer than four
+    assert a.room() == 0 and len(a.in_flight) == 6
+    for i in range(3):
+        a.finish(f"g{i}")
+    assert a.room() == 1
+    a.resize(8)  # it came back
+    assert a.room() == 5
+    with pytest.raises(AdmissionError):
+        a.resize(0)
+
+
+def fleet(url: str, run: str) -> int:
+    """Live rollout workers of ``run`` by their heartbeats (younger than three heartbeat periods)."""
+    async def go() -> int:
+        nc = await nats.connect(url)
+        try:
+            kv = await nc.jetstream().key_value(catalog.MEMBERS.bucket)
+            beats = []
+            for key in await kv.keys():
+                if key.startswith(f"{run}.rollout."):
+                    entry = await kv.get(key)
+                    beats.append(codec.decode(entry.value, Heartbeat))
+            return live_workers(beats, "rollout", time.time(), timeout_s=3.0)
+        except Exception:  # the bucket or a key is not there yet (no worker started), or just deleted
+            return -1
+        finally:
+            await nc.close()
+    return asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_bound_rises_when_a_second_rollout_worker_joins_and_falls_when_it_leaves(tmp_path, nats_url, loop_model_dir):
+    run = "fleetbound"
+    cfg = run_file(tmp_path, loop_model_dir, run_id=run, nats_url=nats_url, common={"heartbeat_s": 1.0},
+                   trainer={"groups_per_step": G, "max_staleness": STALENESS},
+                   # no trainer here: the workers serve their local weights after 1 s instead of waiting
+                   rollout={"max_tickets": TICKETS, "initial_weights_timeout_s": 1.0})
+    workers: list[subprocess.Popen] = []
+
+    def start(i: int) -> None:
+        workers.append(subprocess.Popen(
+            [sys.executable, "-m", "services.launcher.cli", "service", "rollout", "--config", str(cfg),
+             "--instance", f"rollout-{i}"], cwd=ROOT, stdout=open(tmp_path / f"rollout-{i}.log", "wb"),
+            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+
+    def bound() -> int:
+        n = fleet(nats_url, run)
+        return fleet_bound(STALENESS, G, n if n >= 0 else None, TICKETS)
+
+    try:
+        start(0)
+        wait_for(lambda: fleet(nats_url, run) == 1, 180, "the first rollout worker's heartbeat", interval=0.5)
+        assert bound() == TICKETS + G == 4
+        start(1)
+        wait_for(lambda: fleet(nats_url, run) == 2, 180, "the second rollout worker's heartbeat", interval=0.5)
+        assert bound() == 2 * TICKETS + G == 6
+        # a rollout waiting for its first weights does not see SIGTERM until initial_weights_timeout_s (a bug
+        # of the rollout service): stop it once it consumes; a graceful stop deletes its member entry
+        wait_for(lambda: "serving the local weights" in (tmp_path / "rollout-1.log").read_text(), 180,
+                 "the second worker to serve")
+        workers[1].terminate()
+        assert workers[1].wait(60) == 0
+        wait_for(lambda: fleet(nats_url, run) == 1, 30, "the second worker to leave the fleet", interval=0.5)
+        assert bound() == 4
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.terminate()
+                w.wait(60)
