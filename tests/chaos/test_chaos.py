@@ -1,5 +1,6 @@
 """Chaos: a tiny run with every service its own process; random SIGKILLs of every role (trainer, rollout,
-judge, weightsync, sandbox and NATS).
+judge, weightsync, sandbox and NATS) and of the trainer's rank 1 (the trainer runs 2 ranks on the CPU: a
+dead rank stops its whole group, which the launcher restarts).
 
 Asserts that steps keep advancing after each recovery, that the accounting identity
 holds (every trajectory trained, dropped with a reason, evaluated, or still pending;
@@ -14,6 +15,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import threading
 import time
@@ -26,6 +28,7 @@ import pytest
 from services.launcher.accounting import accounting
 from services.launcher.supervisor import Supervisor
 from services.sandbox.overlay import mounts_under
+from services.trainer.ranks import rank_pid
 from tests.conftest import run_file, wait_for
 
 pytestmark = pytest.mark.slow
@@ -57,7 +60,30 @@ def first_step_after(metrics: Path, step: int, since: float) -> float | None:
     return None
 
 
-ROLES = ["trainer", "nats", "rollout", "judge", "weightsync", "sandbox"]
+ROLES = ["trainer", "trainer-rank", "nats", "rollout", "judge", "weightsync", "sandbox"]
+
+
+def sandbox_instances_ready(run_dir: Path) -> int:
+    """How many sandbox instances have come up in this run (each logs "ready" once it has reaped the
+    sandboxes its dead predecessors left)."""
+    log = run_dir / "logs" / "sandbox-0.log"
+    return log.read_text(errors="replace").count("ready (bwrap") if log.is_file() else 0
+
+
+def live_rank(run_dir: Path, rank: int) -> int | None:
+    """The pid of the trainer's ``rank`` while that process runs (None: not started, or the pid file is a
+    dead predecessor's)."""
+    pid = rank_pid(run_dir, rank)
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return None
+    return pid if state != "Z" and b"services.trainer.ranks" in cmdline else None
 
 
 def sandbox_section(root: str) -> str:
@@ -77,12 +103,14 @@ def test_chaos_kills_every_role_and_nothing_is_lost(tmp_path, loop_model_dir):
                    launcher={"max_restarts": 50, "heartbeat_timeout_s": 40},
                    common={"heartbeat_s": 1.0, "drain_timeout_s": 3.0},
                    trainer={"groups_per_step": 4, "total_steps": 100000, "max_staleness": 1,
-                            "eval_prompts": 16, "checkpoint_every": 5, "group_timeout_s": 45},
+                            "eval_prompts": 16, "checkpoint_every": 5, "group_timeout_s": 45,
+                            "world_size": 2, "device": "cpu"},
                    rollout={"max_tickets": 16})
     sup = Supervisor(str(cfg), quiet=True)
     metrics = run_dir / "metrics.jsonl"
     rng = random.Random(20261202)
     kills: list[dict] = []
+    group_stops: list[float] = []  # seconds from a rank kill to its group's exit
     try:
         sup.start()
         sup.start_heartbeat_monitor()
@@ -93,19 +121,37 @@ def test_chaos_kills_every_role_and_nothing_is_lost(tmp_path, loop_model_dir):
         rng.shuffle(victims)
         chaos_end = time.monotonic() + CHAOS_S
         while time.monotonic() < chaos_end or victims:
-            time.sleep(rng.uniform(6.0, 12.0))
+            time.sleep(rng.uniform(6.0, 12.0))  # chaos: the next kill comes at a random time
             victim = victims.pop() if victims else rng.choice(ROLES)
             step, _ = last_step(metrics)
-            t_kill = time.time()
+            t_kill = since = time.time()
             if victim == "nats":
                 sup.nats.kill()
-                time.sleep(rng.uniform(0.5, 3.0))
+                time.sleep(rng.uniform(0.5, 3.0))  # chaos: NATS stays down a random while
                 sup.nats.start()
+            elif victim == "trainer-rank":
+                pid = wait_for(lambda: live_rank(run_dir, 1), 240, "a live trainer rank 1")
+                t_kill = time.time()
+                os.kill(pid, signal.SIGKILL)
+                # the whole group stops: rank 0 (the service process) exits non-zero, for a restart
+                stop = wait_for(lambda t_kill=t_kill: next((e for e in sup.events if e["event"] == "exit"
+                                                            and e["child"] == "trainer-0" and e["t"] >= t_kill), None),
+                                120, "the trainer's rank group to stop after its rank 1 was killed", interval=0.2)
+                assert stop["code"] != 0, stop
+                group_stops.append(stop["t"] - t_kill)
+                # progress counts from the restarted group (the dying one may have logged a step after the kill)
+                step, since = last_step(metrics)[0], stop["t"]
             else:
+                ready_before = sandbox_instances_ready(run_dir)
                 assert sup.kill_child(f"{victim}-0") is not None, f"{victim} was not running"
+                if victim == "sandbox" and "bwrap" in sandbox_section(sandbox_root):
+                    # its successor is up, having reaped what the killed instance left (the trainer's steps
+                    # do not wait for sandboxes: without this a stop could come before the successor)
+                    wait_for(lambda n=ready_before: sandbox_instances_ready(run_dir) > n, 240,
+                             "a new sandbox instance after the kill", interval=0.5)
             kills.append({"role": victim, "time": t_kill, "step_before": step})
             # the run must make progress again before the next kill
-            recovered = wait_for(lambda step=step, t_kill=t_kill: first_step_after(metrics, step, t_kill),
+            recovered = wait_for(lambda step=step, since=since: first_step_after(metrics, step, since),
                                  240, f"progress after killing {victim} at step {step}", interval=0.5)
             kills[-1]["recovery_s"] = recovered - t_kill
 
@@ -151,6 +197,7 @@ def test_chaos_kills_every_role_and_nothing_is_lost(tmp_path, loop_model_dir):
         "kills": len(kills),
         "kills_survived_per_role": {r: len(v) for r, v in per_role.items()},
         "recovery_s_median_per_role": {r: round(statistics.median(v), 1) for r, v in per_role.items()},
+        "trainer_rank_group_stop_s": [round(t, 1) for t in group_stops],
         "final_step": final_step,
         "trajectories": {k: acc[k] for k in ("published", "trained", "dropped", "eval", "pending", "lost")},
     }
