@@ -23,25 +23,31 @@ Recovery lives here, not in the callers: a failed ``start``/``send`` withdraws
 the group, forms a new one (engines that died rejoin when they restart) and
 tries again for up to ``reform_for_s``; a receiver iterated with ``async for``
 leaves a broken or replaced group and joins the new one.
+
+The group follows the fleet: ``world_size`` is the fleet the first group waits
+for; an engine that finds every rank taken records a join request in the
+scope's KV bucket (``<run>.bcast.join.<engine>``) and retries. At its next send
+the sender withdraws the group and forms one with a rank for every requester
+(the engines of the old group notice the replacement and rejoin). A group that
+fails to form (an engine died) is formed again at the configured size; engines
+beyond it ask again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from proto import catalog
 from proto.codec import decode, encode
+from proto.subjects import check_run_id
 from proto.weights import (
     BroadcastGroup,
     BroadcastReady,
@@ -50,6 +56,18 @@ from proto.weights import (
     broadcast_ready_key,
 )
 from services.lib.weights.blobs import WeightIntegrityError
+from services.lib.weights.broadcast_group import (  # noqa: F401  (DeviceDigest, _hasher: re-exported)
+    _DIGEST_BYTES,
+    _REFORM_PAUSE_S,
+    BroadcastError,
+    DeviceDigest,
+    _backend,
+    _device,
+    _Group,
+    _hash_update,
+    _hasher,
+    _raw,
+)
 from services.lib.weights.client import cast_for_publish
 from services.lib.weights.config import BroadcastConfig
 from services.lib.weights.encoding import layout, torch_dtype
@@ -60,130 +78,9 @@ from services.runtime.natsd import free_port
 
 log = logging.getLogger("rlbus.weightsync.broadcast")
 
-_SLACK_S = 5.0  # extra wall time over the collective's own timeout before we give up on its thread
-_DIGEST_BYTES = 32
-_REFORM_PAUSE_S = 1.0  # between withdrawing a failed group and forming the next
-
-
-class BroadcastError(RuntimeError):
-    """A broadcast join or transfer failed or timed out; the message says which and what to check."""
-
-
-def _backend(config: BroadcastConfig) -> str:
-    if config.backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return config.backend
-
-
-def _device(backend: str) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-class DeviceDigest:
-    """A checksum of a byte stream computed on the device that holds it (never ``.numpy()``): Fletcher-style
-    ``s1 = sum(b_i)``, ``s2 = sum((i + 1) * b_i)`` mod 2**64 over bytes ``b_i`` at stream position ``i``, and
-    the length. Integer sums are exact and order-free (CUDA and CPU, any bucket cuts: the same digest); a
-    changed byte changes ``s1``, moved bytes ``s2``. Against corruption and layout mistakes, not tampering."""
-
-    _CHUNK = 1 << 24  # bytes widened to int64 at a time (128 MiB of scratch on the device)
-    _MASK = (1 << 64) - 1
-
-    def __init__(self) -> None:
-        self.s1 = 0
-        self.s2 = 0
-        self.length = 0
-
-    def update(self, data: torch.Tensor) -> None:
-        flat = data.reshape(-1)
-        if flat.dtype != torch.uint8:
-            raise TypeError(f"DeviceDigest takes uint8 bytes, got {flat.dtype}")
-        for lo in range(0, flat.numel(), self._CHUNK):
-            chunk = flat[lo : lo + self._CHUNK].to(torch.int64)
-            weights = torch.arange(self.length + 1, self.length + 1 + chunk.numel(), dtype=torch.int64,
-                                   device=chunk.device)
-            self.s1 = (self.s1 + int(chunk.sum())) & self._MASK
-            self.s2 = (self.s2 + int((chunk * weights).sum())) & self._MASK
-            self.length += chunk.numel()
-
-    def digest(self) -> bytes:
-        return b"rlbusdev" + b"".join(n.to_bytes(8, "little") for n in (self.s1, self.s2, self.length))
-
-    def hexdigest(self) -> str:
-        return self.digest().hex()
-
-
-def _hasher(device: torch.device) -> DeviceDigest | hashlib._Hash:
-    """The digest of buckets on ``device``: sha256 of host bytes, or a DeviceDigest on a GPU."""
-    return DeviceDigest() if device.type == "cuda" else hashlib.sha256()
-
-
-def _hash_update(h: DeviceDigest | hashlib._Hash, view: torch.Tensor) -> None:
-    if isinstance(h, DeviceDigest):
-        h.update(view)
-    else:
-        h.update(view.numpy())
-
-
-class _Group:
-    """A private process group; every call bounded by the timeout."""
-
-    def __init__(self, config: BroadcastConfig, backend: str) -> None:
-        self.config = config
-        self.backend = backend
-        self.timeout = timedelta(seconds=config.timeout_s)
-        self.pg: dist.ProcessGroup | None = None
-        self.store: dist.TCPStore | None = None
-
-    async def _bounded(self, what: str, fn, *args):
-        try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, *args), self.config.timeout_s + _SLACK_S)
-        except TimeoutError as err:
-            raise BroadcastError(
-                f"broadcast {what} did not finish within {self.config.timeout_s}s; check that every engine "
-                "is running and inside receive(), and that master_addr is reachable"
-            ) from err
-        except RuntimeError as err:  # torch.distributed reports timeouts and peer failures as RuntimeError
-            raise BroadcastError(
-                f"broadcast {what} failed: {err}; check that all {self.config.world_size - 1} engines are "
-                "running and inside receive()"
-            ) from err
-
-    def _make_pg(self, store: dist.Store, rank: int) -> dist.ProcessGroup:
-        size = self.config.world_size
-        if self.backend == "nccl":
-            nccl = getattr(dist, "ProcessGroupNCCL", None)
-            if nccl is None:
-                raise BroadcastError("backend nccl requested but this torch build has no NCCL; use gloo")
-            opts = nccl.Options()
-            opts._timeout = self.timeout
-            return nccl(store, rank, size, opts)
-        return dist.ProcessGroupGloo(store, rank, size, self.timeout)
-
-    async def join(self, addr: str, port: int, group_id: str, rank: int, is_master: bool) -> None:
-        def connect() -> None:
-            store = dist.TCPStore(
-                addr, port, self.config.world_size, is_master, self.timeout, wait_for_workers=False
-            )
-            self.store = store
-            self.pg = self._make_pg(dist.PrefixStore(f"rlbus-{group_id}", store), rank)
-
-        await self._bounded(f"join of rank {rank} (group {group_id})", connect)
-
-    async def bcast(self, tensor: torch.Tensor) -> None:
-        pg = self.pg
-        if pg is None:
-            raise BroadcastError("broadcast before the group was joined; call start() first")
-
-        def run() -> None:
-            pg.broadcast(tensor, 0).wait(self.timeout)
-            if tensor.is_cuda:
-                torch.cuda.current_stream().synchronize()
-
-        await self._bounded(f"of {tensor.numel()} bytes", run)
+def _join_prefix(run_id: str) -> str:
+    """KV key prefix of the engines' join requests (``<run>.bcast.join.<engine>``)."""
+    return f"{check_run_id(run_id)}.bcast.join."
 
 
 class BroadcastSender:
@@ -195,7 +92,10 @@ class BroadcastSender:
         self.run_id = run_id
         self.index = VersionIndex(nc, run_id, config.scope)
         self.backend = _backend(config)
-        self.group = _Group(config, self.backend)
+        #: ranks of the group formed next (trainer + engines): grows with join requests, back to
+        #: ``config.world_size`` after a failure
+        self.world_size = config.world_size
+        self.group = _Group(config, self.backend, self.world_size)
         self.group_id = uuid.uuid4().hex[:16]
 
     async def start(self) -> None:
@@ -215,6 +115,9 @@ class BroadcastSender:
         deadline = time.monotonic() + self.config.reform_for_s
         while True:
             try:
+                if self.group.pg is not None and action is not None and await self._join_requests():
+                    log.info("engines asked to join broadcast group %s; forming a larger one", self.group_id)
+                    await self._withdraw()  # its engines see it replaced and join the next
                 if self.group.pg is None:
                     await self._form()
                 if action is not None:
@@ -222,6 +125,7 @@ class BroadcastSender:
                 return
             except BroadcastError as err:
                 await self._withdraw()
+                self.world_size = self.config.world_size  # engines beyond it ask to join again
                 if time.monotonic() + _REFORM_PAUSE_S > deadline:
                     raise
                 log.warning("%s failed (%s); re-forming the broadcast group", what, err)
@@ -230,21 +134,26 @@ class BroadcastSender:
     async def _form(self) -> None:
         """Open the TCPStore, announce the group, wait (bounded) until every engine joined."""
         await self.index.ensure()
+        kv = await self.index.kv()
+        asked = await self._join_requests()
+        for key in asked:  # granted: a requester that died meanwhile makes this form time out (and shrink)
+            await kv.purge(key)
+        self.world_size += len(asked)
+        self.group = _Group(self.config, self.backend, self.world_size)
         port = self.config.master_port or free_port(self.config.master_addr)
         info = BroadcastGroup(
             run_id=self.run_id,
             group_id=self.group_id,
             master_addr=self.config.master_addr,
             master_port=port,
-            world_size=self.config.world_size,
+            world_size=self.world_size,
             backend=self.backend,
         )
-        kv = await self.index.kv()
         await kv.put(broadcast_group_key(self.run_id), encode(info))
         log.info(
             "broadcast group %s waiting for %d engines on %s:%d",
             self.group_id,
-            self.config.world_size - 1,
+            self.world_size - 1,
             self.config.master_addr,
             port,
         )
@@ -297,7 +206,7 @@ class BroadcastSender:
         trailer = torch.zeros(_DIGEST_BYTES, dtype=torch.uint8, device=device)
         trailer.copy_(torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8))
         await self.group.bcast(trailer)
-        log.info("broadcast v%d: %d bytes to %d engines", version, nbytes, self.config.world_size - 1)
+        log.info("broadcast v%d: %d bytes to %d engines", version, nbytes, self.world_size - 1)
 
     async def _withdraw(self) -> None:
         """Take the group off the bus and drop it; the next one gets a new id (engines rejoin that)."""
@@ -305,8 +214,22 @@ class BroadcastSender:
             await self.close()
         except Exception as e:  # the bus may be away too: the next group's announcement replaces this one
             log.debug("withdrawing broadcast group %s: %s", self.group_id, e)
-        self.group = _Group(self.config, self.backend)
+        self.group = _Group(self.config, self.backend, self.world_size)
         self.group_id = uuid.uuid4().hex[:16]
+
+    async def _join_requests(self) -> list[str]:
+        """Keys of the engines waiting for a rank (a watch of ``<run>.bcast.join.>``, headers only)."""
+        kv = await self.index.kv()
+        keys: list[str] = []
+        watcher = await kv.watch(f"{_join_prefix(self.run_id)}>", meta_only=True, ignore_deletes=True)
+        try:
+            async for entry in watcher:
+                if entry is None:  # the end of what is stored now
+                    break
+                keys.append(entry.key)
+        finally:
+            await watcher.stop()
+        return keys
 
     async def close(self) -> None:
         """Withdraw the group from the bus and drop the process group."""
@@ -314,7 +237,7 @@ class BroadcastSender:
         self.group.store = None
         kv = await self.index.kv()
         await kv.purge(broadcast_group_key(self.run_id))
-        for rank in range(1, self.config.world_size):
+        for rank in range(1, self.group.world_size):
             await kv.purge(broadcast_rank_key(self.run_id, self.group_id, rank))
 
 
@@ -339,6 +262,8 @@ class BroadcastReceiver:
         self.refused = 0
         self.last_error = ""
         self.traces: dict[int, str] = {}  # per version, the sender's traceparent (the latest few)
+        #: names this engine's join request when the group is full
+        self.engine_id = uuid.uuid4().hex[:16]
 
     @property
     def version(self) -> int | None:
@@ -389,11 +314,13 @@ class BroadcastReceiver:
             self.rank = rank
             break
         if self.rank is None:
-            raise BroadcastError(f"broadcast group {info.group_id} already has {info.world_size - 1} engines")
+            await kv.put(f"{_join_prefix(self.run_id)}{self.engine_id}", b"1")
+            raise BroadcastError(f"broadcast group {info.group_id} already has {info.world_size - 1} engines; "
+                                 "asked the trainer for a rank (it forms a larger group at its next send)")
         if await self._current_group_id() != info.group_id:  # withdrawn while we claimed a rank
             raise BroadcastError(f"broadcast group {info.group_id} was withdrawn; join the next one")
         self.group_info = info
-        self.group = _Group(self.config, info.backend)
+        self.group = _Group(self.config, info.backend, info.world_size)
         # a version of this group announced before we joined is stale (a send that failed before we came):
         # the sender announces only once every rank joined
         ready_key = broadcast_ready_key(self.run_id)
