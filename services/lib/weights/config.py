@@ -124,7 +124,9 @@ class BroadcastConfig(
 ):
     """A torch.distributed group between the trainer (rank 0) and engines; rendezvous over the bus."""
 
-    #: trainer + engines; every engine must join before the first send completes
+    #: trainer + engines of the first group: every one must join before the first send completes. An
+    #: engine that comes later asks for a rank and the next send forms a larger group; a group that fails
+    #: (an engine left or died) is formed again at this size, and engines beyond it ask again
     world_size: Annotated[int, msgspec.Meta(ge=2, le=4096)]
     #: gloo (CPU tensors), nccl (CUDA tensors), or auto (nccl when CUDA is available)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
