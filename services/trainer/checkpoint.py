@@ -66,13 +66,14 @@ def write(learner: Learner, path: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     out = Path(path)
-    model_sd, optim_sd = get_state_dict(learner.model, learner.optimizer)
     if learner.lora is not None:  # the adapters, not the frozen base
         out.mkdir(parents=True, exist_ok=True)
-        learner.save_adapter(out / "adapter")
-        model_sd = _adapters_only(model_sd)
+        learner.save_adapter_local(str(out / "adapter"))  # every rank takes part in the gather
     else:
         save_hf_local(learner, out)  # first: it writes the directory as a whole
+    model_sd, optim_sd = get_state_dict(learner.model, learner.optimizer)
+    if learner.lora is not None:
+        model_sd = _adapters_only(model_sd)
     with _one_process_quiet():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out / "dcp"))
 
@@ -88,10 +89,13 @@ def _adapters_only(model_sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_hf_local(learner: Learner, out: str | Path) -> None:
-    if learner.lora is not None:  # one rank: the adapters merged into a plain model directory
-        from services.trainer.lora import merged_state
+    if learner.lora is not None:  # the adapters merged into a plain model directory
+        from services.trainer.lora import merged_from_state_dict
 
-        save_policy(learner.model.get_base_model(), learner.tokenizer, out, state_dict=merged_state(learner.model))
+        full = learner.gathered_state_dict()
+        if learner.rank == 0:
+            save_policy(learner.model.get_base_model(), learner.tokenizer, out,
+                        state_dict=merged_from_state_dict(full, learner.lora))
         return
     if learner.world_size == 1:
         save_policy(learner.model, learner.tokenizer, out)

@@ -47,7 +47,7 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: dropout = 0.0, target_modules = ["q_proj", ...] }. Weight versions then carry only the adapters (the
     #: engines merge them into their base weights); checkpoints hold the adapters and their optimiser state;
     #: the final model is saved merged (final_model/) and as a peft adapter directory (final_adapter/).
-    #: The KL reference (kl_coef > 0) is the base model (adapters disabled). One rank only (world_size = 1)
+    #: The KL reference (kl_coef > 0) is the base model (adapters disabled). Works with world_size > 1 (FSDP2)
     lora: LoraConfig | None = None
 
     # --- batch and sampling ---
@@ -129,11 +129,6 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: { type = "inproc" } (trainer and rollout colocated: ``[launcher] services = { "trainer+rollout" = 1 }``).
     #: See services/lib/weights/config.py for every field.
     transport: TransportConfig = msgspec.field(default_factory=StoreTransportConfig)
-
-    def __post_init__(self) -> None:
-        if self.lora is not None and self.world_size > 1:
-            raise ValueError("lora trains on one rank only: set world_size = 1 or remove lora "
-                             "(FSDP sharding of adapters is not supported yet)")
 
     @property
     def max_groups_in_flight(self) -> int:

@@ -15,9 +15,10 @@ ranks as a command (:mod:`services.trainer.ranks`) and then run by all of them t
 rank issues the same collectives in the same order. A step sends the whole batch to every rank;
 each takes its share (:mod:`services.trainer.batching`).
 
-LoRA (``lora`` set; one rank): the model is wrapped with peft adapters (:mod:`services.trainer.lora`), only
-they train, :meth:`Learner.state_dict` is the adapter version engines merge, and the KL reference is the
-same model with its adapters disabled (the base), so no second copy of the model is loaded.
+LoRA (``lora`` set): the model is wrapped with peft adapters (:mod:`services.trainer.lora`) before it is
+sharded, only they train, :meth:`Learner.state_dict` is the adapter version engines merge (gathered onto
+rank 0 like full weights), and the KL reference is the same model with its adapters disabled (the base), so
+no second copy of the model is loaded.
 """
 
 from __future__ import annotations
@@ -297,21 +298,36 @@ class Learner:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         if self.lora is not None:  # the adapters only (services/lib/weights/lora_merge.py)
-            from services.trainer.lora import wire_state
+            from services.trainer.lora import adapter_state, targets_of, wire_from_state_dict
 
-            return wire_state(self.model, self.lora, torch.bfloat16 if self.bf16 else None)
-        if self.world_size == 1:
-            sd = {k: v.detach() for k, v in self.model.state_dict().items()}
-        else:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            sd = adapter_state(self.model) if self.world_size == 1 else self.gathered_state_dict()
+            return wire_from_state_dict(sd, self.lora, targets_of(self.model), torch.bfloat16 if self.bf16 else None)
+        sd = self.gathered_state_dict()
         if self.bf16:
             sd = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}
         return sd
 
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's whole state dict: its own on one rank; on many, gathered onto rank 0's host memory
+        (every rank calls this; the others get nothing)."""
+        if self.world_size == 1:
+            return {k: v.detach() for k, v in self.model.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace the weights with ``state_dict`` (full tensors on rank 0; the others receive them)."""
+        if self.lora is not None:  # checked before any rank starts loading
+            from services.lib.weights.lora_merge import is_adapter
+            from services.trainer.lora import check_fits, peft_keys
+
+            if not is_adapter(state_dict):
+                raise CheckpointError("lora is set but the weights to load are a full state dict, not an adapter "
+                                      "version (did this run train without lora before?): remove lora, or start "
+                                      "a fresh run")
+            check_fits(self.model.state_dict(), state_dict)
+            state_dict = peft_keys(state_dict, "default")  # the wrapped model's own names
         if self.group is None:
             self.load_full_weights(state_dict)
             return
@@ -319,16 +335,6 @@ class Learner:
         self.group.guarded(self._on_device, self.load_full_weights, state_dict)
 
     def load_full_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        if self.lora is not None:
-            from services.lib.weights.lora_merge import is_adapter
-            from services.trainer.lora import load_wire_state
-
-            if not is_adapter(state_dict):
-                raise CheckpointError("lora is set but the weights to load are a full state dict, not an adapter "
-                                      "version (did this run train without lora before?): remove lora, or start "
-                                      "a fresh run")
-            load_wire_state(self.model, state_dict)
-            return
         if self.world_size == 1:
             self.model.load_state_dict(state_dict, strict=False)
             return
@@ -347,13 +353,18 @@ class Learner:
         return checkpoint.save_hf(self, out)
 
     def save_adapter(self, out: Path) -> Path:
-        """LoRA only: the adapters as a peft directory (``adapter_config.json`` + safetensors)."""
-        from services.trainer.lora import save_adapter
-
+        """LoRA only: the adapters as a peft directory (``adapter_config.json`` + safetensors), by rank 0."""
         if self.lora is None:
             raise CheckpointError("save_adapter needs lora: this learner trains every weight")
-        save_adapter(self.model, out)
+        self._all("save_adapter_local", str(out))
         return out
+
+    def save_adapter_local(self, path: str) -> None:
+        from services.trainer.lora import save_adapter
+
+        full = self.gathered_state_dict() if self.world_size > 1 else None
+        if self.rank == 0:
+            save_adapter(self.model, path, state_dict=full)
 
     # --- checkpoints (services/trainer/checkpoint.py) --------------------------------------------
 

@@ -6,7 +6,7 @@
 * a malformed adapter is refused and changes nothing;
 * a checkpoint holds the adapters and their optimiser moments: a learner resumed from it takes the same
   next step as the one that kept going;
-* the config refuses lora with several ranks, naming the key.
+* a wrong lora key or value stops the config, naming the key.
 """
 
 from __future__ import annotations
@@ -137,12 +137,13 @@ def test_final_model_is_saved_merged_and_as_an_adapter(loop_model_dir, tmp_path)
                                   AutoModelForCausalLM.from_pretrained(loop_model_dir)(input_ids=ids).logits)
 
 
-def test_lora_with_several_ranks_is_refused_naming_the_key():
-    with pytest.raises(ConfigError, match=r"services\.trainer.*lora.*world_size"):
-        convert({"lora": {"r": 4}, "world_size": 2}, TrainerConfig, "services.trainer")
+def test_lora_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"services\.trainer\.lora\.r"):
         convert({"lora": {"r": 0}}, TrainerConfig, "services.trainer")
+    with pytest.raises(ConfigError, match=r"services\.trainer\.lora\.rank"):
+        convert({"lora": {"rank": 8}}, TrainerConfig, "services.trainer")
     assert convert({}, TrainerConfig, "services.trainer").lora is None
+    assert convert({"lora": {}, "world_size": 2}, TrainerConfig, "services.trainer").lora.r == 8
 
 
 def test_the_kl_reference_of_a_lora_learner_is_the_base_model(loop_model_dir):
