@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.launcher import simulate_cmd
 from services.launcher.connect import bus_sections, overrides, with_connection
 from services.runtime.config import ConfigError, RunSection, convert, load_service_config, load_tree
 
@@ -195,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "--check exits 1 when the files there are not current (CI).")
     sch.add_argument("--out", metavar="DIR", help="directory to write (default: proto/schemas of this checkout)")
     sch.add_argument("--check", action="store_true", help="write nothing; exit 1 naming stale files")
+    simulate_cmd.add_parser(sub)
     return p
 
 
@@ -509,7 +511,7 @@ def cmd_services(args: argparse.Namespace) -> int:
 
 COMMANDS = {"run": cmd_run, "up": cmd_up, "service": cmd_service, "tap": cmd_tap, "status": cmd_status, "services": cmd_services,
             "trace": cmd_trace, "replay": cmd_replay,
-            "provision": cmd_provision, "schema": cmd_schema, "scale": cmd_scale}
+            "provision": cmd_provision, "schema": cmd_schema, "scale": cmd_scale, "simulate": simulate_cmd.main}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,6 +27,7 @@ import msgspec
 from proto import catalog
 from services.launcher.autoscale import CONSUMERS, AutoscaleRule, desired_count
 from services.launcher.environments import python_for
+from services.launcher.usage import UsageLog
 from services.runtime.config import ConfigError, NatsSection, RunSection, convert, load_tree
 from services.runtime.gang import GANG_FAILED_EXIT, GangSection
 from services.runtime.natsd import EmbeddedNats, NatsCluster, die_with_parent, port_is_free
@@ -214,6 +215,7 @@ class Supervisor:
         self.stopping = threading.Event()
         self.quiet = quiet
         self.events: list[dict[str, Any]] = []
+        self.usage = UsageLog(self.run_dir / "usage.jsonl")
         self.gang = convert(self.tree.get("gang"), GangSection, "gang")
         self.gang_failed = False
         self.last_seen: dict[str, float] = {}  # "<service>/<instance>" -> monotonic time of its last heartbeat
@@ -370,9 +372,18 @@ class Supervisor:
         else:
             print(f"[rlbus] {text}", file=sys.stderr, flush=True)
 
+    def _pids(self) -> dict[str, int]:
+        """Live service processes and the embedded nats-server, by label."""
+        pids = {c.label: c.proc.pid for c in list(self.children) if c.proc is not None and c.proc.poll() is None}
+        proc = self.nats.proc if isinstance(self.nats, EmbeddedNats) else None
+        if proc is not None and proc.poll() is None:
+            pids["nats-server"] = proc.pid
+        return pids
+
     def poll(self) -> None:
         """Restart children that exited (with backoff) or went silent; give up on crash loops."""
         now = time.monotonic()
+        self.usage.record(self._pids())
         self._check_heartbeats(now)
         with self._layout_lock:
             children = list(self.children)
@@ -540,6 +551,7 @@ class Supervisor:
         """SIGTERM every service, SIGKILL what has not drained within stop_timeout_s; NATS stays up."""
         with self._layout_lock:
             self.stopping.set()
+        self.usage.record(self._pids(), force=True)
         if self.control is not None:
             self.control.stop()
             self.control = None

@@ -1,0 +1,132 @@
+"""``rlbus simulate``: predictions from a run directory, or a planning table from a plan file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from services.launcher.simulate import Rates, Result, Shape, Simulation
+from services.launcher.simulate_fit import FitError, fit, measure, predict, shape_of
+from services.runtime.config import ConfigError
+
+DESCRIPTION = (
+    "A discrete-event model of the loop (engines with a tokens/s-vs-batch curve, judges, sandboxes, the "
+    "trainer's step, weight sync, admission bound and staleness filter). With RUN_DIR it fits its rates to "
+    "what that run recorded (metrics.jsonl, traces/, usage.jsonl), shows how well it reproduces the run, "
+    "then predicts the run with other settings: by default synchronous (max_staleness=0), asynchronous "
+    "(max_staleness=1) and one more rollout worker; --set KEY=VALUE (repeatable) predicts one variant "
+    "instead (keys: the fields of the plan file's [shape]). With --plan FILE it prints a table for a "
+    "cluster from the rates in FILE ([rates], [shape], and [sweep] lists of shape values), with each "
+    "part's idle fraction. The last line is JSON.")
+
+
+def add_parser(sub: Any) -> None:
+    sim = sub.add_parser("simulate", help="predict steps/s, staleness and idle time from a run or a plan file",
+                         description=DESCRIPTION)
+    sim.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory to fit the rates to")
+    sim.add_argument("--plan", metavar="FILE", help="a plan file (TOML): rates, shape and a sweep")
+    sim.add_argument("--set", dest="changes", action="append", default=[], metavar="KEY=VALUE",
+                     help="a shape setting of the predicted run (repeatable), e.g. max_staleness=0, engines=2")
+    sim.add_argument("--steps", type=int, default=60, metavar="N", help="simulated trainer steps (default 60)")
+    sim.add_argument("--cores", type=float, default=None, metavar="N",
+                     help="cores of the machine the run had (default: this machine's)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if (args.run_dir is None) == (args.plan is None):
+        raise ConfigError("rlbus simulate: give a RUN_DIR or --plan FILE (one of them)")
+    if args.steps < 1:
+        raise ConfigError("rlbus simulate: --steps takes a positive number")
+    changes = _changes(args.changes)
+    if args.plan is not None:
+        return _plan(Path(args.plan), changes, args.steps)
+    try:
+        run_dir = Path(args.run_dir)
+        shape, measured = shape_of(run_dir, args.cores), measure(run_dir)
+        shape, rates, reproduced = fit(shape, measured, steps=args.steps)
+    except FitError as e:
+        raise ConfigError(f"rlbus simulate: {e}") from e
+    print(f"measured  {measured.steps_per_s:6.3f} steps/s  staleness {measured.staleness_mean:.2f}  "
+          f"learner {measured.learner_s * 1e3:.0f} ms  (other tenants took {measured.background_cores:.2f} cores)")
+    print(f"model     {reproduced.steps_per_s:6.3f} steps/s  staleness {reproduced.staleness_mean:.2f}  "
+          f"learner {reproduced.learner_s * 1e3:.0f} ms  (fitted)")
+    print("fitted rates: " + ", ".join(f"{k}={v:.4g}" for k, v in msgspec.to_builtins(rates).items() if v))
+    variants = [changes] if changes else [{"max_staleness": 0}, {"max_staleness": 1}, {"engines": shape.engines + 1}]
+    rows = []
+    for change in variants:
+        result = predict(shape, rates, change, steps=args.steps)
+        rows.append({"set": change, **_row(result)})
+        print(f"predicted {_label(change):24s} {_line(result)}")
+    print(json.dumps({"measured": msgspec.to_builtins(measured), "rates": msgspec.to_builtins(rates),
+                      "reproduced": _row(reproduced), "predicted": rows}))
+    return 0
+
+
+def _plan(path: Path, changes: dict[str, Any], steps: int) -> int:
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"rlbus simulate --plan {path}: {e}") from e
+    unknown = set(doc) - {"rates", "shape", "sweep", "notes"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown sections {sorted(unknown)} (expected rates, shape, sweep)")
+    try:
+        rates = msgspec.convert(doc.get("rates", {}), Rates)
+        shape = msgspec.convert({**doc.get("shape", {}), **changes}, Shape)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{path}: {e}") from e
+    sweep = doc.get("sweep", {})
+    for key, values in sweep.items():
+        if key not in Shape.__struct_fields__ or not isinstance(values, list) or not values:
+            raise ConfigError(f"{path}: [sweep] {key} must be a non-empty list of values of a [shape] field")
+    grid: list[dict[str, Any]] = [{}]
+    for key, values in sweep.items():
+        grid = [{**g, key: v} for g in grid for v in values]
+    rows = []
+    header = " ".join(f"{k:>14s}" for k in sweep) + f" {'steps/h':>9s} {'staleness':>9s} {'dropped':>7s}  idle"
+    print(header)
+    for point in grid:
+        try:
+            variant = msgspec.convert({**msgspec.to_builtins(shape), **point}, Shape)
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"{path}: [sweep] {point}: {e}") from e
+        result = Simulation(variant, rates).run(steps)
+        rows.append({"set": point, **_row(result)})
+        idle = "  ".join(f"{k} {v:.0%}" for k, v in result.idle.items())
+        print(" ".join(f"{v!s:>14s}" for v in point.values())
+              + f" {result.steps_per_s * 3600:9.1f} {result.staleness_mean:9.2f} {result.dropped_groups:7d}  {idle}",
+              flush=True)
+    print(json.dumps({"plan": str(path), "rows": rows}))
+    return 0
+
+
+def _changes(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in Shape.__struct_fields__:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(Shape.__struct_fields__)}")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            raise ConfigError(f"--set {item!r}: the value must be a number") from None
+    return out
+
+
+def _row(r: Result) -> dict[str, Any]:
+    return {"steps_per_s": round(r.steps_per_s, 4), "staleness": r.staleness,
+            "staleness_mean": round(r.staleness_mean, 4), "dropped_groups": r.dropped_groups, "idle": r.idle}
+
+
+def _label(change: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in change.items())
+
+
+def _line(r: Result) -> str:
+    idle = " ".join(f"{k} {v:.0%}" for k, v in r.idle.items())
+    return f"{r.steps_per_s:6.3f} steps/s  staleness {r.staleness_mean:.2f} {r.staleness}  idle: {idle}"

@@ -1,0 +1,253 @@
+"""The simulator's rates, taken from a run directory (``rlbus simulate RUN_DIR``).
+
+A finished (or stopped) run directory holds what the model needs: ``config.resolved.json`` (the batch,
+staleness and fleet), ``metrics.jsonl`` (each step's learner and publish time, completion lengths,
+steps/s) and ``traces/*.jsonl`` (generation spans per prompt group, weight applies, the bus hops of
+each sample). What a run records is contended time: on a shared machine a learner step is slower while
+the engine generates. So the rates are *fitted*: the run itself is simulated, and the uncontended rates
+are scaled until the simulation shows the recorded learner time, group generation time and steps/s.
+The judge's CPU per sample, which no record shows directly, is the free figure that matches steps/s.
+Then the fitted rates predict other settings (``--set max_staleness=0``, ``--set engines=2``).
+
+What one run cannot show: how an engine's iteration cost grows with its batch (its batch size hardly
+varies within a run), so ``iter_per_seq_s`` is kept at the value given (0 by default) and only the
+iteration's total cost is fitted; and the learner's cost per token (one batch shape), so the learner is
+one fixed time per step. A plan file (``rlbus simulate --plan``) gives both curves explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from services.launcher.simulate import Rates, Result, Shape, Simulation
+
+#: steps skipped at the start of a run (model load, first compiles, cold caches)
+WARMUP_FRACTION = 0.2
+
+
+class FitError(ValueError):
+    """The run directory lacks what the fit needs; the message says what."""
+
+
+class Measured(msgspec.Struct, kw_only=True):
+    """What the run recorded (after warm-up)."""
+
+    steps: int
+    steps_per_s: float
+    learner_s: float
+    publish_s: float
+    commit_s: float
+    completion_tokens: float
+    staleness_mean: float
+    generate_group_s: float
+    apply_s: float
+    transfer_s: float
+    pipeline_latency_s: float
+    #: CPU seconds per trained sample over the same window (usage.jsonl; 0 without it)
+    judge_cpu_per_sample: float
+    nats_cpu_per_sample: float
+    trainer_cpu_per_sample: float
+    #: cores other tenants of the machine kept busy over the window (0 without usage.jsonl)
+    background_cores: float
+
+
+def shape_of(run_dir: Path, cores: float | None = None) -> Shape:
+    """The run's batch, staleness and fleet, from ``config.resolved.json``."""
+    path = run_dir / "config.resolved.json"
+    if not path.is_file():
+        raise FitError(f"{run_dir} has no config.resolved.json: not a run directory (rlbus run writes one)")
+    cfg = json.loads(path.read_text())
+    services = cfg.get("launcher", {}).get("services", {})
+    trainer = cfg["services"]["trainer"]
+    rollout = cfg["services"].get("rollout", {})
+    engine = rollout.get("engine", {})
+    return Shape(
+        groups_per_step=trainer.get("groups_per_step", 16), group_size=trainer.get("group_size", 8),
+        max_new_tokens=trainer.get("max_new_tokens", 64), max_staleness=trainer.get("max_staleness", 1),
+        engines=max(1, services.get("rollout", 1)), judges=max(1, services.get("judge", 1)),
+        max_tickets=rollout.get("max_tickets", 64), max_batch=engine.get("max_batch_size", 256),
+        engine_threads=float(engine.get("num_threads", 1) or 1),
+        trainer_threads=float(trainer.get("num_threads", 1) or 1),
+        cores=float(os.cpu_count() or 1) if cores is None else cores)
+
+
+def measure(run_dir: Path) -> Measured:
+    """The recorded figures, warm-up steps left out."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    steps = [r for r in rows if "time/step_s" in r]
+    if len(steps) < 5:
+        raise FitError(f"{path} has {len(steps)} training steps; the fit needs at least 5 (run longer)")
+    kept = steps[int(len(steps) * WARMUP_FRACTION):]
+    span = kept[-1]["elapsed_s"] - kept[0]["elapsed_s"]
+    spans = _spans(run_dir / "traces")
+    gen = [s for s in spans if s["name"] == "generate group" and not str(s["attributes"].get("group_id", "")).startswith("eval")]
+    if not gen:
+        raise FitError(f"{run_dir / 'traces'} has no 'generate group' spans: the fit needs the run's traces "
+                       "(tracing on, the default)")
+    return Measured(
+        steps=len(kept), steps_per_s=(len(kept) - 1) / span if span > 0 else 0.0,
+        learner_s=_avg(r["time/step_s"] for r in kept), publish_s=_avg(r.get("time/publish_s", 0.0) for r in kept),
+        commit_s=_avg(r.get("time/commit_s", 0.0) for r in kept),
+        completion_tokens=_avg(r.get("train/completion_tokens_mean", 1.0) for r in kept),
+        staleness_mean=_avg(r.get("trainer/staleness_mean", 0.0) for r in kept),
+        generate_group_s=statistics.median(_dur(s) for s in gen),
+        apply_s=_avg(_dur(s) for s in spans if s["name"] == "apply weights"),
+        transfer_s=_transfer(spans), pipeline_latency_s=_latency(spans),
+        **_cpu_per_sample(run_dir / "usage.jsonl", kept))
+
+
+def fit(shape: Shape, measured: Measured, iter_per_seq_s: float = 0.0,
+        steps: int = 60) -> tuple[Shape, Rates, Result]:
+    """Rates whose simulation of ``shape`` shows the recorded times; returns the run's shape as fitted
+    (completion lengths, and on a shared machine, ``shape.cores``, the other tenants' demand that got them
+    the cores they took), the rates and that simulation."""
+    shape = msgspec.structs.replace(shape, completion_tokens=measured.completion_tokens,
+                                    background=measured.background_cores if shape.cores else 0.0)
+    iterations = _expected_iterations(shape)
+    judge, bus = measured.judge_cpu_per_sample, measured.nats_cpu_per_sample
+    base = Rates(learn_fixed_s=measured.learner_s, publish_s=measured.publish_s, commit_s=measured.commit_s,
+                 apply_s=measured.apply_s, transfer_s=measured.transfer_s, iter_per_seq_s=iter_per_seq_s,
+                 iter_fixed_s=max(measured.generate_group_s / iterations - iter_per_seq_s * shape.group_size, 1e-6),
+                 judge_per_sample_s=judge, bus_per_sample_s=bus,
+                 pipeline_latency_s=max(measured.pipeline_latency_s - shape.group_size * (judge + bus), 0.0))
+
+    def matched(trainer_s: float) -> tuple[Rates, Result]:
+        """With the trainer's event loop spending ``trainer_s`` per sample: learner and engine rates
+        scaled until the simulation shows their recorded times."""
+        nonlocal shape
+        rates = msgspec.structs.replace(base, trainer_per_sample_s=trainer_s)
+        result = Simulation(shape, rates).run(steps)
+        for _ in range(6):  # uncontended = recorded x (recorded / simulated), until they agree
+            k_learn = measured.learner_s / result.learner_s if result.learner_s else 1.0
+            k_gen = measured.generate_group_s / result.generate_group_s if result.generate_group_s else 1.0
+            k_bg = measured.background_cores / result.background_cores if result.background_cores else 1.0
+            if abs(k_learn - 1) < 0.02 and abs(k_gen - 1) < 0.02 and abs(k_bg - 1) < 0.05:
+                break
+            rates = msgspec.structs.replace(rates, learn_fixed_s=rates.learn_fixed_s * k_learn,
+                                            iter_fixed_s=rates.iter_fixed_s * k_gen,
+                                            iter_per_seq_s=rates.iter_per_seq_s * k_gen)
+            shape = msgspec.structs.replace(shape, background=min(shape.background * k_bg, 64.0))
+            result = Simulation(shape, rates).run(steps)
+        return rates, result
+
+    # the trainer's per-message work (decode, filter, buffer, acks between steps) shows in no record of its
+    # own: it is the value whose simulation runs at the recorded steps/s, at most all of the trainer's CPU
+    lo = 0.0
+    hi = measured.trainer_cpu_per_sample or measured.learner_s / (shape.groups_per_step * shape.group_size)
+    best = matched(lo)
+    if best[1].steps_per_s <= measured.steps_per_s:
+        return shape, best[0], best[1]
+    for _ in range(10):
+        mid = (lo + hi) / 2
+        best = matched(mid)
+        if best[1].steps_per_s > measured.steps_per_s:
+            lo = mid
+        else:
+            hi = mid
+    return shape, best[0], best[1]
+
+
+def predict(shape: Shape, rates: Rates, changes: dict[str, Any], steps: int = 60,
+            background_cores: float | None = None) -> Result:
+    """The fitted run with ``changes`` (Shape fields) applied; on a shared machine whose other tenants
+    took ``background_cores`` (default: as in the fitted run) while it ran."""
+    if "max_staleness" in changes and "max_in_flight" not in changes:
+        changes = {**changes, "max_in_flight": 0}
+    try:
+        changed = msgspec.convert({**msgspec.to_builtins(shape), **changes}, Shape)
+    except msgspec.ValidationError as e:
+        raise FitError(f"--set: {e} (settable: {', '.join(Shape.__struct_fields__)})") from e
+    result = Simulation(changed, rates).run(steps)
+    if background_cores is None or not changed.cores:
+        return result
+    changed = msgspec.structs.replace(changed, background=background_cores)
+    for _ in range(6):  # the tenants' demand that gets them what they took, beside this run
+        result = Simulation(changed, rates).run(steps)
+        if not result.background_cores or abs(background_cores / result.background_cores - 1) < 0.05:
+            break
+        changed = msgspec.structs.replace(
+            changed, background=min(changed.background * background_cores / result.background_cores, 64.0))
+    return result
+
+
+def _expected_iterations(shape: Shape, draws: int = 4000) -> float:
+    """Mean over groups of the longest sequence (a group is done when its longest one is)."""
+    sim = Simulation(shape, Rates())
+    groups = [max(sim.seq_length() for _ in range(shape.group_size)) for _ in range(draws // shape.group_size + 1)]
+    return sum(groups) / len(groups)
+
+
+def _spans(folder: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a kill
+    return out
+
+
+def _dur(span: dict[str, Any]) -> float:
+    return (span["end_ns"] - span["start_ns"]) / 1e9
+
+
+def _avg(xs: Any) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _cpu_per_sample(path: Path, kept: list[dict[str, Any]]) -> dict[str, float]:
+    """Judge, broker and trainer CPU seconds per trained sample between the usage lines inside the window."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    inside = [u for u in lines if kept[0]["time"] <= u["time"] <= kept[-1]["time"]]
+    out = {"judge_cpu_per_sample": 0.0, "nats_cpu_per_sample": 0.0, "trainer_cpu_per_sample": 0.0,
+           "background_cores": 0.0}
+    if len(inside) < 2:
+        return out
+    first, last = inside[0], inside[-1]
+    trained = [r["trainer/trained_total"] for r in kept if first["time"] <= r["time"] <= last["time"]
+               and "trainer/trained_total" in r]
+    samples = trained[-1] - trained[0] if len(trained) >= 2 else 0.0
+    if samples <= 0:
+        return out
+
+    def cpu(prefix: str) -> float:
+        return sum(last["cpu_s"][k] - first["cpu_s"].get(k, 0.0) for k in last["cpu_s"]
+                   if k.split("-")[0] == prefix and k in first["cpu_s"])
+
+    ours = sum(last["cpu_s"][k] - first["cpu_s"][k] for k in last["cpu_s"] if k in first["cpu_s"])
+    machine = (last.get("machine_busy_s") or 0.0) - (first.get("machine_busy_s") or 0.0)
+    background = max(machine - ours, 0.0) / (last["time"] - first["time"]) if machine > 0 else 0.0
+    return {"judge_cpu_per_sample": cpu("judge") / samples, "nats_cpu_per_sample": cpu("nats") / samples,
+            "trainer_cpu_per_sample": cpu("trainer") / samples, "background_cores": background}
+
+
+def _transfer(spans: list[dict[str, Any]]) -> float:
+    """Mean time from the trainer's publish of a version to an engine starting to apply it."""
+    published = {s["attributes"].get("version"): s["end_ns"] for s in spans if s["name"] == "publish weights"}
+    gaps = [(s["start_ns"] - published[v]) / 1e9 for s in spans if s["name"] == "apply weights"
+            and (v := s["attributes"].get("version")) in published and s["start_ns"] >= published[v]]
+    return _avg(gaps)
+
+
+def _latency(spans: list[dict[str, Any]]) -> float:
+    """Median time from the rollout publishing a sample to the trainer handling its scored trajectory."""
+    by_id = {s["span_id"]: s for s in spans}
+    gaps = []
+    for s in spans:
+        if s["service"] != "trainer" or not s["name"].startswith("handle") or not s["name"].endswith(".trajectories"):
+            continue
+        judge_pub = by_id.get(s.get("parent_id") or "")
+        judge_handle = by_id.get((judge_pub or {}).get("parent_id") or "")
+        rollout_pub = by_id.get((judge_handle or {}).get("parent_id") or "")
+        if rollout_pub is not None:
+            gaps.append((s["start_ns"] - rollout_pub["start_ns"]) / 1e9)
+    return statistics.median(gaps) if gaps else 0.0
