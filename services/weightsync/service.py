@@ -60,7 +60,8 @@ class RelayStats:
 class WeightsyncService:
     """Retention and/or relay for one run; ``run(stop)`` until the event is set."""
 
-    def __init__(self, nc: NATS, config: WeightsyncConfig, local_nc: NATS | None = None) -> None:
+    def __init__(self, nc: NATS, config: WeightsyncConfig, local_nc: NATS | None = None,
+                 gauges: dict[str, float] | None = None) -> None:
         if not config.run_id:
             raise ConfigError("WeightsyncConfig.run_id is empty; set it (build() fills it from [run] id)")
         self.config = config
@@ -77,6 +78,8 @@ class WeightsyncService:
             self.local = VersionIndex(lnc, config.run_id, config.relay.scope)
             self._local_cache = ManifestCache(self.local)
         self.stats = RelayStats()
+        #: the service's heartbeat gauges (``weightsync/...``), updated after every version and failure
+        self.gauges = gauges if gauges is not None else {}
         #: set after each version is fully handled (relayed and collected); tests and benches wait on it
         self.handled = asyncio.Condition()
         self.last_handled: int | None = None
@@ -130,6 +133,7 @@ class WeightsyncService:
                     backoff = 0.5
             except (StopAsyncIteration, *_TRANSIENT) as err:
                 self.stats.upstream_failures += 1
+                self._report()
                 log.warning("upstream unavailable (%r); retrying in %.1fs", err, backoff)
                 await asyncio.sleep(backoff)  # back-off while the upstream (or the link to it) is away
                 backoff = min(backoff * 2, self.config.recheck_s)
@@ -166,6 +170,17 @@ class WeightsyncService:
         async with self.handled:
             self.last_handled = ann.policy_version
             self.handled.notify_all()
+        self._report()
+
+    def _report(self) -> None:
+        self.gauges.update({
+            "weightsync/relayed_versions": float(self.stats.versions_relayed),
+            "weightsync/upstream_bytes": float(self.stats.upstream_bytes),
+            "weightsync/upstream_failures": float(self.stats.upstream_failures),
+            "weightsync/refused": float(self.stats.refused),
+        })
+        if self.last_handled is not None:
+            self.gauges["weightsync/version"] = float(self.last_handled)
 
     async def wait_handled(self, version: int) -> None:
         """Wait until ``version`` (or a newer one) has been handled."""
@@ -230,7 +245,7 @@ class WeightsyncRunner:
         self.config = config
 
     async def run(self, ctx: ServiceContext) -> None:
-        await WeightsyncService(ctx.nc, self.config).run(ctx.stop)
+        await WeightsyncService(ctx.nc, self.config, gauges=ctx.gauges).run(ctx.stop)
 
 
 def build(loaded: Loaded) -> WeightsyncRunner:

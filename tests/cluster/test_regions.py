@@ -242,6 +242,17 @@ def region_b_versions(url: str, run: str) -> dict[str, int]:
     return asyncio.run(go())
 
 
+def relay_gauges(url: str, run: str) -> dict[str, float]:
+    """The region-B relay's figures from its last heartbeat (``weightsync/...``)."""
+    async def go() -> dict[str, float]:
+        nc = await nats.connect(url)
+        try:
+            return next(m["metrics"] for m in await members(nc.jetstream(), run) if m["instance"] == "relay-b")
+        finally:
+            await nc.close()
+    return asyncio.run(go())
+
+
 def stored_versions(root: Path, run: str) -> list[int]:
     """Versions region B's store holds (chunk directories ``<run>/v<version>``)."""
     d = root / run
@@ -282,11 +293,13 @@ def test_loop_across_two_regions_sends_one_copy_per_version_and_rides_out_a_cut(
         assert all(p.poll() is None for p in procs), [p.args for p in procs if p.poll() is not None]
 
         # cut the link: region A trains on; region B's store (its engines' only source) gets nothing new
+        relay_log = tmp_path / "relay-b.log"
+        failures = relay_log.read_text().count("upstream unavailable")
         proxy.cut()
-        at_cut = max(stored_versions(store, run))
-        wait_for(lambda: trainer_version(metrics) >= at_cut + 3, 600, "three versions past region B's", interval=1.0)
-        wait_for(lambda: "upstream unavailable" in (tmp_path / "relay-b.log").read_text(), 60,
+        wait_for(lambda: relay_log.read_text().count("upstream unavailable") > failures, 60,
                  "the relay to notice the link is down")
+        at_cut = max(stored_versions(store, run))  # a copy already across when the link went is stored
+        wait_for(lambda: trainer_version(metrics) >= at_cut + 3, 600, "three versions past region B's", interval=1.0)
         assert max(stored_versions(store, run)) == at_cut
         assert all(p.poll() is None for p in procs), "a service died while the link was down"
 
@@ -297,6 +310,7 @@ def test_loop_across_two_regions_sends_one_copy_per_version_and_rides_out_a_cut(
                  f"both region-B engines at v{target} or newer", interval=1.0)
         at_restore = trainer_version(metrics)
         wait_for(lambda: trainer_version(metrics) >= at_restore + 2, 600, "two more steps", interval=1.0)
+        relay = relay_gauges(hub.url, run)
         for p in procs[1:]:
             p.terminate()
         for p in procs[1:]:
@@ -337,6 +351,9 @@ def test_loop_across_two_regions_sends_one_copy_per_version_and_rides_out_a_cut(
     largest = max(m.blob_nbytes for m in relayed)
     assert relayed_bytes > 3 * largest, relayed  # enough versions crossed for the bound below to mean something
     assert relayed_bytes <= proxy.down < 1.1 * relayed_bytes + largest, (proxy.down, relayed_bytes)
+    # the relay's own count (its heartbeat, read before the last versions): each version it copied, once
+    assert relay["weightsync/upstream_failures"] >= 1 and relay["weightsync/relayed_versions"] >= 3, relay
+    assert relay["weightsync/upstream_bytes"] <= relayed_bytes, (relay, relayed_bytes)
     # region B's samples grew stale over the cut and were filtered as usual: dropped, and none trained on that
     # was more than max_staleness behind the step's starting version (a trained outcome's version is the step's)
     assert any(o.outcome == "dropped" and o.reason.startswith("stale") for o in b_outcomes), b_outcomes[-5:]
