@@ -165,3 +165,15 @@ def test_the_kl_reference_of_a_lora_learner_is_the_base_model(loop_model_dir):
     with torch.no_grad():
         want, _ = sequence_logprobs(base, prompts, completions, pad_token_id=learner.pad_id)
     assert torch.allclose(ref, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("keys", [{"gradient_checkpointing": True}, {"dtype": "bfloat16"}])
+def test_lora_steps_with_gradient_checkpointing_and_bf16(loop_model_dir, keys):
+    learner = _learner(loop_model_dir, **keys)
+    metrics = learner.step_input(StepInput.of(batch(6), learner.cfg))
+    assert metrics["optim/grad_norm"] > 0
+    wire = learner.state_dict()
+    b = next(v for k, v in wire.items() if k.endswith(".lora_B"))
+    assert b.abs().max() > 0  # the adapters trained
+    assert b.dtype == (torch.bfloat16 if keys.get("dtype") == "bfloat16" else torch.float32)  # bf16 on the wire
+    assert all(p.dtype == torch.float32 for p in learner.model.parameters() if p.requires_grad)  # fp32 masters
