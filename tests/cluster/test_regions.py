@@ -293,11 +293,15 @@ def test_loop_across_two_regions_sends_one_copy_per_version_and_rides_out_a_cut(
         assert all(p.poll() is None for p in procs), [p.args for p in procs if p.poll() is not None]
 
         # cut the link: region A trains on; region B's store (its engines' only source) gets nothing new
-        relay_log = tmp_path / "relay-b.log"
-        failures = relay_log.read_text().count("upstream unavailable")
+        def notices() -> dict[str, int]:  # the relay's and the engines' logged failures to reach region A
+            logs = {name: (tmp_path / f"{name}.log").read_text() for name in ("relay-b", "rollout-b0", "rollout-b1")}
+            return {"relay-b": logs["relay-b"].count("upstream unavailable"),
+                    **{n: logs[n].count("weight transport interrupted") for n in ("rollout-b0", "rollout-b1")}}
+
+        before = notices()
         proxy.cut()
-        wait_for(lambda: relay_log.read_text().count("upstream unavailable") > failures, 60,
-                 "the relay to notice the link is down")
+        wait_for(lambda: all(n > before[k] for k, n in notices().items()), 60,
+                 "the relay and both region-B engines to notice the link is down", interval=0.5)
         at_cut = max(stored_versions(store, run))  # a copy already across when the link went is stored
         wait_for(lambda: trainer_version(metrics) >= at_cut + 3, 600, "three versions past region B's", interval=1.0)
         assert max(stored_versions(store, run)) == at_cut
@@ -349,7 +353,8 @@ def test_loop_across_two_regions_sends_one_copy_per_version_and_rides_out_a_cut(
     # one copy of every relayed version crossed, at most one more (cut mid-transfer) and the run's small
     # messages; a copy per engine would be twice the relayed bytes
     largest = max(m.blob_nbytes for m in relayed)
-    assert relayed_bytes > 3 * largest, relayed  # enough versions crossed for the bound below to mean something
+    # with more than 1.2 versions' worth relayed, the bound below is under two copies (one per engine)
+    assert relayed_bytes > 1.2 * largest, relayed
     assert relayed_bytes <= proxy.down < 1.1 * relayed_bytes + largest, (proxy.down, relayed_bytes)
     # the relay's own count (its heartbeat, read before the last versions): each version it copied, once
     assert relay["weightsync/upstream_failures"] >= 1 and relay["weightsync/relayed_versions"] >= 3, relay
