@@ -5,12 +5,14 @@ With LoRA the optimiser trains two small matrices per targeted linear layer, ``A
 loop is measured by ``bench/lora.py``: the bytes one weight version costs on the bus when only the
 adapter travels, against full weights (and their sparse deltas), and the optimiser step time.
 
-:func:`apply_lora` wraps a Hugging Face causal LM (the learner's model when ``lora`` is set);
-:func:`wire_state` is what travels per weight version (the adapter tensors in the form of
+:func:`apply_lora` wraps a Hugging Face causal LM (the learner's model when ``lora`` is set, before it is
+sharded). From the wrapped model's state dict (its own on one rank, gathered onto rank 0 from many),
+:func:`wire_from_state_dict` is what travels per weight version (the adapter tensors in the form of
 :mod:`services.lib.weights.lora_merge`, which engines merge into the base weights they keep) and
-:func:`load_wire_state` puts such a version back into the wrapped model (a resumed trainer);
-:func:`merged_state` is the full state dict under the base model's names; :func:`save_adapter` /
-:func:`save_merged` are the two forms of a final model.
+:func:`merged_from_state_dict` the base model's state dict with the adapters merged in (the same sum the
+engines form); :func:`check_fits` and :func:`peft_keys` put a version back (a resumed trainer);
+:func:`save_adapter` writes the peft adapter directory. :func:`merged_state` / :func:`save_merged` are
+peft's own merge (a reference for tests and benchmarks).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from services.trainer.config import DEFAULT_LORA_TARGETS as DEFAULT_TARGETS
 from services.trainer.config import LoraConfig
 
 __all__ = ["DEFAULT_TARGETS", "LoraConfig", "LoraError", "adapter_state", "apply_lora", "check_fits",
-           "load_wire_state", "merged_from_state_dict", "merged_state", "peft_keys", "save_adapter", "save_merged",
-           "targets_of", "wire_from_state_dict", "wire_state"]
+           "merged_from_state_dict", "merged_state", "peft_keys", "save_adapter", "save_merged", "targets_of",
+           "wire_from_state_dict"]
 
 _PREFIX = "base_model.model."
 
@@ -105,11 +107,6 @@ def targets_of(model: Any) -> list[str]:
     return sorted(model.peft_config["default"].target_modules)
 
 
-def wire_state(model: Any, cfg: LoraConfig, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """:func:`wire_from_state_dict` of a model on one rank."""
-    return wire_from_state_dict(adapter_state(model), cfg, targets_of(model), dtype)
-
-
 def merged_from_state_dict(state: dict[str, torch.Tensor], cfg: LoraConfig) -> dict[str, torch.Tensor]:
     """The base model's state dict with the adapters merged in (:func:`lora_merge.merge`, the engines' sum),
     from the wrapped model's full state dict (one rank, or gathered)."""
@@ -130,16 +127,6 @@ def peft_keys(state: dict[str, torch.Tensor], adapter_name: str = "") -> dict[st
         stem = _PREFIX + name.removesuffix(".weight")
         out[f"{stem}.lora_A{middle}.weight"], out[f"{stem}.lora_B{middle}.weight"] = a, b
     return out
-
-
-def load_wire_state(model: Any, state: dict[str, torch.Tensor]) -> None:
-    """Load an adapter version (:func:`wire_state`'s form) into the wrapped ``model`` on one rank; its rank and
-    adapted weights must be the model's."""
-    from peft import set_peft_model_state_dict
-
-    check_fits(model.state_dict(), state)
-    ours = adapter_state(model)
-    set_peft_model_state_dict(model, {k: t.to(ours[k].dtype) for k, t in peft_keys(state).items()})
 
 
 def check_fits(model_state: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
