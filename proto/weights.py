@@ -31,13 +31,16 @@ reader opens the concatenated chunks); a ``delta`` version is a zstd frame of
 per-tensor XOR updates (sparse or dense) against ``base_version`` (see
 ``services/lib/weights/encoding.py``).
 
-Checksums: ``ChunkRef.sha256`` covers each chunk's stored bytes; ``blob_sha256``
-is the sha256 of the concatenated chunk digests (a one-level hash tree, so a
-reader verifies the whole without a second pass over the data);
-``state_sha256`` is the sha256 of the reconstructed tensor data (the safetensors
-data section of the full layout), checked after a delta is applied. ``hmac`` is
-an optional HMAC-SHA256 over the manifest (with ``hmac`` and ``store`` empty),
-verified by engines that have the key.
+Checksums, all with the manifest's ``digest`` algorithm (``blake3`` from publishers since
+BLAKE3 replaced SHA-256 there; ``sha256``, the default, for manifests that do not name one, so
+older messages decode and verify unchanged — the field names keep their historical ``sha256``):
+``ChunkRef.sha256`` covers each chunk's stored bytes; ``blob_sha256`` is the digest of the
+concatenated chunk digests (a one-level hash tree, so a reader verifies the whole without a
+second pass over the data); ``state_sha256`` is the digest of the reconstructed tensor data (the
+safetensors data section of the full layout), checked after a delta is applied. ``hmac`` is an
+optional HMAC-SHA256 over the manifest (with ``hmac`` and ``store`` empty, and ``digest`` left out
+when it is the default ``sha256``, so signatures made before the field existed still verify),
+verified by engines that have the key; it covers ``digest``, so a forged downgrade is refused.
 """
 
 from __future__ import annotations
@@ -120,7 +123,7 @@ class ChunkRef(msgspec.Struct, kw_only=True):
 
     name: str
     size: int
-    #: hex sha256 of the chunk's bytes
+    #: hex digest of the chunk's bytes, with the manifest's ``digest`` algorithm (the name is historical)
     sha256: str
 
 
@@ -142,10 +145,13 @@ class WeightManifest(msgspec.Struct, kw_only=True):
     #: the stored blob: chunks in order; their concatenation is the blob
     chunks: list[ChunkRef]
     blob_nbytes: int
-    #: sha256 over the concatenated chunk digests (hex)
+    #: ``digest`` over the concatenated chunk digests (hex)
     blob_sha256: str
-    #: sha256 of the reconstructed tensor data section (hex)
+    #: ``digest`` of the reconstructed tensor data section (hex)
     state_sha256: str
+    #: hash of the chunk, blob and state checksums: "blake3" (what publishers write) or "sha256"
+    #: (the default: manifests from before this field)
+    digest: Literal["sha256", "blake3"] = "sha256"
     #: "safetensors" (full) or "xor-sparse-zstd-v1" (delta)
     encoding: str
     #: store type holding the chunks: objstore | s3 | fs

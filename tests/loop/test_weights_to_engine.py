@@ -78,7 +78,7 @@ async def test_publish_pull_apply_changes_outputs_and_refuses_corruption(nats_ur
         await store.put(victim.name, memoryview(buf), victim.sha256)
         follower = asyncio.create_task(svc.follow_weights(Gauges(), receiver))
         await wait_for_async(lambda: svc.weight_errors, 10, "the follower to refuse the corrupted version")
-        assert svc.weight_errors == 1 and "sha256" in receiver.last_error
+        assert svc.weight_errors == 1 and "blake3" in receiver.last_error
         assert svc.engine.version == 1
         assert await greedy(svc.engine, prompt) == after
         assert torch.equal(svc.engine._model.lm_head.weight.detach(), new_state["lm_head.weight"])

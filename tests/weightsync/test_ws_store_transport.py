@@ -119,7 +119,7 @@ async def test_receiver_skips_a_corrupted_version_once_and_takes_the_next_good_o
     seen = rechecks
     await wait_for_async(lambda: rechecks >= seen + 5, 30, "more re-checks (each finds v2 again)")
     assert receiver.refused == 1 and receiver.version == 1 and not following.done()
-    assert "sha256" in receiver.last_error
+    assert "blake3" in receiver.last_error
     refusals = [r for r in caplog.records if "refused weight version 2" in r.getMessage()]
     assert len(refusals) == 1, "a refused version is logged once"
 

@@ -10,7 +10,7 @@ import logging
 import msgspec
 
 from proto.weights import ChunkRef, WeightManifest, chunk_name
-from services.lib.weights.encoding import root_sha256, split
+from services.lib.weights.encoding import Digest, digest_hex, root_digest, split
 from services.lib.weights.store import BlobStore
 
 log = logging.getLogger("rlbus.weightsync.blobs")
@@ -32,10 +32,10 @@ class WeightIntegrityError(RuntimeError):
         self.chunk = chunk
 
 
-async def _sha256_hex(data: memoryview) -> str:
+async def _digest_hex(data: memoryview, algo: Digest) -> str:
     if len(data) < _THREAD_HASH_MIN:
-        return hashlib.sha256(data).hexdigest()
-    return await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+        return digest_hex(data, algo)
+    return await asyncio.to_thread(digest_hex, data, algo)
 
 
 async def write_chunks(
@@ -46,8 +46,10 @@ async def write_chunks(
     blob: bytes | bytearray | memoryview,
     chunk_bytes: int,
     parallel: int = 4,
+    digest: Digest = "blake3",
 ) -> list[ChunkRef]:
-    """Cut ``blob`` into chunks, hash each, store them (up to ``parallel`` at once); durable on return."""
+    """Cut ``blob`` into chunks, hash each with ``digest``, store them (up to ``parallel`` at once);
+    durable on return."""
     view = memoryview(blob).cast("B")
     sem = asyncio.Semaphore(parallel)
 
@@ -55,17 +57,20 @@ async def write_chunks(
         async with sem:
             part = view[off : off + size]
             ref = ChunkRef(
-                name=chunk_name(run_id, version, kind, i), size=size, sha256=await _sha256_hex(part)
+                name=chunk_name(run_id, version, kind, i), size=size, sha256=await _digest_hex(part, digest)
             )
-            await store.put(ref.name, part, ref.sha256)
+            await store.put(ref.name, part, ref.sha256, digest)
             return ref
 
     parts = split(len(view), chunk_bytes)
     return list(await asyncio.gather(*(one(i, off, size) for i, (off, size) in enumerate(parts))))
 
 
-async def copy_chunks(src: bytearray, dst: BlobStore, chunks: list[ChunkRef], parallel: int = 4) -> None:
-    """Store already verified chunks (their concatenation is ``src``) under their own names in ``dst``."""
+async def copy_chunks(
+    src: bytearray, dst: BlobStore, chunks: list[ChunkRef], parallel: int = 4, digest: Digest | None = None
+) -> None:
+    """Store already verified chunks (their concatenation is ``src``, their checksums ``digest`` hashes)
+    under their own names in ``dst``."""
     view = memoryview(src)
     sem = asyncio.Semaphore(parallel)
     offsets = []
@@ -76,13 +81,14 @@ async def copy_chunks(src: bytearray, dst: BlobStore, chunks: list[ChunkRef], pa
 
     async def one(c: ChunkRef, off: int) -> None:
         async with sem:
-            await dst.put(c.name, view[off : off + c.size], c.sha256)
+            await dst.put(c.name, view[off : off + c.size], c.sha256, digest)
 
     await asyncio.gather(*(one(c, o) for c, o in zip(chunks, offsets, strict=True)))
 
 
 async def read_chunks(store: BlobStore, manifest: WeightManifest, parallel: int = 4) -> bytearray:
-    """Read every chunk of ``manifest`` into one buffer, verifying each chunk's sha256 and the root.
+    """Read every chunk of ``manifest`` into one buffer, verifying each chunk's digest and the root
+    (with the manifest's ``digest`` algorithm).
 
     Raises :class:`WeightIntegrityError` naming the first bad chunk.
     """
@@ -93,7 +99,7 @@ async def read_chunks(store: BlobStore, manifest: WeightManifest, parallel: int 
             f"blob_nbytes says {manifest.blob_nbytes}",
             version=manifest.version,
         )
-    if root_sha256(manifest.chunks) != manifest.blob_sha256:
+    if root_digest(manifest.chunks, manifest.digest) != manifest.blob_sha256:
         raise WeightIntegrityError(
             f"manifest of version {manifest.version}: chunk digests do not match blob_sha256",
             version=manifest.version,
@@ -106,10 +112,11 @@ async def read_chunks(store: BlobStore, manifest: WeightManifest, parallel: int 
         async with sem:
             part = view[off : off + c.size]
             await store.read_into(c.name, part)
-        got = await _sha256_hex(part)
+        got = await _digest_hex(part, manifest.digest)
         if got != c.sha256:
             raise WeightIntegrityError(
-                f"chunk {c.name} of version {manifest.version} is corrupt: sha256 {got} != manifest {c.sha256}; "
+                f"chunk {c.name} of version {manifest.version} is corrupt: {manifest.digest} {got} != manifest "
+                f"{c.sha256}; "
                 "version refused, keep the current weights",
                 version=manifest.version,
                 chunk=c.name,
@@ -127,9 +134,14 @@ async def read_chunks(store: BlobStore, manifest: WeightManifest, parallel: int 
 def manifest_hmac(key: bytes, manifest: WeightManifest) -> str:
     """Hex HMAC-SHA256 of the manifest's msgpack encoding with ``hmac`` and ``store`` emptied.
 
-    ``store`` is left out so a relay can re-home chunks without the key.
+    ``store`` is left out so a relay can re-home chunks without the key. ``digest`` is left out
+    when it is the default ``sha256``: the body is then byte for byte what signers wrote before
+    the field existed, so their signatures still verify; any other ``digest`` is signed.
     """
-    body = msgspec.msgpack.encode(msgspec.structs.replace(manifest, hmac="", store=""))
+    fields = msgspec.to_builtins(msgspec.structs.replace(manifest, hmac="", store=""))
+    if fields["digest"] == "sha256":
+        del fields["digest"]
+    body = msgspec.msgpack.encode(fields)
     return hmac_mod.new(key, body, hashlib.sha256).hexdigest()
 
 

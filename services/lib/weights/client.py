@@ -22,9 +22,10 @@ API (everything takes an already connected ``nats.aio.client.Client``)::
 * Versions are full safetensors anchors every ``anchor_every`` versions and
   sparse deltas in between. ``fetch`` applies a delta to the version it holds
   when that is the delta's base, and otherwise rebuilds from the newest anchor
-  plus the deltas after it (a late joiner). Every chunk's sha256, the blob
-  root, the reconstructed state's sha256 and (with a key) the manifest HMAC are
-  checked before anything is returned; a failure raises
+  plus the deltas after it (a late joiner). Every chunk's digest, the blob
+  root, the reconstructed state's digest (BLAKE3 by default; SHA-256 when the
+  manifest names it) and (with a key) the manifest HMAC are checked before
+  anything is returned; a failure raises
   :class:`WeightIntegrityError` and leaves the subscriber on its old version.
 * Buckets are provisioned idempotently on first use.
 """
@@ -55,11 +56,11 @@ from services.lib.weights.encoding import (
     apply_delta,
     decode_full,
     delta_encodable,
+    digest_hex,
     encode_delta,
     encode_full,
-    root_sha256,
+    root_digest,
     same_layout,
-    sha256_hex,
     split_aliases,
 )
 from services.lib.weights.index import VersionIndex
@@ -141,7 +142,8 @@ class WeightPublisher:
         sd, aliases = split_aliases(state_dict)
         sd = cast_for_publish(sd, self.encoding.dtype)
         full = await asyncio.to_thread(encode_full, sd)
-        state_sha = await asyncio.to_thread(full.state_sha256)
+        digest = self.encoding.digest
+        state_sha = await asyncio.to_thread(full.state_digest, digest)
 
         blob: bytes | bytearray = full.buf
         kind, tensors, encoding = "full", full.tensors, FULL_ENCODING
@@ -165,7 +167,7 @@ class WeightPublisher:
                 )
 
         chunks = await write_chunks(
-            self.store, self.run_id, version, kind, blob, self.encoding.chunk_bytes, self.parallel
+            self.store, self.run_id, version, kind, blob, self.encoding.chunk_bytes, self.parallel, digest
         )
         anchor = version if kind == "full" else self._anchor_version
         manifest = WeightManifest(
@@ -178,8 +180,9 @@ class WeightPublisher:
             data_offset=full.data_offset,
             chunks=chunks,
             blob_nbytes=len(blob),
-            blob_sha256=root_sha256(chunks),
+            blob_sha256=root_digest(chunks, digest),
             state_sha256=state_sha,
+            digest=digest,
             encoding=encoding,
             store=self.store.kind,
             aliases=aliases,
@@ -308,6 +311,7 @@ class WeightSubscriber:
             state is not None
             and held is not None
             and held.version == manifest.version
+            and held.digest == manifest.digest
             and held.state_sha256 == manifest.state_sha256
         ):
             return state
@@ -329,11 +333,11 @@ class WeightSubscriber:
             raise WeightIntegrityError(
                 f"delta v{manifest.version} cannot be applied: {err}", version=manifest.version
             ) from err
-        got = await asyncio.to_thread(sha256_hex, memoryview(state)[manifest.data_offset :])
+        got = await asyncio.to_thread(digest_hex, memoryview(state)[manifest.data_offset :], manifest.digest)
         if got != manifest.state_sha256:
             await asyncio.to_thread(undo.undo, state)
             raise WeightIntegrityError(
-                f"v{manifest.version} rebuilt from v{held.version} + delta has state sha256 {got}, "
+                f"v{manifest.version} rebuilt from v{held.version} + delta has state {manifest.digest} {got}, "
                 f"manifest says {manifest.state_sha256}",
                 version=manifest.version,
             )
@@ -374,11 +378,11 @@ class WeightSubscriber:
                     f"delta v{m.version} cannot be applied: {err}", version=manifest.version
                 ) from err
         if len(chain) > 1:
-            got = await asyncio.to_thread(sha256_hex, memoryview(buf)[manifest.data_offset :])
+            got = await asyncio.to_thread(digest_hex, memoryview(buf)[manifest.data_offset :], manifest.digest)
             if got != manifest.state_sha256:
                 raise WeightIntegrityError(
                     f"v{manifest.version} rebuilt from anchor v{anchor.version} + {len(chain) - 1} deltas has "
-                    f"state sha256 {got}, manifest says {manifest.state_sha256}",
+                    f"state {manifest.digest} {got}, manifest says {manifest.state_sha256}",
                     version=manifest.version,
                 )
         return buf

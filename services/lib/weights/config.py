@@ -90,12 +90,15 @@ class EncodingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     anchor_every: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 10
     #: dtype of published weights: bf16 casts floating tensors; native keeps the training dtype
     dtype: Literal["bf16", "native"] = "native"
-    #: size of one stored chunk (each carries its own sha256)
+    #: size of one stored chunk (each carries its own digest)
     chunk_bytes: Annotated[int, msgspec.Meta(ge=64 * 1024, le=4096 * MiB)] = 16 * MiB
     #: zstd level of delta blobs
     zstd_level: Annotated[int, msgspec.Meta(ge=1, le=19)] = 3
     #: publish a full anchor instead of a delta when the delta would exceed this fraction of it
     max_delta_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
+    #: hash of the chunk, blob and state checksums in published manifests: blake3 (several times
+    #: faster to verify than sha256 on one core) or sha256; readers verify either, by the manifest
+    digest: Literal["blake3", "sha256"] = "blake3"
 
 
 class StoreTransportConfig(

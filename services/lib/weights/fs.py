@@ -37,7 +37,7 @@ class FsBlobs:
     async def ensure(self) -> None:
         await asyncio.to_thread(self.root.mkdir, parents=True, exist_ok=True)
 
-    async def put(self, name: str, data: memoryview, sha256: str) -> None:
+    async def put(self, name: str, data: memoryview, digest: str, algo: str | None = None) -> None:
         path = self._path(name)
         await asyncio.to_thread(self._put_sync, path, data)
         self.stats.bytes_written += len(data)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import logging
 from datetime import UTC, datetime
@@ -98,12 +99,22 @@ class ObjectStoreBlobs:
         info = api.ObjectInfo.from_response(json.loads(msg.data))
         return None if info.deleted else info
 
-    async def put(self, name: str, data: memoryview, sha256: str) -> None:
-        """Publish ``data`` as chunk messages (pipelined acks), then the meta message."""
+    async def put(self, name: str, data: memoryview, digest: str, algo: str | None = None) -> None:
+        """Publish ``data`` as chunk messages (pipelined acks), then the meta message.
+
+        The meta's digest is SHA-256, as the object-store format requires (``nats object get``
+        checks it): ``digest`` when ``algo`` is ``sha256``, else hashed here.
+        """
+        data = memoryview(data).cast("B")
+        if algo == "sha256":
+            sha256 = digest
+        elif len(data) < 1 << 20:
+            sha256 = hashlib.sha256(data).hexdigest()
+        else:
+            sha256 = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         old = await self._info(name)
         nuid = self.nc._nuid.next().decode()
         subj = _chunk_subject(self.bucket, nuid)
-        data = memoryview(data).cast("B")
         window: list[asyncio.Future[api.PubAck]] = []
         window_max = min(self.config.publish_window, max(2, _PUBLISH_WINDOW_BYTES // self._msg_bytes))
         chunks = 0

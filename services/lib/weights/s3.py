@@ -76,25 +76,27 @@ class S3Blobs:
                 if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                     raise StoreError(f"cannot create S3 bucket {self.config.bucket!r}: {cerr}") from cerr
 
-    async def put(self, name: str, data: memoryview, sha256: str) -> None:
+    async def put(self, name: str, data: memoryview, digest: str, algo: str | None = None) -> None:
+        # the checksum rides along as object metadata (x-amz-meta-<algo>) for tools; nothing reads it back
+        meta = {algo: digest} if algo else {}
         s3 = await self._s3()
         key, size, part = self._key(name), len(data), self.config.part_bytes
         try:
             if size <= part:
                 async with self._sem:
                     await s3.put_object(
-                        Bucket=self.config.bucket, Key=key, Body=bytes(data), Metadata={"sha256": sha256}
+                        Bucket=self.config.bucket, Key=key, Body=bytes(data), Metadata=meta
                     )
             else:
-                await self._multipart(s3, key, data, sha256)
+                await self._multipart(s3, key, data, meta)
         except ClientError as err:
             raise StoreError(f"S3 put of {key!r} into bucket {self.config.bucket!r} failed: {err}") from err
         self.stats.bytes_written += size
         self.stats.blobs_written += 1
 
-    async def _multipart(self, s3, key: str, data: memoryview, sha256: str) -> None:
+    async def _multipart(self, s3, key: str, data: memoryview, meta: dict[str, str]) -> None:
         part = self.config.part_bytes
-        up = await s3.create_multipart_upload(Bucket=self.config.bucket, Key=key, Metadata={"sha256": sha256})
+        up = await s3.create_multipart_upload(Bucket=self.config.bucket, Key=key, Metadata=meta)
         upload_id = up["UploadId"]
 
         async def one(number: int, off: int) -> dict[str, object]:

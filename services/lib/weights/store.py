@@ -48,8 +48,13 @@ class BlobStore(Protocol):
         """Create the bucket/directory if missing (idempotent)."""
         ...
 
-    async def put(self, name: str, data: memoryview, sha256: str) -> None:
-        """Store ``data`` under ``name``; return once it is durable. ``sha256`` is its hex digest."""
+    async def put(self, name: str, data: memoryview, digest: str, algo: str | None = None) -> None:
+        """Store ``data`` under ``name``; return once it is durable.
+
+        ``digest`` is its hex checksum by ``algo`` (``blake3`` or ``sha256``; None when not known):
+        a store whose format needs a particular hash (the object store's SHA-256) computes its own
+        unless ``algo`` is that hash.
+        """
         ...
 
     async def read_into(self, name: str, out: memoryview) -> None:
