@@ -4,8 +4,9 @@
 the tiny model on 2-digit addition with ``lora = { r = 8, alpha = 16 }``. The model is warm-started to
 about 28 % (300 supervised steps, built once here: ~1 min); 60 GRPO steps lift the held-out reward
 (200 prompts x 2 samples, about ±0.03 of sampling noise) by well over 0.05. The run's own JetStream then
-shows every stored weight version holding only adapter tensors, at a small fraction of the model's bytes,
-and the run leaves the final model merged and as a peft adapter directory.
+shows every stored weight version holding only adapter tensors, at a small fraction of the model's bytes;
+``rlbus replay`` recomputes one of its steps bit-identically; and the run leaves the final model merged and
+as a peft adapter directory.
 """
 
 from __future__ import annotations
@@ -71,6 +72,13 @@ def test_a_lora_run_learns_and_sends_only_adapters(tmp_path, warm_model_dir):
         names = {t.name for t in m.tensors}
         assert ADAPTER_KEY in names and all(n == ADAPTER_KEY or n.endswith((".lora_A", ".lora_B")) for n in names)
         assert m.full_nbytes < 0.1 * model_bytes
+
+    # a step of the LoRA run recomputes bit-identically from the run directory (the adapter version it started
+    # from, loaded onto the base model)
+    from services.launcher.replay import replay_step
+
+    replayed = replay_step(run_dir, 30)
+    assert replayed.identical, replayed.report()
 
     # the final model, merged (a plain Hugging Face directory) and as an adapter directory
     from peft import PeftModel
