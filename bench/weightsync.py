@@ -18,6 +18,8 @@
   ``objstore_pull_MBps`` / ``s3_pull_MBps`` / ``*_vs_raw`` are the publishers' default, BLAKE3.
   Each pull is set against a raw copy measured just before it (``*_raw_MBps``), over
   ``--rounds`` rounds with the digest order alternating; the best ratio of each is kept.
+  ``*_pull_cpu_s``: the bench process's CPU seconds per verified pull (least of all pulls), the
+  digest's cost in a figure a loaded machine disturbs less than wall time.
   ``--pulls-only`` stops after the pulls (no relay, broadcast or GRPO deltas).
 * ``publish_to_all_applied_s``: publish until 8 engines have fetched and
   verified the version, relay off (every engine reads upstream) and on (one
@@ -121,11 +123,13 @@ async def pull_MBps(nc, store_cfg, state, run: str, digest: str) -> dict[str, fl
     manifest = await pub.publish(state, 1)
     put_s = time.perf_counter() - t0
     best = best_read = 0.0
+    cpu_s = float("inf")
     for _ in range(2):
         sub = WeightSubscriber(nc, run, open_store(store_cfg, nc))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         await sub.fetch(manifest, copy=False)  # read + verify every chunk's digest + rebuild
         best = max(best, manifest.blob_nbytes / (time.perf_counter() - t0) / MB)
+        cpu_s = min(cpu_s, time.process_time() - c0)  # this process's CPU (all threads); the server's is apart
         # the store alone: the same chunks into a fresh buffer, no hashing
         t0 = time.perf_counter()
         view = memoryview(bytearray(manifest.blob_nbytes))
@@ -139,7 +143,12 @@ async def pull_MBps(nc, store_cfg, state, run: str, digest: str) -> dict[str, fl
         best_read = max(best_read, manifest.blob_nbytes / (time.perf_counter() - t0) / MB)
         await sub.store.close()
     await pub.store.close()
-    return {"publish_MBps": manifest.blob_nbytes / put_s / MB, "pull_MBps": best, "read_MBps": best_read}
+    return {
+        "publish_MBps": manifest.blob_nbytes / put_s / MB,
+        "pull_MBps": best,
+        "read_MBps": best_read,
+        "pull_cpu_s": cpu_s,
+    }
 
 
 def s3_config(endpoint: str) -> S3StoreConfig:
@@ -395,6 +404,10 @@ async def transfers(args, tmp: Path) -> dict[str, object]:
                             got[f"{kind}_raw_MBps"] = round(raw, 1)
                             got[f"{kind}_vs_raw"] = round(r["pull_MBps"] / raw, 3)
                             got[f"{kind}_publish_MBps"] = round(r["publish_MBps"], 1)
+                        # the client's CPU per verified pull: what the digest costs, steadier than wall
+                        # time on a loaded machine
+                        cpu = round(r["pull_cpu_s"], 3)
+                        got[f"{kind}_pull_cpu_s"] = min(got.get(f"{kind}_pull_cpu_s", cpu), cpu)
                         unverified[kind] = max(unverified[kind], r["read_MBps"])
         finally:
             moto.terminate()
