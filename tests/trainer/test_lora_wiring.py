@@ -177,3 +177,39 @@ def test_lora_steps_with_gradient_checkpointing_and_bf16(loop_model_dir, keys):
     assert b.abs().max() > 0  # the adapters trained
     assert b.dtype == (torch.bfloat16 if keys.get("dtype") == "bfloat16" else torch.float32)  # bf16 on the wire
     assert all(p.dtype == torch.float32 for p in learner.model.parameters() if p.requires_grad)  # fp32 masters
+
+
+def test_a_full_version_becomes_the_base_the_next_adapters_merge_into(loop_model_dir):
+    learner = _learner(loop_model_dir)
+    learner.step_input(StepInput.of(batch(7), learner.cfg))
+    wire = {k: v.clone() for k, v in learner.state_dict().items()}
+    _, pairs = lora_merge.unpack(wire)
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(loop_model_dir).state_dict()
+    gen = torch.Generator().manual_seed(3)
+    shifted = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in base.items()}  # a full version
+    expected = dict(shifted)
+    for name, (a, b) in pairs.items():
+        expected[name] = lora_merge.merge(shifted[name], a, b, LORA["alpha"] / LORA["r"])
+    prompts = [[1, 5, 9, 3], [1, 7, 7, 4, 12]]
+
+    async def main() -> None:
+        cfg = TorchEngineConfig(model_dir=str(loop_model_dir), num_threads=1, seed=0)
+        adapted, reference = TorchEngine(cfg), TorchEngine(cfg)
+        await adapted.start()
+        await reference.start()
+        try:
+            await adapted.update_weights(wire, 1)  # adapters on the model's own base first
+            await adapted.update_weights(shifted, 2)  # then a full version: the new base
+            await adapted.update_weights(wire, 3)  # the same adapters again, now onto the new base
+            await reference.update_weights(expected, 3)
+            got, want = await _logprobs(adapted, prompts), await _logprobs(reference, prompts)
+            assert [t for t, _ in got] == [t for t, _ in want]
+            for (_, a), (_, b) in zip(got, want, strict=True):
+                assert a == pytest.approx(b, abs=1e-5)
+        finally:
+            await adapted.stop()
+            await reference.stop()
+
+    asyncio.run(main())

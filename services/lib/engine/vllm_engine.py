@@ -304,10 +304,9 @@ class VllmEngine:
             raise EngineNotRunningError("the vllm engine is not running; call start() first")
         from services.lib.weights import lora_merge
 
-        if lora_merge.is_adapter(state_dict):  # LoRA: the merged layers load like full weights
+        full = not lora_merge.is_adapter(state_dict)
+        if not full:  # LoRA: the merged layers load like full weights
             state_dict = await asyncio.to_thread(self._merge_adapter, state_dict, version)
-        elif self._adapters is not None:
-            self._adapters.rebase(state_dict)  # a full version: the new base of adapted weights
         unknown = [k for k in state_dict if k not in self._targets]
         if unknown:
             raise WeightUpdateError(f"unknown tensor names {unknown[:5]} (of {len(unknown)}); "
@@ -343,6 +342,8 @@ class VllmEngine:
                     await llm.resume_generation()
         log.info("applied weights version %d (%d tensors) in %.3f s, %d requests pending", version,
                  len(state_dict), time.perf_counter() - started, len(self._requests))
+        if full and self._adapters is not None:
+            self._adapters.rebase(state_dict)  # a full version loaded: the new base of adapted weights
 
     def _merge_adapter(self, state_dict: Mapping[str, Any], version: int) -> dict[str, Any]:
         """The full tensors of every layer an adapter version touches (fused layers whole)."""
