@@ -366,3 +366,25 @@ def test_loop_across_two_regions_sends_one_copy_per_version_and_rides_out_a_cut(
                if o.outcome == "trained"), b_outcomes
     assert acc["lost"] == 0 and acc["outcomes_without_trajectory"] == 0 and acc["trained"] > 0, acc
     assert acc["published"] == acc["trained"] + acc["dropped"] + acc["eval"] + acc["pending"] - acc["multiple_outcomes"]
+
+
+async def test_version_listing_and_watches_leave_no_consumer_behind(nats_url):
+    """Retention lists a scope's versions after every version and relays re-subscribe their watches: each
+    time a consumer is made, and it must be deleted (the server keeps a stopped watch's consumer, and a long
+    run would pile them up until JetStream refuses new ones)."""
+    nc = await nats.connect(nats_url)
+    try:
+        index = VersionIndex(nc, RUN, "main")
+        await index.ensure()
+        for _ in range(20):
+            await index.versions()
+            watch = aiter(index.watch(include_current=True))
+            nxt = asyncio.ensure_future(anext(watch))
+            await asyncio.wait({nxt}, timeout=0.05)  # nothing announced: the watch is open, then dropped
+            nxt.cancel()
+            await asyncio.wait({nxt})
+            await watch.aclose()
+        info = await nc.jetstream().stream_info(f"KV_{index.bucket}")
+        assert info.state.consumer_count == 0, info.state
+    finally:
+        await nc.close()

@@ -25,12 +25,13 @@ tries again for up to ``reform_for_s``; a receiver iterated with ``async for``
 leaves a broken or replaced group and joins the new one.
 
 The group follows the fleet: ``world_size`` is the fleet the first group waits
-for; an engine that finds every rank taken records a join request in the
-scope's KV bucket (``<run>.bcast.join.<engine>``) and retries. At its next send
-the sender withdraws the group and forms one with a rank for every requester
-(the engines of the old group notice the replacement and rejoin). A group that
-fails to form (an engine died) is formed again at the configured size; engines
-beyond it ask again.
+for; an engine that finds every rank taken claims the next rank beyond the
+group's size (rank key ``<run>.bcast.<group>.rank.<n>``, n >= world size: a
+join request, under the permission engines have anyway) and retries. At its
+next send the sender counts those, withdraws the group and forms one with a
+rank for each (the engines of the old group notice the replacement and rejoin).
+A group that fails to form (an engine died) is formed again at the configured
+size; engines beyond it ask again.
 """
 
 from __future__ import annotations
@@ -71,17 +72,12 @@ from services.lib.weights.broadcast_group import (  # noqa: F401  (DeviceDigest,
 from services.lib.weights.client import cast_for_publish
 from services.lib.weights.config import BroadcastConfig
 from services.lib.weights.encoding import layout, torch_dtype
-from services.lib.weights.index import VersionIndex
+from services.lib.weights.index import VersionIndex, stop_watch
 from services.lib.weights.transport import Weights, follow
 from services.runtime import tracing
 from services.runtime.natsd import free_port
 
 log = logging.getLogger("rlbus.weightsync.broadcast")
-
-def _join_prefix(run_id: str) -> str:
-    """KV key prefix of the engines' join requests (``<run>.bcast.join.<engine>``)."""
-    return f"{check_run_id(run_id)}.bcast.join."
-
 
 class BroadcastSender:
     """:class:`~services.lib.weights.transport.WeightSender` as rank 0 of a broadcast group."""
@@ -97,6 +93,7 @@ class BroadcastSender:
         self.world_size = config.world_size
         self.group = _Group(config, self.backend, self.world_size)
         self.group_id = uuid.uuid4().hex[:16]
+        self._grow_by = 0  # ranks the next group adds for engines that asked
 
     async def start(self) -> None:
         """Form the group (bounded wait until every engine joined); re-formed on failure for up to
@@ -115,9 +112,13 @@ class BroadcastSender:
         deadline = time.monotonic() + self.config.reform_for_s
         while True:
             try:
-                if self.group.pg is not None and action is not None and await self._join_requests():
-                    log.info("engines asked to join broadcast group %s; forming a larger one", self.group_id)
-                    await self._withdraw()  # its engines see it replaced and join the next
+                if self.group.pg is not None and action is not None:
+                    asked = await self._join_requests()
+                    if asked:
+                        log.info("%d engine(s) asked to join broadcast group %s; forming a larger one", asked,
+                                 self.group_id)
+                        await self._withdraw(requests=asked)  # its engines see it replaced and join the next
+                        self._grow_by = asked
                 if self.group.pg is None:
                     await self._form()
                 if action is not None:
@@ -125,7 +126,7 @@ class BroadcastSender:
                 return
             except BroadcastError as err:
                 await self._withdraw()
-                self.world_size = self.config.world_size  # engines beyond it ask to join again
+                self.world_size, self._grow_by = self.config.world_size, 0  # engines beyond it ask again
                 if time.monotonic() + _REFORM_PAUSE_S > deadline:
                     raise
                 log.warning("%s failed (%s); re-forming the broadcast group", what, err)
@@ -135,10 +136,8 @@ class BroadcastSender:
         """Open the TCPStore, announce the group, wait (bounded) until every engine joined."""
         await self.index.ensure()
         kv = await self.index.kv()
-        asked = await self._join_requests()
-        for key in asked:  # granted: a requester that died meanwhile makes this form time out (and shrink)
-            await kv.purge(key)
-        self.world_size += len(asked)
+        # a rank for every engine that asked (one that died meanwhile makes this form time out, and shrink)
+        self.world_size, self._grow_by = self.world_size + self._grow_by, 0
         self.group = _Group(self.config, self.backend, self.world_size)
         port = self.config.master_port or free_port(self.config.master_addr)
         info = BroadcastGroup(
@@ -208,36 +207,32 @@ class BroadcastSender:
         await self.group.bcast(trailer)
         log.info("broadcast v%d: %d bytes to %d engines", version, nbytes, self.world_size - 1)
 
-    async def _withdraw(self) -> None:
-        """Take the group off the bus and drop it; the next one gets a new id (engines rejoin that)."""
+    async def _withdraw(self, requests: int = 0) -> None:
+        """Take the group off the bus and drop it (with ``requests`` join requests beyond its ranks); the next
+        one gets a new id (engines rejoin that)."""
         try:
-            await self.close()
+            await self.close(requests)
         except Exception as e:  # the bus may be away too: the next group's announcement replaces this one
             log.debug("withdrawing broadcast group %s: %s", self.group_id, e)
         self.group = _Group(self.config, self.backend, self.world_size)
         self.group_id = uuid.uuid4().hex[:16]
 
-    async def _join_requests(self) -> list[str]:
-        """Keys of the engines waiting for a rank (a watch of ``<run>.bcast.join.>``, headers only)."""
-        kv = await self.index.kv()
-        keys: list[str] = []
-        watcher = await kv.watch(f"{_join_prefix(self.run_id)}>", meta_only=True, ignore_deletes=True)
-        try:
-            async for entry in watcher:
-                if entry is None:  # the end of what is stored now
-                    break
-                keys.append(entry.key)
-        finally:
-            await watcher.stop()
-        return keys
+    async def _join_requests(self) -> int:
+        """Engines that asked to join: rank keys of the current group beyond its size (the stream's subject
+        list, one API call, no consumer)."""
+        await self.index.ensure()
+        keys = f"$KV.{self.index.bucket}.{check_run_id(self.run_id)}.bcast.{self.group_id}.rank."
+        info = await self.index.js.stream_info(f"KV_{self.index.bucket}", subjects_filter=f"{keys}*")
+        ranks = [int(subject[len(keys):]) for subject in (info.state.subjects or {})]
+        return sum(r >= self.group.world_size for r in ranks)
 
-    async def close(self) -> None:
+    async def close(self, requests: int = 0) -> None:
         """Withdraw the group from the bus and drop the process group."""
         self.group.pg = None
         self.group.store = None
         kv = await self.index.kv()
         await kv.purge(broadcast_group_key(self.run_id))
-        for rank in range(1, self.group.world_size):
+        for rank in range(1, self.group.world_size + requests):
             await kv.purge(broadcast_rank_key(self.run_id, self.group_id, rank))
 
 
@@ -262,8 +257,7 @@ class BroadcastReceiver:
         self.refused = 0
         self.last_error = ""
         self.traces: dict[int, str] = {}  # per version, the sender's traceparent (the latest few)
-        #: names this engine's join request when the group is full
-        self.engine_id = uuid.uuid4().hex[:16]
+        self._asked_in: str | None = None  # the full group this engine asked to join (asks once per group)
 
     @property
     def version(self) -> int | None:
@@ -282,7 +276,7 @@ class BroadcastReceiver:
                 if entry is not None and entry.value and (entry.revision or 0) > after:
                     yield decode(entry.value, typ, max_bytes=None)
         finally:
-            await watcher.stop()
+            await stop_watch(watcher)
 
     async def _revision(self, key: str) -> int:
         kv = await self.index.kv()
@@ -314,7 +308,14 @@ class BroadcastReceiver:
             self.rank = rank
             break
         if self.rank is None:
-            await kv.put(f"{_join_prefix(self.run_id)}{self.engine_id}", b"1")
+            if self._asked_in != info.group_id:  # claim the first free rank beyond the group: a join request
+                for extra in range(info.world_size, info.world_size + 4096):
+                    try:
+                        await kv.create(broadcast_rank_key(self.run_id, info.group_id, extra), b"1")
+                    except KeyWrongLastSequenceError:
+                        continue
+                    self._asked_in = info.group_id
+                    break
             raise BroadcastError(f"broadcast group {info.group_id} already has {info.world_size - 1} engines; "
                                  "asked the trainer for a rank (it forms a larger group at its next send)")
         if await self._current_group_id() != info.group_id:  # withdrawn while we claimed a rank

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from nats.aio.client import Client as NATS
 from nats.js import api
-from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from proto import catalog
@@ -25,6 +25,20 @@ from proto.weights import (
 log = logging.getLogger("rlbus.weightsync.index")
 
 _MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+
+
+async def stop_watch(watcher: KeyValue.KeyWatcher) -> None:
+    """Stop a KV watch and delete its consumer. nats-py's ``stop()`` only unsubscribes and the server keeps
+    the ephemeral consumer, so every watch would leave one behind: a long run (retention lists the versions
+    after each one) piles them up until JetStream refuses new ones ("maximum consumers limit reached")."""
+    sub = watcher._sub  # nats-py's push subscription: the stream and consumer of the watch
+    await watcher.stop()
+    try:
+        await sub._js.delete_consumer(sub._stream, sub._consumer)
+    except NotFoundError:
+        pass  # already gone (an ordered consumer that was reset, or the server's own clean-up)
+    except Exception as e:  # the bus is away: the consumer is left behind (one, not one per watch)
+        log.debug("could not delete the consumer of a stopped watch on %s: %s", sub._stream, e)
 
 
 class VersionIndex:
@@ -92,7 +106,7 @@ class VersionIndex:
                     break
                 found.add(int(entry.key[len(prefix) :]))
         finally:
-            await watcher.stop()
+            await stop_watch(watcher)
         return sorted(found)
 
     async def delete_manifest(self, version: int) -> None:
@@ -135,4 +149,4 @@ class VersionIndex:
                 last = ann.policy_version
                 yield ann
         finally:
-            await watcher.stop()
+            await stop_watch(watcher)
