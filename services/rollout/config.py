@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from services.lib.weights.config import StoreTransportConfig, TransportConfig
+from services.runtime.config import TaskOption
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -147,6 +148,6 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: { type = "broadcast", world_size = ... } or { type = "inproc" } (colocated: "trainer+rollout")
     transport: TransportConfig = msgspec.field(default_factory=StoreTransportConfig)
     #: options per task name, passed to the task factory (must match the trainer's)
-    task_options: dict[str, dict[str, int | float | str | bool]] = {}
+    task_options: dict[str, dict[str, TaskOption]] = {}
     #: budgets of agent loops (tasks with tools); single-turn tasks ignore it
     agent: AgentSection = msgspec.field(default_factory=AgentSection)
