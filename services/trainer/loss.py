@@ -6,13 +6,18 @@ Notation (one completion ``i`` of a prompt group ``g``, token ``t`` of it):
 * ``A_i``                 its advantage, shared by all of its tokens;
 * ``log pi_theta(t)``     ``logprobs``: the policy being trained (carries the gradient);
 * ``log pi_prox(t)``      ``old_logprobs``: the proximal ("old") policy the PPO ratio is
-  taken against. When not given it is the current policy, detached (one optimiser step
-  per batch), except for ``is_mode="none"`` where it is the behaviour policy;
+  taken against. The learner passes it when it makes several optimiser steps per batch
+  (``ppo_epochs`` / ``minibatches``): the policy before the batch's first update, so the
+  clip bounds how far the updates move from it (decoupled PPO). When not given it is the
+  current policy, detached (one optimiser step per batch: the clip never acts), except
+  for ``is_mode="none"`` where it is the behaviour policy;
 * ``log mu(t)``           ``behaviour_logprobs``: the policy that actually sampled the
   token, as recorded by the rollout engine (possibly several versions stale);
 * ``log pi_ref(t)``       ``ref_logprobs``: a frozen reference, for the KL penalty;
 * ``m(t)``                ``loss_mask``: 1 for policy-sampled completion tokens, 0 for prompt,
-  padding and tool-output tokens.
+  padding and tool-output tokens;
+* ``s_i``                 ``sample_weights``: a per-completion weight (default 1), e.g. a
+  decay with the sample's staleness.
 
 Per token::
 
@@ -21,7 +26,7 @@ Per token::
     w(t)    = importance weight of the proximal policy against the behaviour policy
               (detached; see ``is_mode``)
     kl(t)   = exp(d) - d - 1,  d = log pi_ref(t) - log pi_theta(t)   # k3 estimator, >= 0
-    l(t)    = w(t) * pg(t) + kl_coef * kl(t)
+    l(t)    = s_i * w(t) * pg(t) + kl_coef * kl(t)
 
 ``is_mode``:
 
@@ -131,6 +136,7 @@ def grpo_loss(
     *,
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
+    sample_weights: Tensor | None = None,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     kl_coef: float = 0.0,
@@ -153,6 +159,7 @@ def grpo_loss(
         loss_mask: 1 where a token counts, 0 for prompt/padding/tool-output tokens.
         old_logprobs: proximal-policy logprobs; default: see module docstring.
         ref_logprobs: frozen-reference logprobs; needed when ``kl_coef > 0``.
+        sample_weights: ``[B]`` per-completion weights of the policy term (default: all 1).
         clip_low: ratio floor is ``1 - clip_low``.
         clip_high: ratio ceiling is ``1 + clip_high`` (clip-higher when > clip_low).
         kl_coef: weight of the k3 KL penalty to the reference.
@@ -184,6 +191,8 @@ def grpo_loss(
         raise LossInputError(
             f"expected logprobs [B, T] and advantages [B]; got {tuple(shape)} and {tuple(advantages.shape)}"
         )
+    if sample_weights is not None and sample_weights.shape != shape[:1]:
+        raise LossInputError(f"sample_weights has shape {tuple(sample_weights.shape)}, expected [B] = {shape[:1]}")
     if kl_coef > 0 and ref_logprobs is None:
         raise LossInputError("kl_coef > 0 needs ref_logprobs (the frozen reference policy's logprobs)")
     if is_mode not in ("tis", "decoupled", "none"):
@@ -218,6 +227,8 @@ def grpo_loss(
         is_weight = torch.ones_like(raw_weight)
     is_truncated = (raw_weight > is_cap).to(mask.dtype) if is_mode != "none" else torch.zeros_like(mask)
     pg_per_token = is_weight * pg_per_token
+    if sample_weights is not None:  # per-completion weight (e.g. staleness decay), no gradient
+        pg_per_token = sample_weights.detach().to(pg_per_token.dtype).unsqueeze(1) * pg_per_token
 
     # 4. KL to the frozen reference (k3 estimator: unbiased, always >= 0).
     if ref_logprobs is not None:

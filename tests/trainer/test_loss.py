@@ -175,6 +175,43 @@ def test_kl_coef_without_reference_is_an_error():
         grpo_loss(logprobs, behaviour, adv, mask, kl_coef=0.1)
 
 
+def test_sample_weights_scale_the_policy_term_only():
+    # tis per token: -1.28, -2.2, -0.35 | 0.96, 1.5 ; completion means -1.276667, 1.23
+    # s = 0.5, 1 -> -0.638333, 1.23 ; policy = (-0.638333 + 1.23) / 2 = 0.295833
+    # the KL term is not weighted: + 0.1 * 0.1600466 (see test_k3_kl_penalty)
+    logprobs, old, behaviour, adv, mask = batch()
+    ref = torch.tensor(LOGPROBS) + torch.tensor([[0.0, LN(2), -LN(2)], [LN(2), 0.0, 0.0]])
+    loss, m = grpo_loss(logprobs, behaviour, adv, mask, old_logprobs=old, ref_logprobs=ref, kl_coef=0.1,
+                        sample_weights=torch.tensor([0.5, 1.0]), is_cap=2.0)
+    assert m["losses/policy"] == pytest.approx(0.2958333, abs=1e-5)
+    assert loss.item() == pytest.approx(0.2958333 + 0.1 * 0.1600466, abs=1e-5)
+    with pytest.raises(LossInputError, match="sample_weights"):
+        grpo_loss(logprobs, behaviour, adv, mask, sample_weights=torch.tensor([1.0]))
+
+
+def test_decoupled_ppo_second_update_clips_against_the_proximal_policy():
+    # Decoupled PPO over two updates of one batch. Proximal policy = the weights before the first
+    # update; behaviour mu is one version older. One token, A = +1, clip [0.8, 1.28], tis cap 2:
+    #   log mu = ln 0.2, log pi_prox = ln 0.3 -> w = 0.3 / 0.2 = 1.5 (behaviour correction)
+    #   update 1: pi_theta = pi_prox = 0.3 -> r = 1, pg = -1.5 * 1 = -1.5, gradient -1.5 (unclipped)
+    #   update 2: pi_theta = 0.42 -> r = 1.4 > 1.28: clipped, pg = -1.5 * 1.28 = -1.92, gradient 0
+    # (without old_logprobs the second update would take r = 1 again and push on: gradient -1.5)
+    behaviour = torch.tensor([[LN(0.2)]])
+    prox = torch.tensor([[LN(0.3)]])
+    adv, mask = torch.tensor([1.0]), torch.tensor([[1.0]])
+    for theta, loss_ref, grad_ref, clip_frac in ((0.3, -1.5, -1.5, 0.0), (0.42, -1.92, 0.0, 1.0)):
+        logprobs = torch.tensor([[LN(theta)]], requires_grad=True)
+        loss, m = grpo_loss(logprobs, behaviour, adv, mask, old_logprobs=prox, is_mode="tis", is_cap=2.0)
+        loss.backward()
+        assert loss.item() == pytest.approx(loss_ref, abs=1e-5)
+        assert logprobs.grad.item() == pytest.approx(grad_ref, abs=1e-5)
+        assert m["policy/clip_frac"] == clip_frac
+        assert m["policy/is_weight_mean"] == pytest.approx(1.5, abs=1e-5)
+    logprobs = torch.tensor([[LN(0.42)]], requires_grad=True)
+    grpo_loss(logprobs, behaviour, adv, mask, is_mode="tis", is_cap=2.0)[0].backward()
+    assert logprobs.grad.item() == pytest.approx(-2.0, abs=1e-5)  # w = min(0.42 / 0.2, 2) = 2, r = 1
+
+
 # --- gradients -------------------------------------------------------------------------------
 
 
