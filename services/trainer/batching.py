@@ -6,10 +6,13 @@
   and a budget of *padded* tokens (rows x the longest row: what a pass actually computes). Rows
   are taken longest first, so rows of similar length share a pass and little is padding. A row
   longer than the budget runs alone.
+* :func:`minibatches` cuts a whole batch into the optimiser steps of one PPO pass
+  (``ppo_epochs`` / ``minibatches``), balanced by tokens like the ranks; each minibatch is
+  then planned (ranks, micro-batches) on its own.
 * :func:`plan` does both and pads every rank to the same number of passes (an empty pass is a
   no-op forward/backward), because FSDP's collectives need every rank in every pass.
 
-The loss of every pass is normalised by the whole batch's count (``total``), so the gradients of
+The loss of every pass is normalised by the whole (mini)batch's count (``total``), so the gradients of
 all passes on all ranks add up to the gradient of the whole batch in one pass.
 """
 
@@ -57,3 +60,14 @@ def plan(lengths: list[int], world_size: int, max_rows: int, max_tokens: int = 0
                 for share in split_across_ranks(lengths, world_size)]
     passes = max((len(p) for p in per_rank), default=0)
     return [p + [[] for _ in range(passes - len(p))] for p in per_rank]
+
+
+def minibatches(lengths: list[int], n: int) -> list[list[int]]:
+    """``n`` minibatches of about equal tokens (fewer when there are fewer rows); indices ascending in each.
+
+    Deterministic (the same cut for every rank and every epoch), so each minibatch mixes long and short
+    rows rather than sorting the batch by length.
+    """
+    if n < 1:
+        raise ValueError(f"the number of minibatches must be >= 1, got {n}")
+    return [share for share in split_across_ranks(lengths, min(n, max(len(lengths), 1))) if share]

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from services.lib.weights.config import StoreTransportConfig, TransportConfig
-from services.runtime.config import TaskOption
+from services.runtime.config import ConfigError, TaskOption
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
@@ -82,6 +82,16 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     is_mode: Literal["tis", "decoupled", "none"] = "tis"
     is_cap: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
     aggregation: Literal["seq_mean_token_mean", "token_mean"] = "seq_mean_token_mean"
+    #: passes over each batch; with ``ppo_epochs * minibatches > 1`` the PPO ratio is taken against the
+    #: proximal policy (the weights before the batch's first update, its logprobs computed once per batch),
+    #: so the clip acts, and ``is_mode`` corrects proximal vs behaviour policy (decoupled PPO, as AReaL)
+    ppo_epochs: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    #: optimiser steps per pass: the batch is cut into this many minibatches of about equal tokens (each one
+    #: still cut into micro-batches for gradient accumulation); the lr schedule advances once per batch
+    minibatches: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    #: per-sample loss weight ``staleness_decay ** k``, ``k`` the versions a sample's oldest token is behind
+    #: the freshest sample of its batch (1.0: every sample weighs the same, as before)
+    staleness_decay: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
 
     # --- optimiser ---
     lr: Annotated[float, msgspec.Meta(gt=0.0)] = 1e-4
@@ -129,6 +139,12 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: { type = "inproc" } (trainer and rollout colocated: ``[launcher] services = { "trainer+rollout" = 1 }``).
     #: See services/lib/weights/config.py for every field.
     transport: TransportConfig = msgspec.field(default_factory=StoreTransportConfig)
+
+    def __post_init__(self) -> None:
+        if self.minibatches > self.groups_per_step * self.group_size:
+            raise ConfigError(f"config key services.trainer.minibatches is {self.minibatches}, more than the "
+                              f"{self.groups_per_step * self.group_size} completions of a batch (groups_per_step x "
+                              "group_size): lower it")
 
     @property
     def max_groups_in_flight(self) -> int:

@@ -27,7 +27,7 @@ import contextlib
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,8 @@ class StepInput:
     rewards: list[float]
     #: the loss normaliser of the whole batch (completions, or tokens, that carry loss)
     total: float
+    #: per-completion loss weights (``staleness_decay``); empty: all 1
+    weights: list[float] = field(default_factory=list)
 
     @classmethod
     def of(cls, batch: list[ScoredTrajectory], cfg: TrainerConfig) -> StepInput:
@@ -104,15 +106,24 @@ class StepInput:
         # 1. group-normalised advantages, over whole groups
         advantages = group_advantages(rewards, [t.rollout.group_id for t in batch], normalize_std=cfg.normalize_std)
         prompts, completions, masks, behaviour = completion_tensors(batch)
-        if cfg.aggregation == "seq_mean_token_mean":
-            total = float(sum(1 for m in masks if sum(m) > 0))
-        else:
-            total = float(sum(sum(m) for m in masks))
-        return cls(prompts, completions, masks, behaviour, advantages.tolist(), rewards.tolist(), total)
+        weights: list[float] = []
+        if cfg.staleness_decay < 1.0:  # versions behind the batch's freshest sample
+            versions = [t.rollout.min_version() for t in batch]
+            newest = max(versions, default=0)
+            weights = [cfg.staleness_decay ** (newest - v) for v in versions]
+        return cls(prompts, completions, masks, behaviour, advantages.tolist(), rewards.tolist(),
+                   loss_total(masks, range(len(masks)), cfg.aggregation), weights)
 
     @property
     def lengths(self) -> list[int]:
         return [len(p) + len(c) for p, c in zip(self.prompts, self.completions, strict=True)]
+
+
+def loss_total(masks: list[list[int]], rows: Any, aggregation: str) -> float:
+    """The loss normaliser of ``rows``: completions with a loss token (seq_mean_token_mean) or loss tokens."""
+    if aggregation == "seq_mean_token_mean":
+        return float(sum(1 for i in rows if sum(masks[i]) > 0))
+    return float(sum(sum(masks[i]) for i in rows))
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -214,32 +225,97 @@ class Learner:
         return self._all("step_input", StepInput.of(batch, self.cfg))
 
     def step_input(self, inp: StepInput) -> dict[str, float]:
-        """This rank's part of one step (every rank calls it with the same input)."""
+        """This rank's part of one step (every rank calls it with the same input).
+
+        ``ppo_epochs`` passes over the batch, each cut into ``minibatches`` optimiser updates. With more
+        than one update, the proximal policy's logprobs (the weights before the first update) are computed
+        once, and every update's PPO ratio is taken against them (decoupled PPO); the lr schedule advances
+        once per batch."""
         t0 = time.perf_counter()
-        sums, n_mb, passes = self.accumulate(inp)
-        # 3. clip, step, schedule
-        opt = optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.max_grad_norm) if passes else {}
-        metrics = {k: (v if k.startswith("losses/") else v / max(n_mb, 1)) for k, v in sums.items()}
-        metrics.update(opt)
+        cfg = self.cfg
+        updates = cfg.ppo_epochs * cfg.minibatches
+        every_row = list(range(len(inp.completions)))
+        parts = batching.minibatches(inp.lengths, cfg.minibatches) if updates > 1 else [every_row]
+        # 1. the proximal policy (several updates only; one update takes the ratio against itself)
+        prox = self.proximal_logprobs(inp, parts) if updates > 1 else None
+        t_prox = time.perf_counter() - t0
+        sums: dict[str, float] = {}
+        n_mb = 0
+        opts: list[dict[str, float]] = []
+        for _ in range(cfg.ppo_epochs):
+            for rows in parts:
+                # 2. forward/backward over the minibatch's micro-batches (gradients accumulate)
+                part_sums, part_mb, passes = self.accumulate(inp, rows, prox)
+                n_mb += part_mb
+                for k, v in part_sums.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                # 3. clip and step
+                if passes:
+                    opts.append(optimizer_step(self.model, self.optimizer, None, cfg.max_grad_norm))
+        if opts:
+            self.scheduler.step()
+        # a minibatch's losses add up over its passes; the other metrics are means over every pass
+        metrics = {k: (v / len(opts) if k.startswith("losses/") else v / max(n_mb, 1)) for k, v in sums.items()}
+        if opts:
+            metrics["optim/grad_norm"] = sum(o["optim/grad_norm"] for o in opts) / len(opts)
+            metrics["optim/lr"] = opts[0]["optim/lr"]
+            metrics["optim/skipped"] = sum(o["optim/skipped"] for o in opts)
+        if updates > 1:
+            metrics["optim/updates"] = float(len(opts))
+            metrics["time/proximal_s"] = t_prox
         metrics["train/reward_mean"] = sum(inp.rewards) / max(len(inp.rewards), 1)
         metrics["train/completion_tokens_mean"] = sum(len(c) for c in inp.completions) / max(len(inp.completions), 1)
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
 
-    def accumulate(self, inp: StepInput) -> tuple[dict[str, float], int, int]:
-        """2. This rank's micro-batches: logprobs under the current policy, loss, backward (gradients
-        accumulate). Returns the loss metrics summed over every rank's passes, the number of passes
-        with rows (all ranks), and this rank's number of passes."""
-        cfg = self.cfg
-        passes = batching.plan(inp.lengths, self.world_size, cfg.micro_batch_size,
-                               cfg.max_tokens_per_micro_batch)[self.rank] if inp.total > 0 else []
+    def _passes(self, inp: StepInput, rows: list[int], total: float) -> list[list[int]]:
+        """This rank's micro-batches of ``rows`` (indices into the batch); as many as every other rank's."""
+        if total <= 0:
+            return []
+        lengths = inp.lengths
+        plan = batching.plan([lengths[i] for i in rows], self.world_size, self.cfg.micro_batch_size,
+                             self.cfg.max_tokens_per_micro_batch)[self.rank]
+        return [[rows[j] for j in p] for p in plan]
+
+    def proximal_logprobs(self, inp: StepInput, parts: list[list[int]]) -> dict[int, torch.Tensor]:
+        """The current policy's logprobs of this rank's rows of ``parts``, without gradient: one 1-D tensor per
+        row (its completion's tokens), taken before the batch's first update."""
+        prox: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for rows in parts:
+                for p in self._passes(inp, rows, loss_total(inp.masks, rows, self.cfg.aggregation)):
+                    if not p:  # join the other ranks' collectives
+                        with self._autocast():
+                            ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.placement.device)
+                            self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                        continue
+                    with self._autocast():
+                        lp, _ = sequence_logprobs(
+                            self.model, [inp.prompts[i] for i in p], [inp.completions[i] for i in p],
+                            completion_masks=[inp.masks[i] for i in p], pad_token_id=self.pad_id,
+                            temperature=self.cfg.temperature)
+                    for k, i in enumerate(p):
+                        prox[i] = lp[k, : len(inp.completions[i])].float()
+        return prox
+
+    def accumulate(self, inp: StepInput, rows: list[int] | None = None,
+                   prox: dict[int, torch.Tensor] | None = None) -> tuple[dict[str, float], int, int]:
+        """2. This rank's micro-batches of ``rows`` (default: the whole batch): logprobs under the current
+        policy, loss (normalised by the rows' total), backward (gradients accumulate). ``prox``: proximal
+        logprobs per row (see :meth:`proximal_logprobs`). Returns the loss metrics summed over every rank's
+        passes, the number of passes with rows (all ranks), and this rank's number of passes."""
+        if rows is None:
+            rows, total = list(range(len(inp.completions))), inp.total
+        else:
+            total = loss_total(inp.masks, rows, self.cfg.aggregation)
+        passes = self._passes(inp, rows, total)
         sums: dict[str, float] = {}
         n_mb = 0
-        for rows in passes:
-            if not rows:  # this rank has fewer passes than another: join the collectives, add nothing
+        for p in passes:
+            if not p:  # this rank has fewer passes than another: join the collectives, add nothing
                 self._empty_pass()
                 continue
-            m = self._pass(inp, rows)
+            m = self._pass(inp, p, total, prox)
             n_mb += 1
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -253,7 +329,8 @@ class Learner:
                     sums[k] = sums.get(k, 0.0) + v
         return sums, n_mb, len(passes)
 
-    def _pass(self, inp: StepInput, rows: list[int]) -> dict[str, float]:
+    def _pass(self, inp: StepInput, rows: list[int], total: float,
+              prox: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
         cfg = self.cfg
         prompts = [inp.prompts[i] for i in rows]
         completions = [inp.completions[i] for i in rows]
@@ -264,6 +341,11 @@ class Learner:
                 temperature=cfg.temperature)
         width = logprobs.shape[1]
         behaviour_lp = _pad([inp.behaviour[i] for i in rows], width).to(logprobs.device)
+        old_lp = None
+        if prox is not None:
+            old_lp = torch.zeros((len(rows), width), dtype=torch.float32, device=logprobs.device)
+            for k, i in enumerate(rows):
+                old_lp[k, : prox[i].shape[0]] = prox[i][:width]
         ref_lp = None
         if cfg.kl_coef > 0:
             ref_model = self.ref_model if self.ref_model is not None else self.model
@@ -273,10 +355,12 @@ class Learner:
                                               pad_token_id=self.pad_id, temperature=cfg.temperature)
             ref_lp = ref_lp.to(logprobs.device)
         advantages = torch.tensor([inp.advantages[i] for i in rows], dtype=torch.float32, device=logprobs.device)
+        weights = torch.tensor([inp.weights[i] for i in rows], dtype=torch.float32,
+                               device=logprobs.device) if inp.weights else None
         loss, m = grpo_loss(
-            logprobs, behaviour_lp, advantages, loss_mask.to(logprobs.dtype), ref_logprobs=ref_lp,
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high, kl_coef=cfg.kl_coef, is_mode=cfg.is_mode,
-            is_cap=cfg.is_cap, aggregation=cfg.aggregation, total=inp.total)
+            logprobs, behaviour_lp, advantages, loss_mask.to(logprobs.dtype), old_logprobs=old_lp,
+            ref_logprobs=ref_lp, sample_weights=weights, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+            kl_coef=cfg.kl_coef, is_mode=cfg.is_mode, is_cap=cfg.is_cap, aggregation=cfg.aggregation, total=total)
         # FSDP averages gradients over ranks; every rank's loss is already a share of the whole batch's
         (loss * self.world_size).backward()
         return m
