@@ -294,13 +294,24 @@ def run_rlbus(label: str, run_dir: Path, overrides: Mapping[str, object], *, exa
         except subprocess.TimeoutExpired as e:
             raise BenchRunError(f"{label}: rlbus run did not finish within {timeout_s:.0f}s; see {log_path}") from e
     launch_s = time.monotonic() - t0
-    metrics_path = run_dir / "metrics.jsonl"
-    if rc != 0 or not metrics_path.is_file():
+    if rc != 0 or not (run_dir / "metrics.jsonl").is_file():
         raise BenchRunError(f"{label}: rlbus run exited with {rc}; see {log_path} and {run_dir / 'logs'}")
+    return read_run(label, run_dir, launch_s)
+
+
+def read_run(label: str, run_dir: Path, launch_s: float = 0.0) -> RunResult:
+    """The figures of a finished run in ``run_dir`` (one :func:`run_rlbus` just ran, or an earlier one).
+
+    Raises:
+        BenchRunError: the run left no metrics or no evaluation.
+    """
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise BenchRunError(f"{label}: no {metrics_path}")
     metrics = read_metrics(metrics_path)
     curve = eval_curve(metrics)
     if not curve:
-        raise BenchRunError(f"{label}: no evaluation in {metrics_path}; see {log_path}")
+        raise BenchRunError(f"{label}: no evaluation in {metrics_path}; see {run_dir.with_name(run_dir.name + '.log')}")
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     result = RunResult(label=label, run_dir=run_dir, curve=curve, stats=run_stats(metrics), launch_s=launch_s,

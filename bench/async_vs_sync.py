@@ -11,14 +11,24 @@ and 2 threads with OMP_WAIT_POLICY=PASSIVE were no faster than 1 (a 1 M-paramete
 model gains nothing from intra-op parallelism). So the default is 1 thread each;
 ``--sync-threads 2`` (optionally with ``--sync-omp-passive``) measures the other.
 
-Figure: the wall time (trainer clock, see bench/_rlbus_runs.py) each run takes to
-first reach the target eval reward (default: the lower of the two final rewards),
-and their ratio sync / async (goal >= 1.5x on 2 cores).
+Figures per seed: the wall time (trainer clock, see bench/_rlbus_runs.py) and the
+trainer steps each run takes to first reach the target eval reward (default: the
+lowest of the runs' final rewards, after ``--smooth``), the time ratio sync / async
+(goal >= 1.5x on 2 cores) and the steps ratio async / sync (sample efficiency; goal
+<= 1.1x), and the mean eval reward over the run. ``--seeds 0,1,2`` repeats the whole
+comparison per seed and adds the means over seeds.
+
+``--set KEY=VALUE`` sets a config key on every side (a bare KEY is a trainer key:
+``--set ppo_epochs=2`` is ``services.trainer.ppo_epochs=2``); ``--variant
+NAME:KEY=VALUE,KEY=VALUE`` adds an asynchronous side NAME with those keys on top, e.g.
+``--variant decoupled:ppo_epochs=2,minibatches=2,is_mode=decoupled``. ``--reuse`` reads
+a side whose run directory (``WORK/seed<N>/<side>``) already holds a finished run
+instead of running it again (the settings are then the caller's to keep the same).
 
     .venv/bin/python bench/async_vs_sync.py            # full: a few minutes per run
     .venv/bin/python bench/async_vs_sync.py --quick    # both sides, a few steps each
 
-The last stdout line is one JSON object of the figures.
+The last stdout line is one JSON object of the figures (``per_seed`` and ``mean``).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import json
 import logging
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repo importable
@@ -40,6 +51,7 @@ from bench._rlbus_runs import (  # noqa: E402
     curve_json,
     default_target,
     ratio,
+    read_run,
     run_rlbus,
     smooth_curve,
 )
@@ -55,10 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default 10; quick 4)")
     p.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts per eval (default 200; quick 50)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=str, default="", help="comma-separated seeds, each a whole comparison "
+                   "(overrides --seed), e.g. 0,1,2")
     p.add_argument("--smooth", type=int, default=1,
                    help="compare trailing means over this many evaluations (default 1: raw evaluations)")
     p.add_argument("--target", type=float, default=None,
-                   help="eval reward to reach (0..1); default: the lower of the two final rewards")
+                   help="eval reward to reach (0..1); default per seed: the lowest of the runs' final rewards")
     p.add_argument("--async-staleness", type=int, default=1, help="max_staleness of the async run (example: 1)")
     p.add_argument("--sync-threads", type=int, default=1,
                    help="torch threads of the sync run's trainer and of its rollout engine (each; default 1, "
@@ -67,15 +81,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run the sync side with OMP_WAIT_POLICY=PASSIVE (matters with --sync-threads > 1)")
     p.add_argument("--async-threads", type=int, default=1,
                    help="torch threads of the async run's trainer and of its rollout engine (each; default 1)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config key on every side (bare KEY: services.trainer.KEY); repeatable")
+    p.add_argument("--variant", dest="variants", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                   help="an extra asynchronous side NAME with these keys on top; repeatable")
+    p.add_argument("--reuse", action="store_true",
+                   help="read a side whose run directory already holds a finished run instead of rerunning it")
     p.add_argument("--order", choices=["sync-first", "async-first"], default="sync-first")
     p.add_argument("--work-dir", type=Path, default=None, help="where the run directories go (default: a temp dir)")
     return p.parse_args(argv)
 
 
-def overrides(args: argparse.Namespace, staleness: int, threads: int) -> dict[str, object]:
+def parse_set(item: str) -> tuple[str, object]:
+    """``KEY=VALUE`` as a config key and a value (a TOML literal, else the text itself)."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError(f"expected KEY=VALUE, got {item!r}")
+    if "." not in key:
+        key = f"services.trainer.{key}"
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return key, value
+
+
+def parse_variant(item: str) -> tuple[str, dict[str, object]]:
+    """``NAME:KEY=VALUE,KEY=VALUE`` as a side name and its config keys."""
+    name, sep, keys = item.partition(":")
+    if not sep or not name.replace("-", "").replace("_", "").isalnum() or name in ("sync", "async"):
+        raise ValueError(f"expected NAME:KEY=VALUE,... with NAME of letters, digits, - and _ (not sync/async); "
+                         f"got {item!r}")
+    return name, dict(parse_set(k) for k in keys.split(",") if k.strip())
+
+
+def overrides(args: argparse.Namespace, staleness: int, threads: int, seed: int) -> dict[str, object]:
     """Config keys of one side: everything but staleness and threads is shared."""
     return {
-        "run.seed": args.seed,
+        "run.seed": seed,
         "services.trainer.total_steps": args.steps,
         "services.trainer.max_wall_s": 0.0,  # the sample budget, not a clock, ends both runs
         "services.trainer.eval_every": args.eval_every,
@@ -85,12 +129,76 @@ def overrides(args: argparse.Namespace, staleness: int, threads: int) -> dict[st
         "services.trainer.num_threads": threads,
         "services.lib.engine.base.num_threads": threads,
         "common.drain_timeout_s": 2.0,  # after the run has finished: shutdown only
+        **dict(parse_set(item) for item in args.sets),
     }
 
 
 def side_json(r: RunResult) -> dict[str, object]:
-    return {"final_reward": r.final_reward, "curve": curve_json(r.curve), "launch_s": round(r.launch_s, 1),
-            **r.stats}
+    return {"final_reward": r.final_reward, "eval_reward_mean": eval_reward_mean(r), "curve": curve_json(r.curve),
+            "launch_s": round(r.launch_s, 1), **r.stats}
+
+
+def eval_reward_mean(r: RunResult) -> float:
+    """The mean eval reward after the initial evaluation (area under the curve: learning per step)."""
+    points = [p.reward for p in r.curve if p.step > 0] or [p.reward for p in r.curve]
+    return round(sum(points) / len(points), 4)
+
+
+def mean(values: list[float | None]) -> float | None:
+    """The mean, or None when any value is missing (a run that never reached the target)."""
+    if not values or any(v is None for v in values):
+        return None
+    return round(sum(v for v in values if v is not None) / len(values), 3)
+
+
+def compare_seed(args: argparse.Namespace, seed: int, work: Path,
+                 variants: dict[str, dict[str, object]]) -> dict[str, object]:
+    """Every side of one seed, run (or read back with ``--reuse``), and its figures."""
+    sides: dict[str, tuple[int, int, dict[str, str], dict[str, object]]] = {
+        "sync": (0, args.sync_threads, {"OMP_WAIT_POLICY": "PASSIVE"} if args.sync_omp_passive else {}, {}),
+        "async": (args.async_staleness, args.async_threads, {}, {}),
+        **{name: (args.async_staleness, args.async_threads, {}, keys) for name, keys in variants.items()},
+    }
+    order = list(sides) if args.order == "sync-first" else [*list(sides)[1:], "sync"]
+    results: dict[str, RunResult] = {}
+    reused = []
+    for name in order:
+        staleness, threads, env, keys = sides[name]
+        run_dir = work / f"seed{seed}" / name
+        if args.reuse and (run_dir / "summary.json").is_file():
+            results[name] = read_run(name, run_dir)
+            reused.append(name)
+            continue
+        results[name] = run_rlbus(f"{name}-s{seed}", run_dir, {**overrides(args, staleness, threads, seed), **keys},
+                                  env=env)
+    curves = {name: smooth_curve(results[name].curve, args.smooth) for name in sides}
+    target = args.target if args.target is not None else default_target(*curves.values())
+    figures = compare(curves, target)
+    sync = results["sync"]
+    out: dict[str, object] = {
+        "seed": seed,
+        "target": figures["target"],
+        "target_trivial": figures["target_trivial"],
+        "steps_to_target": {name: figures[f"{name}_steps"] for name in sides},
+        "s_to_target": {name: figures[f"{name}_s"] for name in sides},
+        # sample efficiency: steps a side needed per step sync needed (goal <= 1.1)
+        "steps_ratio": {name: None if figures["target_trivial"] else ratio(figures[f"{name}_steps"],
+                                                                           figures["sync_steps"])
+                        for name in sides if name != "sync"},
+        # speed: sync's time per side's time to the same reward (goal >= 1.5)
+        "time_ratio": {name: None if figures["target_trivial"] else ratio(figures["sync_s"], figures[f"{name}_s"])
+                       for name in sides if name != "sync"},
+        "budget_time_ratio": {name: ratio(sync.stats.get("last_step_s"), results[name].stats.get("last_step_s"))
+                              for name in sides if name != "sync"},
+        "final_reward": {name: results[name].final_reward for name in sides},
+        "eval_reward_mean": {name: eval_reward_mean(results[name]) for name in sides},
+        "reused": reused,
+        "sides": {name: side_json(results[name]) for name in sides},
+    }
+    if "equal_time_s" in figures:
+        out["equal_time_s"] = figures["equal_time_s"]
+        out["reward_at_equal_time"] = {name: figures[f"{name}_reward_at_equal_time"] for name in sides}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,64 +207,62 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (8 if args.quick else 200)
     args.eval_every = args.eval_every or (4 if args.quick else 10)
     args.eval_prompts = args.eval_prompts or (50 if args.quick else 200)
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="rlbus-async-vs-sync-"))
-    sides = {
-        "sync": (0, args.sync_threads, {"OMP_WAIT_POLICY": "PASSIVE"} if args.sync_omp_passive else {}),
-        "async": (args.async_staleness, args.async_threads, {}),
-    }
-    order = ["sync", "async"] if args.order == "sync-first" else ["async", "sync"]
-    results: dict[str, RunResult] = {}
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds else [args.seed]
     try:
-        for name in order:
-            staleness, threads, env = sides[name]
-            results[name] = run_rlbus(name, work / name, overrides(args, staleness, threads), env=env)
+        variants = dict(parse_variant(v) for v in args.variants)
+        overrides(args, 0, 1, 0)  # every --set parses before the first run
+    except ValueError as e:
+        print(f"async_vs_sync: {e}", file=sys.stderr)
+        return 2
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="rlbus-async-vs-sync-"))
+    per_seed = []
+    try:
+        for seed in seeds:
+            per_seed.append(compare_seed(args, seed, work, variants))
     except BenchRunError as e:
         print(f"async_vs_sync: {e}", file=sys.stderr)
         return 1
-    sync, asyn = results["sync"], results["async"]
-    curves = {"sync": smooth_curve(sync.curve, args.smooth), "async": smooth_curve(asyn.curve, args.smooth)}
-    target = args.target if args.target is not None else default_target(*curves.values())
-    figures = compare(curves, target)
+    names = list(per_seed[0]["final_reward"])  # type: ignore[arg-type]
+
+    def over_seeds(figure: str, name: str) -> float | None:
+        return mean([s[figure].get(name) for s in per_seed])  # type: ignore[attr-defined]
+
+    means = {
+        "steps_to_target": {n: over_seeds("steps_to_target", n) for n in names},
+        "steps_ratio": {n: over_seeds("steps_ratio", n) for n in names if n != "sync"},
+        "time_ratio": {n: over_seeds("time_ratio", n) for n in names if n != "sync"},
+        "budget_time_ratio": {n: over_seeds("budget_time_ratio", n) for n in names if n != "sync"},
+        "final_reward": {n: over_seeds("final_reward", n) for n in names},
+        "eval_reward_mean": {n: over_seeds("eval_reward_mean", n) for n in names},
+    }
+    # the ratio of the mean steps: one seed's slow run weighs by its steps, not by its ratio
+    steps = means["steps_to_target"]
+    means["steps_ratio_of_means"] = {n: ratio(steps[n], steps["sync"]) for n in names if n != "sync"}
+    cfg_path = work / f"seed{seeds[0]}" / "sync" / "config.resolved.json"
+    trainer_cfg = json.loads(cfg_path.read_text()).get("services", {}).get("trainer", {}) if cfg_path.is_file() else {}
+    samples_per_step = (trainer_cfg["groups_per_step"] * trainer_cfg["group_size"]
+                        if "groups_per_step" in trainer_cfg and "group_size" in trainer_cfg else None)
     out = {
         "bench": "async_vs_sync",
         "quick": args.quick,
-        # a target every run met at its first evaluation (quick runs, mostly) says nothing about speed
-        "ratio": None if figures["target_trivial"] else ratio(figures["sync_s"], figures["async_s"]),
-        "ratio_note": ("no ratio: the target reward was met at the first evaluation (too few steps to learn; "
-                       "budget_time_ratio is this run's throughput figure)") if figures["target_trivial"] else "",
-        "sync_s": figures["sync_s"],
-        "async_s": figures["async_s"],
-        "target": figures["target"],
-        "target_trivial": figures["target_trivial"],
+        "seeds": seeds,
+        # sync / async time to the same reward, mean over seeds (None when a seed's target was trivial or missed)
+        "ratio": means["time_ratio"]["async"],
+        "steps_ratio": means["steps_ratio"],
+        "mean": means,
         "smooth": args.smooth,
-        "sync_final_reward": sync.final_reward,
-        "async_final_reward": asyn.final_reward,
-        # wall time of the whole sample budget (no reward involved): the throughput ratio
-        "budget_time_ratio": ratio(sync.stats.get("last_step_s"), asyn.stats.get("last_step_s")),
-        "sync_steps_to_target": figures["sync_steps"],
-        "async_steps_to_target": figures["async_steps"],
         "steps": args.steps,
-        "samples_per_step": None,
-        "sample_budget": None,
+        "samples_per_step": samples_per_step,
+        "sample_budget": samples_per_step * args.steps if samples_per_step else None,
         "eval_every": args.eval_every,
         "eval_prompts": args.eval_prompts,
-        "seed": args.seed,
         "settings": {"sync": {"max_staleness": 0, "threads_each": args.sync_threads,
                               "omp_passive": args.sync_omp_passive},
                      "async": {"max_staleness": args.async_staleness, "threads_each": args.async_threads},
-                     "order": order},
-        "sync": side_json(sync),
-        "async": side_json(asyn),
+                     **{n: {"max_staleness": args.async_staleness, **keys} for n, keys in variants.items()},
+                     "set": dict(parse_set(item) for item in args.sets), "order": args.order},
+        "per_seed": per_seed,
     }
-    for key in ("equal_time_s", "sync_reward_at_equal_time", "async_reward_at_equal_time"):
-        if key in figures:
-            out[key] = figures[key]
-    cfg = json.loads((sync.run_dir / "config.resolved.json").read_text()) if (
-        sync.run_dir / "config.resolved.json").is_file() else {}
-    trainer_cfg = cfg.get("services", {}).get("trainer", {})
-    if "groups_per_step" in trainer_cfg and "group_size" in trainer_cfg:
-        out["samples_per_step"] = trainer_cfg["groups_per_step"] * trainer_cfg["group_size"]
-        out["sample_budget"] = out["samples_per_step"] * args.steps
     print(json.dumps(out))
     return 0
 
