@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from proto import catalog, codec
 from proto.membership import Heartbeat
@@ -221,19 +221,19 @@ class Trainer:
             await self.ctx.publish(catalog.PROMPTS, ticket)
 
     async def _live_rollouts(self) -> int:
-        """Rollout workers whose heartbeats (members bucket) say running, within three heartbeat periods."""
+        """Rollout workers whose heartbeats (members bucket) say running, within three heartbeat periods. The
+        keys come from the bucket stream's subject list (one API call): nats-py's ``kv.keys()`` is a watch
+        whose consumer the server keeps, one more every call."""
         kv = await bus.ensure_kv(self.ctx.js, catalog.MEMBERS)
+        prefix = f"$KV.{catalog.MEMBERS.bucket}."
+        info = await self.ctx.js.stream_info(f"KV_{catalog.MEMBERS.bucket}",
+                                             subjects_filter=f"{prefix}{self.ctx.run_id}.rollout.*")
         beats = []
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return 0
-        for key in keys:
-            if key.startswith(f"{self.ctx.run_id}.rollout."):
-                try:
-                    beats.append(codec.decode((await kv.get(key)).value, Heartbeat))
-                except KeyNotFoundError:
-                    continue  # it left between the listing and the read
+        for subject in info.state.subjects or {}:
+            try:
+                beats.append(codec.decode((await kv.get(subject[len(prefix):])).value, Heartbeat))
+            except (KeyNotFoundError, KeyDeletedError):  # left (entry deleted), or between listing and read
+                continue
         return live_workers(beats, "rollout", time.time(), 3 * self.ctx.cfg.common.heartbeat_s)
 
     async def _train_ticket(self, prompt: Any, group_id: str) -> None:
