@@ -315,9 +315,9 @@ class Supervisor:
             raise ControlError(f"{name}={count}: expected 0..64 instances")
         if "rollout" in name.split("+"):
             kind = ((self.tree.get("services") or {}).get("rollout") or {}).get("transport") or {}
-            if isinstance(kind, dict) and kind.get("type", "store") != "store":
-                raise ControlError(f"rollout engines of the {kind.get('type')} weight transport are a fixed group "
-                                   "(world_size): only the store transport lets engines come and go")
+            if isinstance(kind, dict) and kind.get("type", "store") == "inproc":
+                raise ControlError("rollout engines of the inproc weight transport live in the trainer's process: "
+                                   "the store and broadcast transports let engines come and go")
         with self._layout_lock:
             if self.stopping.is_set():
                 raise ControlError("the run is stopping")

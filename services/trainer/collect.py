@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -27,7 +28,7 @@ from proto.trajectories import ScoredTrajectory
 from services.runtime import metrics, tracing
 from services.runtime.consume import Delivery
 from services.runtime.service import ServiceContext
-from services.trainer.admission import Admission, GroupBuffer, Sample, is_stale
+from services.trainer.admission import Admission, GroupBuffer, Sample, fleet_bound, is_stale
 from services.trainer.config import TrainerConfig
 from services.trainer.evaluation import EvalRound, Evaluations
 from services.trainer.state import TrainerState
@@ -37,6 +38,8 @@ _OUTCOMES = metrics.counter("trajectory_outcomes", "trajectories trained, droppe
 
 #: how often collect() re-checks staleness and group timeouts while nothing arrives
 RECHECK_S = 5.0
+#: how often the admission bound is fitted to the live rollout fleet
+FLEET_EVERY_S = 2.0
 
 
 class Outcomes:
@@ -72,7 +75,10 @@ class Collector:
     def __init__(self, cfg: TrainerConfig, state: TrainerState, prompts: Iterator[Any],
                  send_ticket: Callable[[Any, str], Awaitable[None]], evals: Evaluations, outcomes: Outcomes,
                  save_state: Callable[[], Awaitable[None]],
-                 on_eval: Callable[[EvalRound], Awaitable[None]]) -> None:
+                 on_eval: Callable[[EvalRound], Awaitable[None]],
+                 fleet: Callable[[], Awaitable[int | None]] | None = None, tickets_per_worker: int = 64) -> None:
+        """``fleet``: the live rollout workers (None: unknown); with it the admission bound follows the
+        fleet (``admission.fleet_bound``), each worker holding ``tickets_per_worker`` groups at once."""
         self.cfg = cfg
         self.state = state
         self.prompts = prompts
@@ -85,6 +91,9 @@ class Collector:
         self.admission.restore(state.in_flight)
         self.buffer = GroupBuffer()
         self.arrived = asyncio.Event()
+        self.fleet = fleet
+        self.tickets_per_worker = tickets_per_worker
+        self._fleet_at = float("-inf")
 
     def sync_state(self) -> None:
         """Copy the admission bookkeeping into the state before it is saved."""
@@ -139,6 +148,7 @@ class Collector:
         """
         n = self.cfg.groups_per_step
         while not stop.is_set():
+            await self._fit_to_fleet()
             await self._top_up()
             await self._expire()
             if len(self.buffer.complete_groups()) >= n:
@@ -155,6 +165,22 @@ class Collector:
         """The groups were trained on (or all their samples dropped): their admission slots are free."""
         for g in groups:
             self.admission.finish(g[0].group_id)
+
+    async def _fit_to_fleet(self) -> None:
+        """Every ``FLEET_EVERY_S``, set the admission bound for the live rollout fleet."""
+        if self.fleet is None or time.monotonic() - self._fleet_at < FLEET_EVERY_S:
+            return
+        self._fleet_at = time.monotonic()
+        try:
+            workers = await self.fleet()
+        except Exception as e:  # the members bucket unreadable for now: the bound stays as it is
+            log.debug("could not read the rollout fleet: %s", e)
+            return
+        bound = fleet_bound(self.cfg.max_staleness, self.cfg.groups_per_step, workers, self.tickets_per_worker)
+        if bound != self.admission.max_in_flight:
+            log.info("admission bound %d -> %d groups (%s live rollout workers)", self.admission.max_in_flight,
+                     bound, workers)
+            self.admission.resize(bound)
 
     async def _top_up(self) -> None:
         """Admit prompt groups while there is room (the staleness-derived bound)."""

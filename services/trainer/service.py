@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
-from proto import catalog
+from proto import catalog, codec
+from proto.membership import Heartbeat
 from proto.prompts import PromptTicket, Sampling
 from services.lib.colocation import DEVICE_SHARE
 from services.lib.weights.transport import WeightSender, make_sender
@@ -34,7 +36,7 @@ from services.runtime.config import Loaded
 from services.runtime.service import ServiceContext
 from services.tasks.base import TaskMetrics
 from services.trainer import devices, resume
-from services.trainer.admission import Sample
+from services.trainer.admission import Sample, live_workers
 from services.trainer.collect import Collector, Outcomes
 from services.trainer.config import TrainerConfig
 from services.trainer.evaluation import EvalRound, Evaluations
@@ -101,8 +103,10 @@ class Trainer:
         self.evals = Evaluations(eval_prompts[: cfg.eval_prompts] if cfg.eval_prompts else eval_prompts,
                                  cfg.eval_samples, self.state.eval_history)
         self.outcomes = Outcomes(ctx, self.state)
+        rollout = ((ctx.cfg.tree.get("services") or {}).get("rollout") or {})
         self.collector = Collector(cfg, self.state, self.task.train_prompts(seed, start=self.state.data_position),
-                                   self._train_ticket, self.evals, self.outcomes, self.save_state, self._eval_done)
+                                   self._train_ticket, self.evals, self.outcomes, self.save_state, self._eval_done,
+                                   fleet=self._live_rollouts, tickets_per_worker=int(rollout.get("max_tickets", 64)))
 
     async def run(self) -> None:
         ctx = self.ctx
@@ -165,6 +169,7 @@ class Trainer:
             "trainer/dropped_total": float(self.state.counters.get("dropped", 0)),
             "trainer/in_flight_groups": float(len(self.collector.admission.in_flight)),
             "trainer/in_flight_peak": float(self.collector.admission.peak),
+            "trainer/admission_bound": float(self.collector.admission.max_in_flight),
             "time/publish_s": publish_s,
         })
         await self._metrics(metrics, step=self.state.step)
@@ -214,6 +219,22 @@ class Trainer:
         with tracing.span("admit group", root=True, group_id=group_id, eval=is_eval,
                           version=self.state.version, group_size=group_size):
             await self.ctx.publish(catalog.PROMPTS, ticket)
+
+    async def _live_rollouts(self) -> int:
+        """Rollout workers whose heartbeats (members bucket) say running, within three heartbeat periods. The
+        keys come from the bucket stream's subject list (one API call): nats-py's ``kv.keys()`` is a watch
+        whose consumer the server keeps, one more every call."""
+        kv = await bus.ensure_kv(self.ctx.js, catalog.MEMBERS)
+        prefix = f"$KV.{catalog.MEMBERS.bucket}."
+        info = await self.ctx.js.stream_info(f"KV_{catalog.MEMBERS.bucket}",
+                                             subjects_filter=f"{prefix}{self.ctx.run_id}.rollout.*")
+        beats = []
+        for subject in info.state.subjects or {}:
+            try:
+                beats.append(codec.decode((await kv.get(subject[len(prefix):])).value, Heartbeat))
+            except (KeyNotFoundError, KeyDeletedError):  # left (entry deleted), or between listing and read
+                continue
+        return live_workers(beats, "rollout", time.time(), 3 * self.ctx.cfg.common.heartbeat_s)
 
     async def _train_ticket(self, prompt: Any, group_id: str) -> None:
         await self._ticket(prompt, group_id, self.cfg.group_size, False, self.sampling)

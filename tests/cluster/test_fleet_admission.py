@@ -107,3 +107,53 @@ def test_bound_rises_when_a_second_rollout_worker_joins_and_falls_when_it_leaves
             if w.poll() is None:
                 w.terminate()
                 w.wait(60)
+
+
+def trainer_bound(url: str, run: str) -> float | None:
+    """The trainer's admission bound from its heartbeat (``trainer/admission_bound``)."""
+    async def go() -> float | None:
+        nc = await nats.connect(url)
+        try:
+            kv = await nc.jetstream().key_value(catalog.MEMBERS.bucket)
+            hb = codec.decode((await kv.get(f"{run}.trainer.trainer-0")).value, Heartbeat)
+            return hb.metrics.get("trainer/admission_bound")
+        except Exception:  # not heartbeating yet
+            return None
+        finally:
+            await nc.close()
+    return asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_trainer_admission_bound_follows_a_joining_rollout_worker(tmp_path, nats_url, loop_model_dir):
+    run = "fleetloop"
+    cfg = run_file(tmp_path, loop_model_dir, run_id=run, nats_url=nats_url, common={"heartbeat_s": 1.0},
+                   trainer={"groups_per_step": G, "max_staleness": STALENESS, "total_steps": 100000},
+                   rollout={"max_tickets": TICKETS})
+    procs: list[subprocess.Popen] = []
+
+    def start(svc: str, instance: str) -> None:
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "services.launcher.cli", "service", svc, "--config", str(cfg),
+             "--instance", instance], cwd=ROOT, stdout=open(tmp_path / f"{instance}.log", "wb"),
+            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}))
+
+    try:
+        for svc, instance in (("trainer", "trainer-0"), ("judge", "judge-0"), ("rollout", "rollout-0")):
+            start(svc, instance)
+        wait_for(lambda: trainer_bound(nats_url, run) == TICKETS + G, 300, "the bound for one worker", interval=0.5)
+        start("rollout", "rollout-1")
+        wait_for(lambda: trainer_bound(nats_url, run) == 2 * TICKETS + G, 300, "the bound for two workers",
+                 interval=0.5)
+        assert "admission bound 4 -> 6 groups (2 live rollout workers)" in (tmp_path / "trainer-0.log").read_text()
+        assert all(p.poll() is None for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
