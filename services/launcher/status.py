@@ -7,6 +7,7 @@ from typing import Any
 
 from proto import catalog, codec
 from proto.membership import Heartbeat
+from services.runtime import bus
 
 
 async def collect(nc: Any, run_id: str) -> dict[str, Any]:
@@ -48,7 +49,7 @@ async def members(js: Any, run_id: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     try:
         kv = await js.key_value(catalog.MEMBERS.bucket)
-        keys = await kv.keys()
+        keys = await bus.kv_keys(js, catalog.MEMBERS.bucket, f"{run_id}.")
     except Exception:
         keys = []
     for key in keys:

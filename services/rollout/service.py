@@ -88,9 +88,14 @@ class RolloutService:
         weights = asyncio.create_task(self.follow_weights(ctx, receiver), name="rollout-weights")
         reports = asyncio.create_task(self._report(ctx), name="rollout-metrics")
         try:
-            try:
-                await asyncio.wait_for(self.first_weights.wait(), self.cfg.initial_weights_timeout_s or None)
-            except TimeoutError:
+            # the first version, or a stop (a SIGTERM must not wait out initial_weights_timeout_s)
+            first = asyncio.ensure_future(self.first_weights.wait())
+            stopped = asyncio.ensure_future(ctx.stop.wait())
+            done, _ = await asyncio.wait({first, stopped}, timeout=self.cfg.initial_weights_timeout_s or None,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            first.cancel()
+            stopped.cancel()
+            if not done:
                 log.warning("no weight version announced within %.0fs; serving the local weights",
                             self.cfg.initial_weights_timeout_s)
             if not ctx.stop.is_set():

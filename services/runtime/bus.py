@@ -274,6 +274,16 @@ async def ensure_kv(js: JetStreamContext, d: catalog.KVDef, *, replicas: int | N
             raise BusError(_provisioning_error(f"KV bucket {d.bucket}", replicas, e)) from e
 
 
+async def kv_keys(js: JetStreamContext, bucket: str, prefix: str = "") -> list[str]:
+    """Keys of a KV bucket (those starting with ``prefix``, which ends at a dot) from its stream's subject
+    list: one API call, no consumer. nats-py's ``kv.keys()`` is a watch whose consumer the server keeps,
+    one more per call. A deleted key may still be listed (its tombstone): ``kv.get`` then raises
+    ``KeyDeletedError``."""
+    head = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{head}{prefix}>")
+    return [subject[len(head):] for subject in info.state.subjects or {}]
+
+
 async def ensure_object_store(js: JetStreamContext, bucket: str, *, replicas: int | None = None,
                               storage: str = "file", description: str = "", update: bool = False) -> None:
     """The object-store bucket exists with at least ``replicas`` (default: the connection's)."""

@@ -17,10 +17,11 @@ import time
 from typing import Annotated, Any, Literal
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 
 from proto import catalog, codec
 from proto.membership import Heartbeat
+from services.runtime import bus
 
 log = logging.getLogger("rlbus.gang")
 
@@ -59,7 +60,7 @@ async def live_members(js: Any, run_id: str) -> dict[str, list[str]]:
     """Instances per role of this run, from the membership KV (expired members have vanished)."""
     kv = await js.key_value(catalog.MEMBERS.bucket)
     try:
-        keys = [k for k in await kv.keys() if k.startswith(f"{run_id}.")]
+        keys = await bus.kv_keys(js, catalog.MEMBERS.bucket, f"{run_id}.")
     except NoKeysError:
         return {}
     out: dict[str, list[str]] = {}
@@ -67,7 +68,7 @@ async def live_members(js: Any, run_id: str) -> dict[str, list[str]]:
         try:
             entry = await kv.get(key)
             hb = codec.decode(entry.value, Heartbeat, max_bytes=None)
-        except (KeyNotFoundError, codec.DecodeError) as e:
+        except (KeyNotFoundError, KeyDeletedError, codec.DecodeError) as e:
             log.debug("member %s unreadable: %s", key, e)
             continue
         if hb.state in ("waiting", "running"):

@@ -221,17 +221,12 @@ class Trainer:
             await self.ctx.publish(catalog.PROMPTS, ticket)
 
     async def _live_rollouts(self) -> int:
-        """Rollout workers whose heartbeats (members bucket) say running, within three heartbeat periods. The
-        keys come from the bucket stream's subject list (one API call): nats-py's ``kv.keys()`` is a watch
-        whose consumer the server keeps, one more every call."""
+        """Rollout workers whose heartbeats (members bucket) say running, within three heartbeat periods."""
         kv = await bus.ensure_kv(self.ctx.js, catalog.MEMBERS)
-        prefix = f"$KV.{catalog.MEMBERS.bucket}."
-        info = await self.ctx.js.stream_info(f"KV_{catalog.MEMBERS.bucket}",
-                                             subjects_filter=f"{prefix}{self.ctx.run_id}.rollout.*")
         beats = []
-        for subject in info.state.subjects or {}:
+        for key in await bus.kv_keys(self.ctx.js, catalog.MEMBERS.bucket, f"{self.ctx.run_id}.rollout."):
             try:
-                beats.append(codec.decode((await kv.get(subject[len(prefix):])).value, Heartbeat))
+                beats.append(codec.decode((await kv.get(key)).value, Heartbeat))
             except (KeyNotFoundError, KeyDeletedError):  # left (entry deleted), or between listing and read
                 continue
         return live_workers(beats, "rollout", time.time(), 3 * self.ctx.cfg.common.heartbeat_s)

@@ -18,6 +18,7 @@ import pytest
 
 from proto import catalog, codec
 from proto.membership import Heartbeat
+from services.runtime import bus
 from services.trainer.admission import Admission, AdmissionError, fleet_bound, live_workers
 from tests.conftest import run_file, wait_for
 
@@ -54,12 +55,12 @@ def fleet(url: str, run: str) -> int:
     async def go() -> int:
         nc = await nats.connect(url)
         try:
-            kv = await nc.jetstream().key_value(catalog.MEMBERS.bucket)
+            js = nc.jetstream()
+            kv = await js.key_value(catalog.MEMBERS.bucket)
             beats = []
-            for key in await kv.keys():
-                if key.startswith(f"{run}.rollout."):
-                    entry = await kv.get(key)
-                    beats.append(codec.decode(entry.value, Heartbeat))
+            for key in await bus.kv_keys(js, catalog.MEMBERS.bucket, f"{run}.rollout."):
+                entry = await kv.get(key)
+                beats.append(codec.decode(entry.value, Heartbeat))
             return live_workers(beats, "rollout", time.time(), timeout_s=3.0)
         except Exception:  # the bucket or a key is not there yet (no worker started), or just deleted
             return -1
@@ -94,8 +95,7 @@ def test_bound_rises_when_a_second_rollout_worker_joins_and_falls_when_it_leaves
         start(1)
         wait_for(lambda: fleet(nats_url, run) == 2, 180, "the second rollout worker's heartbeat", interval=0.5)
         assert bound() == 2 * TICKETS + G == 6
-        # a rollout waiting for its first weights does not see SIGTERM until initial_weights_timeout_s (a bug
-        # of the rollout service): stop it once it consumes; a graceful stop deletes its member entry
+        # stop it once it consumes (a graceful stop deletes its member entry)
         wait_for(lambda: "serving the local weights" in (tmp_path / "rollout-1.log").read_text(), 180,
                  "the second worker to serve")
         workers[1].terminate()
