@@ -2,7 +2,10 @@
 # Build the compose stack's images for podman on a machine that reaches no container registry
 # (deploy/README.md, "Compose under podman"). Run as root from anywhere:
 #
-#   deploy/podman/build-images.sh          # about 10 min the first time on 2 cores; later runs reuse what exists
+#   deploy/podman/build-images.sh          # 3 min 42 s from nothing here (2 busy cores); reruns reuse what exists
+#
+# Environment: RLBUS_BASE_IMAGE, RLBUS_NATS_IMAGE, RLBUS_IMAGE (the three tags below), RLBUS_PODMAN_WORK (the
+# wheelhouse and build inputs; default /var/cache/rlbus-podman), DEBIAN_MIRROR, HOST_PYTHON (a Python 3.11).
 #
 # 1. localhost/rlbus-base:bookworm: a Debian bookworm root filesystem from Debian packages (mmdebstrap) with
 #    python3 (3.11), pip, bubblewrap, util-linux and wget, imported with `podman import`. Debian marks its Python
@@ -26,8 +29,8 @@ WORK="${RLBUS_PODMAN_WORK:-/var/cache/rlbus-podman}"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 SECURITY="${DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security}"
 HOST_PYTHON="${HOST_PYTHON:-$ROOT/.venv/bin/python}"
-BASE=localhost/rlbus-base:bookworm
-NATS=localhost/rlbus-nats:2.15.1
+BASE="${RLBUS_BASE_IMAGE:-localhost/rlbus-base:bookworm}"
+NATS="${RLBUS_NATS_IMAGE:-localhost/rlbus-nats:2.15.1}"
 IMAGE="${RLBUS_IMAGE:-localhost/rlbus:latest}"
 EXTRAS=trainer,rollout,judge,sandbox,weightsync,examples     # the Dockerfile's default EXTRAS
 
