@@ -25,7 +25,6 @@ profile_args=()
 files=(-f "$ROOT/deploy/docker-compose.yml")
 for p in ${PROFILES:-}; do profile_args+=(--profile "$p"); done
 # the sandbox needs /proc unmasked for bubblewrap (see the file)
-[[ " ${PROFILES:-} " == *" sandbox "* ]] && files+=(-f "$ROOT/deploy/podman/sandbox-proc.override.yml")
 for f in ${EXTRA_COMPOSE_FILES:-}; do files+=(-f "$f"); done   # e.g. other host ports when 4222 is taken
 pc() { "$PODMAN_COMPOSE" --env-file "$ENV_FILE" "${files[@]}" -p "$PROJECT" "${profile_args[@]}" "$@"; }
 services=("$@")   # default: the services of the example (the one profile, sandbox, is also its service)

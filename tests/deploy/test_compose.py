@@ -104,7 +104,7 @@ def test_nats_gets_the_repos_config_permissions_passwords_and_payload_size():
 def test_sandbox_has_exactly_the_privileges_it_states():
     sb = COMPOSE["services"]["sandbox"]
     assert sb["cap_add"] == ["SYS_ADMIN"]
-    assert sorted(sb["security_opt"]) == ["apparmor=unconfined", "seccomp=unconfined"]
+    assert sorted(sb["security_opt"]) == ["apparmor=unconfined", "seccomp=unconfined", "systempaths=unconfined"]
     assert sb["cgroup"] == "host" and "/sys/fs/cgroup:/sys/fs/cgroup:rw" in sb["volumes"]
     assert any(v.endswith(f":{SandboxConfig().root_dir}") for v in sb["volumes"]), "no volume for the state dir"
     assert "privileged" not in sb
