@@ -36,6 +36,7 @@ log = logging.getLogger("rlbus.weightsync.objstore")
 
 _FETCH_TIMEOUT_S = 30.0
 _RAW_REQUEST_BYTES = 32 * 1024 * 1024  # bytes asked for per pull request (two requests kept in flight)
+_RAW_OPEN_FAILURES = 3  # consecutive failures to open the fast reader before it is given up
 _PUBLISH_WINDOW_BYTES = 128 * 1024 * 1024  # unacknowledged chunk bytes while uploading (bounds the copies held)
 
 
@@ -75,6 +76,7 @@ class ObjectStoreBlobs:
         self._msg_bytes = self.config.message_bytes
         self._raw_idle: list[RawPullReader] = []
         self._raw_disabled = not self.config.fast_read
+        self._raw_failures = 0  # consecutive failures to open the fast reader
 
     async def ensure(self) -> None:
         """Create the bucket if missing; an existing bucket (any config) is used as it is."""
@@ -203,11 +205,20 @@ class ObjectStoreBlobs:
         try:
             reader = await open_raw_reader(self.nc)
         except (OSError, RawPullError, TimeoutError) as err:
-            log.warning("fast chunk reader unavailable (%s); using nats-py", err)
-            reader = None
+            # a failure to open (a timeout on a loaded machine, a server restarting) is this read's only:
+            # the fast reader is given up after several in a row, not after one
+            self._raw_failures += 1
+            if self._raw_failures >= _RAW_OPEN_FAILURES:
+                self._raw_disabled = True
+            log.warning("fast chunk reader could not open (%s: %s; %d in a row)%s; this read uses nats-py",
+                        type(err).__name__, err or "no detail", self._raw_failures,
+                        ", giving it up" if self._raw_disabled else "")
+            return None
         if reader is None:
             self._raw_disabled = True
             log.info("fast chunk reader not usable on this connection (TLS or nkey/JWT auth); using nats-py")
+            return None
+        self._raw_failures = 0
         return reader
 
     async def _read_raw(
@@ -231,14 +242,18 @@ class ObjectStoreBlobs:
     async def _read_nats_py(self, subject: str, name: str, nchunks: int, out: memoryview) -> int:
         """Fallback: nats-py pull consumer, ``fetch`` in batches, each payload copied into ``out``."""
         cfg = self._consumer_config(subject)
-        psub = await self.js.pull_subscribe(subject, stream=self.stream, config=cfg)
         size = len(out)
+        # a fetch asks for at most _RAW_REQUEST_BYTES (big chunks: fewer per fetch): fetch_batch chunks of a
+        # 538 MB model at once overran the server's 64 MB max_pending, which cut the reader off as a slow
+        # consumer again and again
+        chunk = max(1, size // max(1, nchunks))
+        per_fetch = max(1, min(self.config.fetch_batch, _RAW_REQUEST_BYTES // chunk))
+        psub = await self.js.pull_subscribe(subject, stream=self.stream, config=cfg,
+                                            pending_bytes_limit=max(256 * 1024 * 1024, 2 * per_fetch * chunk))
         pos = received = 0
         try:
             while received < nchunks:
-                msgs = await psub.fetch(
-                    min(self.config.fetch_batch, nchunks - received), timeout=_FETCH_TIMEOUT_S
-                )
+                msgs = await psub.fetch(min(per_fetch, nchunks - received), timeout=_FETCH_TIMEOUT_S)
                 for m in msgs:
                     n = len(m.data)
                     if pos + n > size:
