@@ -19,17 +19,12 @@ from pathlib import Path
 import nats
 import pytest
 
+from bench._netns import PORT, Hosts
 from services.launcher.accounting import accounting
 from services.runtime.natsd import find_nats_server
 from tests.conftest import run_file, wait_for
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-PORT = 4222
-
-
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
 
 
 def last_step(metrics: Path) -> tuple[int, float]:
@@ -54,49 +49,6 @@ async def live_members(url: str, service: str) -> int:
         return sum(1 for m in await members(nc.jetstream(), "multihost") if m["service"] == service)
     finally:
         await nc.close()
-
-
-class Hosts:
-    """Namespaces ``<p>-nats``, ``<p>-a``, ``<p>-b`` and one veth pair from the NATS host to each of the
-    others and to the test's own namespace (10.<n>.<k>.0/30 links)."""
-
-    def __init__(self, prefix: str, net: int) -> None:
-        self.p, self.net = prefix, net
-        self.nats_ns = f"{prefix}-nats"
-        self.addr: dict[str, str] = {}
-
-    def up(self) -> None:
-        sh("ip", "netns", "add", self.nats_ns)
-        sh("ip", "-n", self.nats_ns, "link", "set", "lo", "up")
-        for k, host in enumerate(["root", "a", "b"]):
-            ns = None if host == "root" else f"{self.p}-{host}"
-            here, there = f"{self.p}{host}h", f"{self.p}{host}n"  # host end, NATS end
-            if ns:
-                sh("ip", "netns", "add", ns)
-                sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sh("ip", "link", "add", here, "type", "veth", "peer", "name", there)
-            sh("ip", "link", "set", there, "netns", self.nats_ns)
-            if ns:
-                sh("ip", "link", "set", here, "netns", ns)
-            inside = ["ip", "-n", ns] if ns else ["ip"]
-            sh(*inside, "addr", "add", f"10.{self.net}.{k}.2/30", "dev", here)
-            sh(*inside, "link", "set", here, "up")
-            sh("ip", "-n", self.nats_ns, "addr", "add", f"10.{self.net}.{k}.1/30", "dev", there)
-            sh("ip", "-n", self.nats_ns, "link", "set", there, "up")
-            self.addr[host] = f"nats://10.{self.net}.{k}.1:{PORT}"
-
-    def link(self, host: str, state: str) -> None:
-        sh("ip", "-n", f"{self.p}-{host}", "link", "set", f"{self.p}{host}h", state)
-
-    def run(self, host: str, argv: list[str], log: Path) -> subprocess.Popen:
-        ns = self.nats_ns if host == "nats" else f"{self.p}-{host}"
-        return subprocess.Popen(["ip", "netns", "exec", ns, *argv], cwd=ROOT, stdout=open(log, "wb"),
-                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def down(self) -> None:
-        for ns in (self.nats_ns, f"{self.p}-a", f"{self.p}-b"):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        subprocess.run(["ip", "link", "del", f"{self.p}rooth"], capture_output=True, timeout=30)
 
 
 def test_loop_across_namespaced_hosts_survives_a_cut_link(tmp_path, loop_model_dir):
