@@ -101,6 +101,25 @@ def _toml_table(name: str, values: dict[str, Any]) -> str:
     return f"[{name}]\n" + "".join(f"{_toml_key(k)} = {_toml_value(v)}\n" for k, v in values.items())
 
 
+def trainer_records(metrics: Path) -> list[dict[str, Any]]:
+    """The trainer's step records in a run's ``metrics.jsonl`` so far (a line still being written is skipped)."""
+    out = []
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "trainer/version" in rec:
+                out.append(rec)
+    return out
+
+
+def last_step(metrics: Path) -> int:
+    """The newest trainer step recorded in ``metrics.jsonl`` (0 before the first)."""
+    return max((r["step"] for r in trainer_records(metrics)), default=0)
+
+
 def run_file(tmp_path: Path, model: Path | str, *, run_id: str, trainer: dict[str, Any],
              rollout: dict[str, Any] | None = None, services: dict[str, int] | None = None,
              nats_url: str | None = None, launcher: dict[str, Any] | None = None,

@@ -29,7 +29,7 @@ from services.launcher.accounting import accounting
 from services.launcher.supervisor import Supervisor
 from services.sandbox.overlay import mounts_under
 from services.trainer.ranks import rank_pid
-from tests.conftest import run_file, wait_for
+from tests.conftest import run_file, trainer_records, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -37,16 +37,9 @@ CHAOS_S = float(os.environ.get("RLBUS_CHAOS_S", "100"))
 
 
 def last_step(metrics: Path) -> tuple[int, float]:
-    step, t = 0, 0.0
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written
-            if "trainer/version" in rec:
-                step, t = max(step, rec["step"]), rec["time"]
-    return step, t
+    """(newest step, time of the last step record) so far."""
+    records = trainer_records(metrics)
+    return (max(r["step"] for r in records), records[-1]["time"]) if records else (0, 0.0)
 
 
 def first_step_after(metrics: Path, step: int, since: float) -> float | None:

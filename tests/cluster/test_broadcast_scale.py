@@ -3,7 +3,6 @@ send forms a larger group, both engines take the following versions and the run 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,24 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_file, wait_for
+from tests.conftest import last_step, run_file, wait_for
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "services.launcher.cli"]
-
-
-def last_step(metrics: Path) -> int:
-    step = 0
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written
-            if "trainer/version" in rec:
-                step = max(step, rec["step"])
-    return step
 
 
 def test_scale_rollout_up_with_the_broadcast_transport_grows_the_group(tmp_path, loop_model_dir):

@@ -21,24 +21,11 @@ from services.launcher.status import members
 from services.runtime import bus
 from services.runtime.config import NatsSection
 from services.runtime.natsd import EmbeddedNats
-from tests.conftest import run_file, wait_for
+from tests.conftest import last_step, run_file, wait_for
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "services.launcher.cli"]
-
-
-def last_step(metrics: Path) -> int:
-    step = 0
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written
-            if "trainer/version" in rec:
-                step = max(step, rec["step"])
-    return step
 
 
 def rollouts(run_dir: Path, run_id: str) -> dict[str, dict]:

@@ -21,7 +21,7 @@ from proto import catalog, weights
 from services.launcher.accounting import accounting
 from services.launcher.supervisor import Supervisor
 from services.runtime import bus
-from tests.conftest import run_file, wait_for
+from tests.conftest import run_file, trainer_records, wait_for
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,16 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def steps(metrics: Path) -> list[tuple[int, float]]:
     """(step, time) of every trainer step recorded in metrics.jsonl so far."""
-    out = []
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written
-            if "trainer/version" in rec:
-                out.append((rec["step"], rec["time"]))
-    return out
+    return [(r["step"], r["time"]) for r in trainer_records(metrics)]
 
 
 def last_step(metrics: Path) -> int:

@@ -8,7 +8,6 @@ without them."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import subprocess
@@ -22,22 +21,15 @@ import pytest
 from bench._netns import PORT, Hosts
 from services.launcher.accounting import accounting
 from services.runtime.natsd import find_nats_server
-from tests.conftest import run_file, wait_for
+from tests.conftest import run_file, trainer_records, wait_for
 
 pytestmark = pytest.mark.slow
 
 
 def last_step(metrics: Path) -> tuple[int, float]:
-    step, t = 0, 0.0
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written
-            if "trainer/version" in rec and rec["step"] > step:
-                step, t = rec["step"], rec["time"]
-    return step, t
+    """(step, time) of the newest trainer step recorded so far."""
+    newest = max(trainer_records(metrics), key=lambda r: r["step"], default=None)
+    return (0, 0.0) if newest is None else (newest["step"], newest["time"])
 
 
 async def live_members(url: str, service: str) -> int:

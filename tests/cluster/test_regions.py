@@ -33,7 +33,7 @@ from services.lib.weights.transport import StoreReceiver
 from services.runtime.natsd import free_port, hub_and_leaf
 from services.weightsync.config import RelayConfig, WeightsyncConfig
 from services.weightsync.service import WeightsyncService
-from tests.conftest import run_file, wait_for, wait_for_async
+from tests.conftest import run_file, trainer_records, wait_for, wait_for_async
 from tests.weightsync.helpers import assert_bit_identical, make_state, perturb
 
 RUN = "regions"
@@ -218,15 +218,7 @@ async def test_relay_reads_each_version_once_across_the_link_and_catches_up_afte
 
 
 def trainer_version(metrics: Path) -> int:
-    version = 0
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written
-            version = max(version, int(rec.get("trainer/version", 0)))
-    return version
+    return max((int(r["trainer/version"]) for r in trainer_records(metrics)), default=0)
 
 
 def region_b_versions(url: str, run: str) -> dict[str, int]:
