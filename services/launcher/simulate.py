@@ -34,92 +34,10 @@ import math
 import random
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Annotated
 
-import msgspec
+from services.launcher.simulate_model import Rates, Result, Shape
 
 _EPS = 1e-12
-
-
-class Rates(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """How long each part takes (uncontended seconds)."""
-
-    #: learner time per step independent of the batch
-    learn_fixed_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    #: learner time per trained token (prompt + completion) in the batch
-    learn_per_token_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    #: publishing one weight version (trainer side)
-    publish_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    #: after the publish: recording outcomes, saving state, acking (trainer side)
-    commit_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    #: from publish to the version being at an engine (transport)
-    transfer_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    #: loading a version into an engine (generation paused)
-    apply_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    #: one decode iteration's fixed cost
-    iter_fixed_s: Annotated[float, msgspec.Meta(gt=0)] = 0.01
-    #: one decode iteration's cost per running sequence
-    iter_per_seq_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    #: rollout work per finished sample (building and publishing its message)
-    rollout_per_sample_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    #: judge work per sample (reward, grader, message handling)
-    judge_per_sample_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    #: trainer work per arriving sample (decode, staleness filter, buffer)
-    trainer_per_sample_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    #: message broker (nats-server) CPU per sample on a shared machine
-    bus_per_sample_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    #: pure delay from a group's last sample to the trainer having it
-    pipeline_latency_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    #: one sandbox call of an agent turn
-    sandbox_exec_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-
-
-class Shape(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The run: batch, staleness, fleet."""
-
-    groups_per_step: Annotated[int, msgspec.Meta(ge=1)] = 16
-    group_size: Annotated[int, msgspec.Meta(ge=1)] = 8
-    #: mean completion tokens per sequence (lengths are drawn around it, 1..max_new_tokens)
-    completion_tokens: Annotated[float, msgspec.Meta(gt=0)] = 32.0
-    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] = 64
-    prompt_tokens: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    max_staleness: Annotated[int, msgspec.Meta(ge=0)] = 1
-    #: admission bound in groups; 0 = (max_staleness + 1) * groups_per_step
-    max_in_flight: Annotated[int, msgspec.Meta(ge=0)] = 0
-    engines: Annotated[int, msgspec.Meta(ge=1)] = 1
-    max_tickets: Annotated[int, msgspec.Meta(ge=1)] = 64
-    max_batch: Annotated[int, msgspec.Meta(ge=1)] = 256
-    judges: Annotated[int, msgspec.Meta(ge=1)] = 1
-    #: agent turns per sequence (1 = single-turn, no sandbox)
-    turns: Annotated[int, msgspec.Meta(ge=1)] = 1
-    sandboxes_per_engine: Annotated[int, msgspec.Meta(ge=1)] = 64
-    #: tokens one simulated decode iteration stands for (1 = exact; larger = faster planning of long runs)
-    decode_chunk: Annotated[int, msgspec.Meta(ge=1)] = 1
-    #: cores shared by every part (0 = each part on its own device)
-    cores: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    #: cores that other tenants of a shared machine want all along (they share it with the run)
-    background: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    #: cores each busy part wants on a shared machine
-    engine_threads: Annotated[float, msgspec.Meta(gt=0)] = 1.0
-    trainer_threads: Annotated[float, msgspec.Meta(gt=0)] = 1.0
-
-
-class Result(msgspec.Struct, kw_only=True):
-    steps: int
-    sim_s: float
-    steps_per_s: float
-    #: trained groups by staleness (versions behind the trainer at the step)
-    staleness: dict[int, int]
-    staleness_mean: float
-    dropped_groups: int
-    #: fraction of time each part had nothing to do
-    idle: dict[str, float]
-    #: mean durations as a run's records would show them (used to fit rates)
-    learner_s: float
-    generate_group_s: float
-    tokens_per_s: float
-    #: cores the other tenants got (``background`` at its share of the machine)
-    background_cores: float
 
 
 class _Job:

@@ -10,8 +10,9 @@ from typing import Any
 
 import msgspec
 
-from services.launcher.simulate import Rates, Result, Shape, Simulation
+from services.launcher.simulate import Simulation
 from services.launcher.simulate_fit import FitError, fit, measure, predict, shape_of
+from services.launcher.simulate_model import Rates, Result, Shape
 from services.runtime.config import ConfigError
 
 DESCRIPTION = (

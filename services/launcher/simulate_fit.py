@@ -25,7 +25,8 @@ from typing import Any
 
 import msgspec
 
-from services.launcher.simulate import Rates, Result, Shape, Simulation
+from services.launcher.simulate import Simulation
+from services.launcher.simulate_model import Rates, Result, Shape
 
 #: steps skipped at the start of a run (model load, first compiles, cold caches)
 WARMUP_FRACTION = 0.2

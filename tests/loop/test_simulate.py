@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-from services.launcher.simulate import Rates, Shape, Simulation
+from services.launcher.simulate import Simulation
 from services.launcher.simulate_fit import fit, measure, predict, shape_of
+from services.launcher.simulate_model import Rates, Shape
 from tests.conftest import run_file
 
 #: a synchronous cycle's parts, in binary fractions so the sum is exact
