@@ -383,7 +383,7 @@ class Supervisor:
     def poll(self) -> None:
         """Restart children that exited (with backoff) or went silent; give up on crash loops."""
         now = time.monotonic()
-        self.usage.record(self._pids())
+        self.usage.record(self._pids)
         self._check_heartbeats(now)
         with self._layout_lock:
             children = list(self.children)
@@ -551,7 +551,7 @@ class Supervisor:
         """SIGTERM every service, SIGKILL what has not drained within stop_timeout_s; NATS stays up."""
         with self._layout_lock:
             self.stopping.set()
-        self.usage.record(self._pids(), force=True)
+        self.usage.record(self._pids, force=True)
         if self.control is not None:
             self.control.stop()
             self.control = None

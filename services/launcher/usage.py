@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -78,12 +79,13 @@ class UsageLog:
         self.path, self.every_s = path, every_s
         self.last = float("-inf")
 
-    def record(self, pids: dict[str, int], force: bool = False) -> None:
+    def record(self, pids: Callable[[], dict[str, int]], force: bool = False) -> None:
+        """Sample the processes ``pids()`` names (called only when a line is due)."""
         now = time.monotonic()
         if not force and now - self.last < self.every_s:
             return
         self.last = now
-        usage = tree_usage(pids)
+        usage = tree_usage(pids())
         cpu = {label: round(c, 3) for label, (c, _) in usage.items()}
         rss = {label: r for label, (_, r) in usage.items()}
         if not cpu or not self.path.parent.is_dir():

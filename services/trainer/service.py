@@ -103,6 +103,7 @@ class Trainer:
         self.evals = Evaluations(eval_prompts[: cfg.eval_prompts] if cfg.eval_prompts else eval_prompts,
                                  cfg.eval_samples, self.state.eval_history)
         self.outcomes = Outcomes(ctx, self.state)
+        self.members_kv: Any = None
         rollout = ((ctx.cfg.tree.get("services") or {}).get("rollout") or {})
         self.collector = Collector(cfg, self.state, self.task.train_prompts(seed, start=self.state.data_position),
                                    self._train_ticket, self.evals, self.outcomes, self.save_state, self._eval_done,
@@ -222,7 +223,9 @@ class Trainer:
 
     async def _live_rollouts(self) -> int:
         """Rollout workers whose heartbeats (members bucket) say running, within three heartbeat periods."""
-        kv = await bus.ensure_kv(self.ctx.js, catalog.MEMBERS)
+        if self.members_kv is None:  # opened once: the bound is refitted every 2 s
+            self.members_kv = await bus.ensure_kv(self.ctx.js, catalog.MEMBERS)
+        kv = self.members_kv
         beats = []
         for key in await bus.kv_keys(self.ctx.js, catalog.MEMBERS.bucket, f"{self.ctx.run_id}.rollout."):
             try:
