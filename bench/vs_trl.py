@@ -64,8 +64,13 @@ TRL / rlbus), final rewards, and each side's curve. ``--max-wall-s`` stops each 
 past that many seconds of its train clock (rlbus: ``services.trainer.max_wall_s``), so a run fits a
 time budget; ``--steps`` sets the sample budget.
 
-    .venv/bin/python bench/vs_trl.py --model smollm2 --steps 40 --max-wall-s 900   # ~15 min per side
+    .venv/bin/python bench/vs_trl.py --model smollm2 --max-wall-s 900   # 30 steps: ~15 min TRL, ~10 min rlbus
     .venv/bin/python bench/vs_trl.py --model smollm2 --quick   # 3 steps per side: s/step only
+
+Evaluations: TRL's are off its clock (it stops while its callback evaluates); rlbus evaluates beside
+training, through the same vLLM engine, on the same two cores, so an evaluation round (400 completions
+here) takes CPU from the learner and does show in rlbus's time. Hence ``eval_every`` 10 by default here:
+at 5 the rlbus side measured 20.2 s a step instead of 14.5 (BENCHMARKS.md).
 
 ``--quick`` measures time per step (both sides really train 3 steps on the full batch) but is far too
 short to learn, so it prints no time-to-reward ratio (``ratio`` null, ``ratio_note`` says why).
@@ -134,7 +139,7 @@ COMPARISONS = {
     "tiny": Comparison(example=EXAMPLE, task="addition", model="tiny-addition", steps=200, quick_steps=8,
                        eval_every=10, quick_eval_every=4, eval_prompts=200, quick_eval_prompts=50, trl_threads=1),
     "smollm2": Comparison(example=REPO / "examples" / "smollm2_math.toml", task="word_problems", model="smollm2",
-                          steps=40, quick_steps=3, eval_every=5, quick_eval_every=3, eval_prompts=0,
+                          steps=30, quick_steps=3, eval_every=10, quick_eval_every=3, eval_prompts=0,
                           quick_eval_prompts=20, trl_threads=2),
 }
 
@@ -148,12 +153,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a few steps and fewer eval prompts: a smoke run whose throughput (budget_time_ratio) is "
                    "real, but too short to learn, so no time-to-reward ratio")
     p.add_argument("--steps", type=int, default=None,
-                   help="optimiser steps per side (default 200, quick 8; smollm2: 40, quick 3)")
+                   help="optimiser steps per side (default 200, quick 8; smollm2: 30, quick 3)")
     p.add_argument("--max-wall-s", type=float, default=0.0,
                    help="stop each side at the first step past this many seconds of its train clock (0: none, "
                    "the sample budget ends the run)")
     p.add_argument("--eval-every", type=int, default=None,
-                   help="evaluate every N steps (default 10, quick 4; smollm2: 5, quick 3)")
+                   help="evaluate every N steps (default 10, quick 4; smollm2: 10, quick 3)")
     p.add_argument("--eval-prompts", type=int, default=None,
                    help="held-out prompts per eval (default 200, quick 50; smollm2: the example's, quick 20)")
     p.add_argument("--seed", type=int, default=0)

@@ -76,7 +76,7 @@ def test_defaults_per_model_and_quick():
 
     small = parse_args(["--model", "smollm2"])
     comp = apply_defaults(small)
-    assert (small.steps, small.eval_every, small.trl_threads) == (40, 5, 2)
+    assert (small.steps, small.eval_every, small.trl_threads) == (30, 10, 2)
     cfg = example_trainer_config(comp.example, comp)
     assert eval_prompt_count(small, cfg) == cfg.eval_prompts  # 0: the example's held-out set size
     explicit = parse_args(["--model", "smollm2", "--quick", "--steps", "7", "--eval-prompts", "9",
