@@ -5,6 +5,9 @@ it takes off the stream (trained in step N, dropped for staleness with the
 reason, or used for evaluation), stored by stream OUTCOMES. Together with the
 TRAJECTORIES stream this gives the accounting identity: every trajectory ever
 published is trained, dropped with a recorded reason, or still pending.
+
+The trainer records the outcomes it decides together (a step's trained batch, a
+dropped group) as one :class:`OutcomeBatch`; a bare :class:`TrajectoryOutcome` stays valid.
 """
 
 from __future__ import annotations
@@ -30,3 +33,10 @@ class TrajectoryOutcome(Envelope, kw_only=True, tag="trajectory_outcome"):
     sample_version: int
     #: trained: its position in the step's batch (``rlbus replay`` rebuilds the batch in this order); else -1
     batch_index: int = -1
+
+
+class OutcomeBatch(Envelope, kw_only=True, tag="outcome_batch"):
+    """Outcomes decided together: a step's trained batch, a dropped group, an eval group."""
+
+    outcomes: list[TrajectoryOutcome]
+

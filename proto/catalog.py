@@ -257,19 +257,21 @@ PROMPTS = Channel(
     description="the trainer's admitted work; rollout workers share one consumer (each ticket to one worker)",
 )
 ROLLOUTS = Channel(
-    name="rollouts", family=rollouts.FAMILY, pattern="rlbus.{run}.rollouts", msg_type=rollouts.Rollout,
+    name="rollouts", family=rollouts.FAMILY, pattern="rlbus.{run}.rollouts",
+    msg_type=rollouts.RolloutGroup | rollouts.Rollout,
     stream=ROLLOUTS_STREAM, consumer=JUDGE_ROLLOUTS, publishers=("rollout",), subscribers=("judge",),
-    description="finished rollouts from rollout workers; judges share one consumer",
+    description="finished rollouts from rollout workers, a prompt group per message; judges share one consumer",
 )
 TRAJECTORIES = Channel(
     name="trajectories", family=trajectories.FAMILY, pattern="rlbus.{run}.trajectories",
-    msg_type=trajectories.ScoredTrajectory, stream=TRAJECTORIES_STREAM, consumer=TRAINER_TRAJECTORIES,
-    publishers=("judge",), subscribers=("trainer",),
-    description="scored trajectories from the judges (their only publisher), consumed by the trainer",
+    msg_type=trajectories.ScoredGroup | trajectories.ScoredTrajectory, stream=TRAJECTORIES_STREAM,
+    consumer=TRAINER_TRAJECTORIES, publishers=("judge",), subscribers=("trainer",),
+    description="scored trajectories from the judges (their only publisher), a group per message, consumed by "
+                "the trainer",
 )
 OUTCOMES = Channel(
     name="outcomes", family=accounting.FAMILY, pattern="rlbus.{run}.outcomes",
-    msg_type=accounting.TrajectoryOutcome, stream=OUTCOMES_STREAM, publishers=("trainer",),
+    msg_type=accounting.OutcomeBatch | accounting.TrajectoryOutcome, stream=OUTCOMES_STREAM, publishers=("trainer",),
     subscribers=("launcher",),
     description="the trainer records what became of every trajectory; the launcher's accounting reads the stream",
 )
@@ -355,6 +357,18 @@ def check_channel(c: Channel) -> None:
 
 for _c in CHANNELS.values():
     check_channel(_c)
+
+
+def members(msg: Any) -> list[Any]:
+    """What one message carries, one record each: a group's rollouts or scored trajectories, a batch's
+    outcomes; any other message is its own single record (see ``proto.rollouts.RolloutGroup``)."""
+    if isinstance(msg, rollouts.RolloutGroup):
+        return list(msg.rollouts)
+    if isinstance(msg, trajectories.ScoredGroup):
+        return list(msg.trajectories)
+    if isinstance(msg, accounting.OutcomeBatch):
+        return list(msg.outcomes)
+    return [msg]
 
 # --- KV and object stores -----------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -63,6 +64,17 @@ def decode(data: bytes, type: type[T], *, max_bytes: int | None = MAX_MESSAGE_BY
         raise DecodeError(name, _short(f"not valid msgpack ({e})")) from None
     except RecursionError:
         raise DecodeError(name, "nested too deeply") from None
+
+
+def fit(items: list[T], make: Callable[[list[T]], Any], max_bytes: int) -> list[Any]:
+    """``make(items)`` as one message, or as several made of consecutive parts of ``items`` when one would
+    encode to more than ``max_bytes`` (halved until each part fits; a single item that does not fit is
+    left to the size checks downstream). Costs one encode when the whole fits, as it nearly always does."""
+    msg = make(items)
+    if len(items) <= 1 or len(_encoder.encode(msg)) <= max_bytes:
+        return [msg]
+    half = len(items) // 2
+    return fit(items[:half], make, max_bytes) + fit(items[half:], make, max_bytes)
 
 
 def to_builtins(msg: Any) -> Any:

@@ -2,6 +2,11 @@
 
 Subject ``rlbus.<run>.rollouts`` — published by rollout workers, consumed by
 judges through the durable ``judge`` consumer of stream ROLLOUTS (queue group).
+
+A prompt group's rollouts travel together as one :class:`RolloutGroup` (split into
+as few parts as fit the message size limit), so the per-message work on the way
+to the trainer is paid per group, not per sample; a bare :class:`Rollout` is a
+group of one and stays valid on the channel.
 """
 
 from __future__ import annotations
@@ -62,3 +67,11 @@ class Rollout(Envelope, kw_only=True, tag="rollout"):
         """Weight version of the oldest policy token, or policy_version if none."""
         versions = [v for turn in self.turns for v in turn.versions]
         return min(versions) if versions else self.policy_version
+
+
+class RolloutGroup(Envelope, kw_only=True, tag="rollout_group"):
+    """Rollouts of one prompt group (all of them, or one part when the whole group exceeds the size limit)."""
+
+    group_id: str
+    rollouts: list[Rollout]
+

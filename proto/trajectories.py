@@ -3,6 +3,10 @@
 Subject ``rlbus.<run>.trajectories`` — published by judges, consumed by the
 trainer through its durable ``trainer`` consumer of stream TRAJECTORIES (the
 staleness filter runs on this side).
+
+A judge publishes what it scored of one :class:`~proto.rollouts.RolloutGroup` as one
+:class:`ScoredGroup`; a bare :class:`ScoredTrajectory` is a group of one and stays
+valid. Each trajectory keeps its own ``msg_id``: outcomes name trajectories, not messages.
 """
 
 from __future__ import annotations
@@ -30,3 +34,11 @@ class ScoredTrajectory(Envelope, kw_only=True, tag="scored_trajectory"):
     reward: float
     scores: list[GraderScore] = []
     judge: str = ""
+
+
+class ScoredGroup(Envelope, kw_only=True, tag="scored_group"):
+    """Scored trajectories of one prompt group (or of one part of it), published by one judge."""
+
+    group_id: str
+    trajectories: list[ScoredTrajectory]
+

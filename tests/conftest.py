@@ -182,17 +182,16 @@ def recorded(run_dir: Path, run_id: str) -> Recorded:
     """Start the run's stored JetStream on a free port and read what the run recorded (see :class:`Recorded`)."""
     import nats
 
-    from proto.accounting import TrajectoryOutcome
-    from proto.trajectories import ScoredTrajectory
-    from services.launcher.accounting import read_all
+    from proto import catalog
+    from services.launcher.accounting import read_channel
 
     async def read() -> Recorded:
         with EmbeddedNats(Path(run_dir) / "nats", port=None) as server:
             nc = await nats.connect(server.url)
             try:
                 js = nc.jetstream()
-                trajectories = await read_all(js, "TRAJECTORIES", f"rlbus.{run_id}.trajectories", ScoredTrajectory)
-                outcomes = await read_all(js, "OUTCOMES", f"rlbus.{run_id}.outcomes", TrajectoryOutcome)
+                trajectories = await read_channel(js, catalog.TRAJECTORIES, run_id)
+                outcomes = await read_channel(js, catalog.OUTCOMES, run_id)
                 try:
                     consumer = await js.consumer_info("TRAJECTORIES", f"trainer-{run_id}")
                 except Exception:  # nats' NotFoundError: the run never started a trainer consumer

@@ -1,4 +1,4 @@
-"""The judge service: finished rollouts in, scored trajectories out (a queue group).
+"""The judge service: finished rollouts in, scored trajectories out (a queue group), a prompt group per message.
 
 Each task's graders (``[services.judge.graders.<task>]``, see ``config.py``; default: the task's reward
 function) score a rollout concurrently; the reward is their weighted mean and every grader's score and
@@ -22,14 +22,15 @@ judge that dies mid-way leaves the sandbox for the redelivered rollout; the leas
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import msgspec
 
 from proto import catalog
-from proto.rollouts import Rollout
-from proto.trajectories import GraderScore, ScoredTrajectory
+from proto.rollouts import Rollout, RolloutGroup
+from proto.trajectories import GraderScore, ScoredGroup, ScoredTrajectory
 from services.judge.config import JudgeConfig
 from services.judge.user_code import ProcessUserCode
 from services.lib.sandbox_client import SandboxClient, SandboxClientError
@@ -95,37 +96,51 @@ class JudgeService:
         task = self.task(rollout.task)
         return await grade_all(self.graders_for(rollout.task), rollout, task)
 
-    async def handle(self, ctx: ServiceContext, rollout: Rollout, d: Delivery[Rollout]) -> None:
+    async def handle(self, ctx: ServiceContext, msg: RolloutGroup | Rollout, d: Delivery[Any]) -> None:
+        """Score a group's rollouts concurrently and publish them as one scored group (one message in, one out)."""
+        rollouts: list[Rollout] = catalog.members(msg)
         if d.num_delivered > self.cfg.poison_after_deliveries:
             reason = (f"delivered {d.num_delivered} times without being settled (it killed or hung a judge each "
                       f"time; poison_after_deliveries = {self.cfg.poison_after_deliveries})")
-            await self._publish(ctx, rollout, Grading(0.0, [], reason, None), "poison")
-            raise Poison(f"rollout {rollout.msg_id} {reason}; published as failed")
-        try:
-            grading = await self.score(rollout)
-        except TaskUnavailable as e:  # the trainer drops the sample with the reason; the message is dead-lettered
-            await self._publish(ctx, rollout, Grading(0.0, [], str(e), None), "task")
-            raise Poison(f"rollout {rollout.msg_id}: {e}; published as failed") from e
-        await self._publish(ctx, rollout, grading, grading.failure_kind)
-        if rollout.sandbox_id is not None and self.cfg.destroy_sandboxes and self.sandboxes is not None:
-            await self._destroy(rollout.sandbox_id)
+            await self._publish(ctx, msg, [(r, Grading(0.0, [], reason, None), "poison") for r in rollouts])
+            raise Poison(f"rollouts {msg.msg_id} {reason}; published as failed")
+        gradings = await asyncio.gather(*(self.score(r) for r in rollouts), return_exceptions=True)
+        unavailable = next((g for g in gradings if isinstance(g, TaskUnavailable)), None)
+        if unavailable is not None:  # the trainer drops the samples with the reason; the message is dead-lettered
+            await self._publish(ctx, msg, [(r, Grading(0.0, [], str(unavailable), None), "task") for r in rollouts])
+            raise Poison(f"rollouts {msg.msg_id}: {unavailable}; published as failed") from unavailable
+        for g in gradings:
+            if isinstance(g, BaseException):  # not the task's verdict (e.g. a sandbox request failed): retried
+                raise g
+        await self._publish(ctx, msg, [(r, g, g.failure_kind) for r, g in zip(rollouts, gradings, strict=True)])
+        if self.cfg.destroy_sandboxes and self.sandboxes is not None:
+            await asyncio.gather(*(self._destroy(r.sandbox_id) for r in rollouts if r.sandbox_id is not None))
         ctx.gauges["judge/llm_cache_hits"] = float(self.cache.hits)
         ctx.gauges["judge/llm_cache_misses"] = float(self.cache.misses)
 
-    async def _publish(self, ctx: ServiceContext, rollout: Rollout, grading: Grading, failure_kind: str | None) -> None:
-        """The scored trajectory; a sample that could not be scored carries the reason as its rollout's error
-        (the trainer records it as dropped with it) and is counted in ``judge/failed/<kind>``."""
-        if grading.failure is not None:
-            rollout = msgspec.structs.replace(rollout, error=f"grading failed: {grading.failure}")
-        traj = ScoredTrajectory(run_id=ctx.run_id, rollout=rollout, reward=grading.reward, scores=grading.scores,
-                                judge=ctx.instance, msg_id=f"{rollout.msg_id}-scored")
-        await ctx.publish(catalog.TRAJECTORIES, traj)
-        if grading.failure is not None:
-            kind = failure_kind or "other"
-            self.failed[kind] = self.failed.get(kind, 0) + 1
-            log.warning("rollout %s scored failed: %s", rollout.msg_id, grading.failure)
+    async def _publish(self, ctx: ServiceContext, msg: RolloutGroup | Rollout,
+                       graded: list[tuple[Rollout, Grading, str | None]]) -> None:
+        """The scored group (a bare rollout in, a bare trajectory out); a sample that could not be scored
+        carries the reason as its rollout's error (the trainer records it as dropped with it) and is counted
+        in ``judge/failed/<kind>``."""
+        trajs = []
+        for rollout, grading, failure_kind in graded:
+            if grading.failure is not None:
+                rollout = msgspec.structs.replace(rollout, error=f"grading failed: {grading.failure}")
+                kind = failure_kind or "other"
+                self.failed[kind] = self.failed.get(kind, 0) + 1
+                log.warning("rollout %s scored failed: %s", rollout.msg_id, grading.failure)
+            trajs.append(ScoredTrajectory(run_id=ctx.run_id, rollout=rollout, reward=grading.reward,
+                                          scores=grading.scores, judge=ctx.instance, msg_id=f"{rollout.msg_id}-scored"))
+        if isinstance(msg, Rollout):
+            await ctx.publish(catalog.TRAJECTORIES, trajs[0])
+        else:
+            await ctx.publish_parts(catalog.TRAJECTORIES, trajs, lambda part: ScoredGroup(
+                run_id=ctx.run_id, group_id=msg.group_id, trajectories=part,
+                msg_id=f"{msg.msg_id}-{part[0].rollout.sample_index}-scored"))
+        if any(g.failure is not None for _, g, _ in graded):
             await ctx.report({"judge/failed_total": float(sum(self.failed.values())),
-                              f"judge/failed/{kind}": float(self.failed[kind]),
+                              **{f"judge/failed/{k}": float(v) for k, v in self.failed.items()},
                               "judge/user_code_restarts": float(self.user_code.restarts)})
 
     async def _destroy(self, sandbox_id: str) -> None:

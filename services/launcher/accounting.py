@@ -3,6 +3,7 @@
 Every trajectory ever published (stream TRAJECTORIES) was trained on, dropped
 with a recorded reason, used for evaluation (stream OUTCOMES has one outcome per
 trajectory), or is still pending on the trainer's durable consumer. Nothing else.
+Messages carry groups (``catalog.members``); every figure here counts trajectories.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from proto.accounting import TrajectoryOutcome
 from proto.trajectories import ScoredTrajectory
 
 
-async def read_all(js: Any, stream: str, subject: str, typ: Any, idle_s: float = 2.0) -> list[Any]:
-    """Every stored message of ``subject`` in ``stream``, decoded (ordered consumer from the start)."""
+async def read_all(js: Any, stream: str, subject: str, typ: Any, idle_s: float = 2.0,
+                   with_seq: bool = False) -> list[Any]:
+    """Every stored message of ``subject`` in ``stream``, decoded (ordered consumer from the start);
+    ``with_seq``: as ``(stream sequence, message)`` pairs."""
     info = await js.stream_info(stream)
     if info.state.messages == 0:
         return []
@@ -31,7 +34,8 @@ async def read_all(js: Any, stream: str, subject: str, typ: Any, idle_s: float =
                 m = await sub.next_msg(timeout=idle_s)
             except nats.errors.TimeoutError:
                 break
-            out.append(codec.decode(m.data, typ, max_bytes=None))
+            msg = codec.decode(m.data, typ, max_bytes=None)
+            out.append((m.metadata.sequence.stream, msg) if with_seq else msg)
             if m.metadata.num_pending == 0:
                 break
     finally:
@@ -40,36 +44,51 @@ async def read_all(js: Any, stream: str, subject: str, typ: Any, idle_s: float =
 
 
 async def read_channel(js: Any, channel: catalog.Channel, run_id: str) -> list[Any]:
-    """Every stored message of one run's ``channel`` (a stream channel), decoded as its type."""
+    """Every record stored on one run's ``channel`` (a stream channel), decoded as its type, one record each:
+    a group message gives its rollouts, scored trajectories or outcomes (``catalog.members``)."""
     if channel.stream is None:
         raise ValueError(f"channel {channel.name} is not stored in a stream")
-    return await read_all(js, channel.stream.name, channel.wildcard(run_id), channel.msg_type)
+    msgs = await read_all(js, channel.stream.name, channel.wildcard(run_id), channel.msg_type)
+    return [r for m in msgs for r in catalog.members(m)]
 
 
 async def accounting(js: Any, run_id: str) -> dict[str, Any]:
-    trajectories: list[ScoredTrajectory] = await read_channel(js, catalog.TRAJECTORIES, run_id)
+    """The identity's terms, in trajectories. A message of the trajectories stream carries a prompt group;
+    the trainer's consumer counts messages, so what it still holds is found per message: those it was not
+    yet delivered, and those delivered but not acked (above its ack floor) whose trajectories have no outcome."""
+    ch = catalog.TRAJECTORIES
+    assert ch.stream is not None
+    msgs = await read_all(js, ch.stream.name, ch.wildcard(run_id), ch.msg_type, with_seq=True)
+    trajectories: list[ScoredTrajectory] = [t for _, m in msgs for t in catalog.members(m)]
     outcomes: list[TrajectoryOutcome] = await read_channel(js, catalog.OUTCOMES, run_id)
     by_id: dict[str, list[TrajectoryOutcome]] = {}
     for o in outcomes:
         by_id.setdefault(o.trajectory_id, []).append(o)
     published = {t.msg_id for t in trajectories}
+    no_outcome = published - set(by_id)
     try:
         cdef = catalog.TRAINER_TRAJECTORIES.for_run(run_id)
         ci = await js.consumer_info(cdef.stream, cdef.durable)
-        held = ci.num_ack_pending + ci.num_pending
-    except Exception:
-        held = 0
+        floor, delivered, unacked = ci.ack_floor.stream_seq or 0, ci.delivered.stream_seq or 0, ci.num_ack_pending
+        held_messages = ci.num_ack_pending + ci.num_pending
+    except Exception:  # no trainer consumer (yet): it holds nothing
+        floor = delivered = unacked = held_messages = 0
+    open_msgs = [(seq, ids) for seq, m in msgs if (ids := {t.msg_id for t in catalog.members(m)} & no_outcome)]
+    undelivered = [ids for seq, ids in open_msgs if seq > delivered]
+    in_flight = sorted((ids for seq, ids in open_msgs if floor < seq <= delivered), key=len, reverse=True)
+    held = sum(map(len, undelivered)) + sum(map(len, in_flight[:unacked]))
     counts = {k: sum(1 for o in outcomes if o.outcome == k) for k in ("trained", "dropped", "eval")}
-    no_outcome = published - set(by_id)
     return {
         "published": len(trajectories),
         "unique_published": len(published),
+        "messages": len(msgs),
         **counts,
         "pending": len(no_outcome),
         "held_by_trainer_consumer": held,
+        "held_messages": held_messages,
         "outcomes_without_trajectory": len(set(by_id) - published),
         "multiple_outcomes": sum(1 for v in by_id.values() if len(v) > 1),
         "dropped_reasons": sorted({o.reason.split(":")[0] for o in outcomes if o.outcome == "dropped"}),
-        # the identity: nothing vanished
-        "lost": len(no_outcome) - held if len(no_outcome) > held else 0,
+        # the identity: nothing vanished (a trajectory without an outcome whose message the trainer acked)
+        "lost": len(no_outcome) - held,
     }

@@ -65,9 +65,8 @@ def _recorded(run_dir: Path, step: int) -> dict[str, float]:
 
 
 async def _batch_and_weights(run_dir: Path, run_id: str, cfg: Any, step: int) -> tuple[list[Any], dict | None]:
-    from proto.accounting import TrajectoryOutcome
-    from proto.trajectories import ScoredTrajectory
-    from services.launcher.accounting import read_all
+    from proto import catalog
+    from services.launcher.accounting import read_channel
     from services.launcher.connect import with_stored_streams
     from services.lib.weights.config import StoreTransportConfig
     from services.lib.weights.transport import store_subscriber
@@ -77,7 +76,7 @@ async def _batch_and_weights(run_dir: Path, run_id: str, cfg: Any, step: int) ->
         raise ReplayError(f"{store} is missing: the run's JetStream store is not in its run directory")
     async def read(nc: Any, _run: str) -> tuple[list[Any], dict | None]:
         js = nc.jetstream()
-        outcomes = await read_all(js, "OUTCOMES", f"rlbus.{run_id}.outcomes", TrajectoryOutcome)
+        outcomes = await read_channel(js, catalog.OUTCOMES, run_id)
         used = sorted((o for o in outcomes if o.outcome == "trained" and o.step == step),
                       key=lambda o: o.batch_index)
         if not used:
@@ -86,8 +85,8 @@ async def _batch_and_weights(run_dir: Path, run_id: str, cfg: Any, step: int) ->
             raise ReplayError(f"step {step}'s outcomes carry no batch order (recorded by an older rlbus): "
                               "its batch cannot be rebuilt exactly")
         wanted = {o.trajectory_id for o in used}
-        trajectories = {t.msg_id: t for t in await read_all(
-            js, "TRAJECTORIES", f"rlbus.{run_id}.trajectories", ScoredTrajectory) if t.msg_id in wanted}
+        trajectories = {t.msg_id: t for t in await read_channel(js, catalog.TRAJECTORIES, run_id)
+                        if t.msg_id in wanted}
         missing = [o.trajectory_id for o in used if o.trajectory_id not in trajectories]
         if missing:
             raise ReplayError(f"{len(missing)} of step {step}'s {len(used)} trajectories are no longer in the "

@@ -45,6 +45,8 @@ def expand_target(target: str, run_id: str) -> list[str]:
 
 def render(subject: str, data: bytes, headers: dict[str, str] | None, raw: bool,
            seq: int | None = None, ts: Any = None) -> str:
+    """A message as a JSON line; a group message (a prompt group's rollouts or trajectories, a batch of
+    outcomes) as one line per record, each naming the message (``"message"``). ``raw``: schema-less."""
     rec: dict[str, Any] = {"subject": subject}
     if seq is not None:
         rec["seq"] = seq
@@ -59,10 +61,16 @@ def render(subject: str, data: bytes, headers: dict[str, str] | None, raw: bool,
             rec["data_b64"] = base64.b64encode(data).decode()
     else:
         try:
-            rec["data"] = msgspec.to_builtins(registry.decode_any(subject, data))
+            msg = registry.decode_any(subject, data)
         except codec.DecodeError as e:
             rec["error"] = str(e)
             rec["data_b64"] = base64.b64encode(data).decode()
+        else:
+            records = catalog.members(msg)
+            if records != [msg]:  # a group message: a line per rollout / trajectory / outcome, naming the message
+                return "\n".join(json.dumps({**rec, "message": msg.msg_id, "data": msgspec.to_builtins(r)},
+                                             default=str) for r in records)
+            rec["data"] = msgspec.to_builtins(msg)
     return json.dumps(rec, default=str)
 
 

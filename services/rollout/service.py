@@ -16,7 +16,7 @@ from typing import Any
 
 from proto import catalog
 from proto.prompts import PromptTicket
-from proto.rollouts import Rollout, Turn
+from proto.rollouts import Rollout, RolloutGroup, Turn
 from services.lib.colocation import DEVICE_SHARE
 from services.lib.engine.base import (
     Engine,
@@ -54,6 +54,19 @@ def _rollout_fields(ctx: ServiceContext, ticket: PromptTicket, index: int) -> di
                 policy_version=ticket.policy_version, metadata=ticket.metadata, is_eval=ticket.is_eval,
                 worker=ctx.instance, msg_id=rollout_msg_id(ctx.run_id, ticket.group_id, index),
                 prompt_text=ticket.prompt_text)
+
+
+async def publish_group(ctx: ServiceContext, ticket: PromptTicket,
+                        rollouts: list[Rollout]) -> list[tuple[RolloutGroup, Any]]:
+    """A ticket's rollouts as one message (parts when over the size limit), each part with its ack.
+
+    A part's id is deterministic (the group and its first sample), so a redelivered ticket's group is
+    de-duplicated by JetStream as its rollouts used to be one by one."""
+    def make(part: list[Rollout]) -> RolloutGroup:
+        return RolloutGroup(run_id=ctx.run_id, group_id=ticket.group_id, rollouts=part,
+                            msg_id=f"{rollout_msg_id(ctx.run_id, ticket.group_id, part[0].sample_index)}-g")
+
+    return await ctx.publish_parts(catalog.ROLLOUTS, rollouts, make)
 
 
 class RolloutService:
@@ -211,16 +224,17 @@ class RolloutService:
                 raise Retry(str(res), delay_s=2.0)
             if isinstance(res, EngineNotRunningError) and not ctx.stop.is_set():
                 self._engine_died(ctx, res)
+        rollouts = []
         for i, res in enumerate(results):
             common = _rollout_fields(ctx, ticket, i)
             if isinstance(res, BaseException):
                 log.warning("generation failed for %s/%d: %s", ticket.group_id, i, res)
-                rollout = Rollout(**common, turns=[], finish_reason="error", error=f"{type(res).__name__}: {res}")
+                rollouts.append(Rollout(**common, turns=[], finish_reason="error", error=f"{type(res).__name__}: {res}"))
             else:
                 turn = Turn(role="assistant", token_ids=res.token_ids, logprobs=res.logprobs, versions=res.versions,
                             text=res.text)
-                rollout = Rollout(**common, turns=[turn], finish_reason=res.finish_reason)
-            await ctx.publish(catalog.ROLLOUTS, rollout)
+                rollouts.append(Rollout(**common, turns=[turn], finish_reason=res.finish_reason))
+        await publish_group(ctx, ticket, rollouts)
 
     async def _handle_agent(self, ctx: ServiceContext, ticket: PromptTicket, task: Any, params: Any) -> None:
         """``group_size`` agent loops in sandboxes; each rollout is published, failed ones with their error."""
@@ -232,20 +246,24 @@ class RolloutService:
             self.agents.run(task, prompt, ticket.prompt_ids, params, labels={
                 "task": ticket.task, "group": ticket.group_id, "sample": str(i), "prompt": ticket.prompt_id})
             for i in range(ticket.group_size)), return_exceptions=True)
+        rollouts = []
         for i, out in enumerate(outcomes):
             common = _rollout_fields(ctx, ticket, i)
             if isinstance(out, BaseException):
                 log.warning("agent loop failed for %s/%d: %s", ticket.group_id, i, out)
-                rollout = Rollout(**common, turns=[], finish_reason="error", error=f"{type(out).__name__}: {out}")
+                rollouts.append(Rollout(**common, turns=[], finish_reason="error", error=f"{type(out).__name__}: {out}"))
             else:
                 if out.sandbox_retries:  # started again on a new sandbox after losing its instance
                     common["metadata"] = {**common["metadata"], "sandbox_retries": str(out.sandbox_retries)}
-                rollout = Rollout(**common, turns=out.turns, finish_reason=out.finish_reason,
-                                  sandbox_id=out.sandbox_id, error=out.error)
-            ack = await ctx.publish(catalog.ROLLOUTS, rollout)
-            if ack.duplicate and not isinstance(out, BaseException) and out.handed_off and out.sandbox_id:
-                # a redelivered ticket: the judge already has the first copy of this rollout, not this sandbox
-                await self.agents.destroy_quietly(out.sandbox_id)
+                rollouts.append(Rollout(**common, turns=out.turns, finish_reason=out.finish_reason,
+                                        sandbox_id=out.sandbox_id, error=out.error))
+        for part, ack in await publish_group(ctx, ticket, rollouts):
+            if ack is None or not ack.duplicate:
+                continue
+            for r in part.rollouts:  # a redelivered ticket: the judge has the first copies, not these sandboxes
+                out = outcomes[r.sample_index]
+                if not isinstance(out, BaseException) and out.handed_off and out.sandbox_id:
+                    await self.agents.destroy_quietly(out.sandbox_id)
 
 
 def build(loaded: Loaded) -> RolloutService:

@@ -22,7 +22,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.js import api
 
-from proto import catalog, membership, subjects
+from proto import catalog, codec, membership, subjects
 from proto.membership import Heartbeat
 from proto.metrics import MetricsReport
 from services.runtime import bus, gang, metrics, tracing
@@ -65,6 +65,13 @@ class ServiceContext:
         events of a predecessor's orphans under their own run).
         """
         return await bus.publish_on(self.nc, self.js, channel, run_id or self.run_id, msg, *subject_suffix)
+
+    async def publish_parts(self, channel: catalog.Channel, items: list[Any],
+                            make: Callable[[list[Any]], msgspec.Struct]) -> list[tuple[Any, api.PubAck | None]]:
+        """Publish ``make(items)`` (a group message) on ``channel``, split into consecutive parts when it would
+        exceed this service's ``[common] max_message_bytes`` (what every consumer accepts); each part with its ack."""
+        limit = self.cfg.common.max_message_bytes
+        return [(m, await self.publish(channel, m)) for m in codec.fit(items, make, limit)]
 
     async def consume(self, channel: catalog.Channel, handler: Handler, *, concurrency: int = 16) -> Consumer[Any]:
         """Provision this run's durable consumer of ``channel`` and run the consume loop until ``stop``;

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from proto import catalog
-from proto.accounting import TrajectoryOutcome
+from proto.accounting import OutcomeBatch, TrajectoryOutcome
 from proto.metrics import MetricsReport
-from proto.trajectories import ScoredTrajectory
+from proto.trajectories import ScoredGroup, ScoredTrajectory
 from services.runtime import bus
 from services.runtime.config import Loaded
 from services.runtime.consume import Consumer, Delivery
@@ -70,11 +70,15 @@ class TrackerService:
             self.reports += 1
             self._submit("scalars", rep.step if rep.step >= 0 else self.step, dict(rep.values), rep.created_at)
 
-    async def on_trajectory(self, t: ScoredTrajectory, d: Delivery[ScoredTrajectory]) -> None:
-        self.sampler.add_trajectory(t, time.monotonic())
+    async def on_trajectory(self, msg: ScoredGroup | ScoredTrajectory, d: Delivery[Any]) -> None:
+        now = time.monotonic()
+        for t in catalog.members(msg):
+            self.sampler.add_trajectory(t, now)
 
-    async def on_outcome(self, o: TrajectoryOutcome, d: Delivery[TrajectoryOutcome]) -> None:
-        self.sampler.add_outcome(o, time.monotonic())
+    async def on_outcome(self, msg: OutcomeBatch | TrajectoryOutcome, d: Delivery[Any]) -> None:
+        now = time.monotonic()
+        for o in catalog.members(msg):
+            self.sampler.add_outcome(o, now)
         self._write_tables()
 
     def _write_tables(self, force: bool = False) -> None:

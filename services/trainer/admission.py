@@ -114,6 +114,31 @@ class Admission:
         self.admitted_at = {g: now for g in in_flight}
 
 
+class SampleAck:
+    """One sample's share of its message's deferred ack: a scored group carries several samples in one
+    message, which is acked once every one of them is settled (trained, dropped, evaluated, or displaced
+    by a redelivered copy). Settling a share twice counts once."""
+
+    def __init__(self, message_ack: Any, shares: list[SampleAck]) -> None:
+        self._message_ack = message_ack
+        self._shares = shares  # every share of the message, this one included
+        self.done = False
+
+    @classmethod
+    def split(cls, message_ack: Any, n: int) -> list[SampleAck]:
+        """``n`` shares of ``message_ack`` (a ``DeferredAck``)."""
+        shares: list[SampleAck] = []
+        shares.extend(cls(message_ack, shares) for _ in range(n))
+        return shares
+
+    async def ack(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if all(s.done for s in self._shares):
+            await self._message_ack.ack()
+
+
 @dataclass
 class Sample:
     """A trajectory held by the trainer until the step that uses it is durable."""
@@ -123,8 +148,8 @@ class Sample:
     sample_index: int
     version: int  # oldest token's weight version
     item: Any  # the ScoredTrajectory
-    #: the message's deferred-ack handle (``services.runtime.consume.DeferredAck``): acked once the
-    #: step that used the sample is durable, or once the sample is dropped and its outcome recorded
+    #: its share of the message's deferred ack (:class:`SampleAck`): settled once the step that used the
+    #: sample is durable, or once the sample is dropped and its outcome recorded
     ack: Any = None
     #: the W3C traceparent of the span that received it (the train step that uses it links to it)
     trace: str = ""

@@ -23,12 +23,12 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from proto import catalog
-from proto.accounting import TrajectoryOutcome
-from proto.trajectories import ScoredTrajectory
+from proto.accounting import OutcomeBatch, TrajectoryOutcome
+from proto.trajectories import ScoredGroup, ScoredTrajectory
 from services.runtime import metrics, tracing
 from services.runtime.consume import Delivery
 from services.runtime.service import ServiceContext
-from services.trainer.admission import Admission, GroupBuffer, Sample, fleet_bound, is_stale
+from services.trainer.admission import Admission, GroupBuffer, Sample, SampleAck, fleet_bound, is_stale
 from services.trainer.config import TrainerConfig
 from services.trainer.evaluation import EvalRound, Evaluations
 from services.trainer.state import TrainerState
@@ -50,23 +50,21 @@ class Outcomes:
         self.state = state
 
     async def record(self, samples: list[Sample], outcome: str, reason: str = "") -> None:
-        """One outcome per sample, published concurrently (one round trip for a batch)."""
+        """One outcome per sample, the lot published as one message (parts when over the size limit)."""
         self.state.count(outcome, len(samples))
-        if samples:  # the reason's kind (its text before the first colon) keeps the label set small
-            _OUTCOMES(len(samples), outcome=outcome, reason=reason.split(":", 1)[0][:40] if reason else "")
-        await asyncio.gather(*(self._publish(s, outcome, reason, i if outcome == "trained" else -1)
-                               for i, s in enumerate(samples)))
-
-    async def _publish(self, s: Sample, outcome: str, reason: str, batch_index: int) -> None:
-        t: ScoredTrajectory = s.item
-        msg = TrajectoryOutcome(run_id=self.ctx.run_id, trajectory_id=t.msg_id, group_id=s.group_id,
-                                outcome=outcome, reason=reason, step=self.state.step, version=self.state.version,
-                                sample_version=s.version, batch_index=batch_index)
-        msg.msg_id = f"{t.msg_id}-outcome"  # one outcome per trajectory, even across trainer restarts
-        try:
-            await self.ctx.publish(catalog.OUTCOMES, msg)
-        except Exception as e:  # accounting must not stop training; the trajectory itself is safe
-            log.warning("could not record the outcome of %s: %s", t.msg_id, e)
+        if not samples:
+            return
+        # the reason's kind (its text before the first colon) keeps the label set small
+        _OUTCOMES(len(samples), outcome=outcome, reason=reason.split(":", 1)[0][:40] if reason else "")
+        records = [TrajectoryOutcome(run_id=self.ctx.run_id, trajectory_id=s.key, group_id=s.group_id,
+                                     outcome=outcome, reason=reason, step=self.state.step, version=self.state.version,
+                                     sample_version=s.version, batch_index=i if outcome == "trained" else -1,
+                                     msg_id=f"{s.key}-outcome") for i, s in enumerate(samples)]
+        try:  # an id per first trajectory and size: a restarted trainer recording the same lot is de-duplicated
+            await self.ctx.publish_parts(catalog.OUTCOMES, records, lambda part: OutcomeBatch(
+                run_id=self.ctx.run_id, outcomes=part, msg_id=f"{part[0].msg_id}-{len(part)}"))
+        except Exception as e:  # accounting must not stop training; the trajectories themselves are safe
+            log.warning("could not record the outcomes of %d trajectories (%s): %s", len(samples), outcome, e)
 
 
 class Collector:
@@ -101,30 +99,47 @@ class Collector:
 
     # --- trajectories in ---------------------------------------------------------------------------
 
-    async def handle(self, traj: ScoredTrajectory, d: Delivery[ScoredTrajectory]) -> None:
-        """The consume handler: returns at once; the message is settled through its deferred ack."""
-        r = traj.rollout
-        sample = Sample(key=traj.msg_id, group_id=r.group_id, sample_index=r.sample_index,
-                        version=r.min_version(), item=traj, ack=d.defer(), trace=tracing.traceparent())
-        if r.is_eval:
-            finished = self.evals.record(traj)
-            await self.outcomes.record([sample], "eval")
-            await sample.ack.ack()
-            if finished is not None:
-                await self.on_eval(finished)
+    async def handle(self, msg: ScoredGroup | ScoredTrajectory, d: Delivery[Any]) -> None:
+        """The consume handler: returns at once; the message is settled through its deferred ack, shared by
+        the samples it carries (a scored group: its samples are trained or dropped together)."""
+        trajs: list[ScoredTrajectory] = catalog.members(msg)
+        acks = SampleAck.split(d.defer(), len(trajs))
+        trace = tracing.traceparent()
+        groups: dict[str, list[Sample]] = {}
+        for t, ack in zip(trajs, acks, strict=True):
+            r = t.rollout
+            groups.setdefault(r.group_id, []).append(Sample(
+                key=t.msg_id, group_id=r.group_id, sample_index=r.sample_index, version=r.min_version(), item=t,
+                ack=ack, trace=trace))
+        for group_id, samples in groups.items():
+            await self._receive(group_id, samples)
+
+    async def _receive(self, group_id: str, samples: list[Sample]) -> None:
+        """Samples of one group: evaluated, dropped (their group went stale), or buffered until trained."""
+        evals = [s for s in samples if s.item.rollout.is_eval]
+        if evals:
+            finished = [f for s in evals if (f := self.evals.record(s.item)) is not None]
+            await self.outcomes.record(evals, "eval")
+            await asyncio.gather(*(s.ack.ack() for s in evals))
+            for f in finished:
+                await self.on_eval(f)
+            samples = [s for s in samples if not s.item.rollout.is_eval]
+            if not samples:
+                return
+        if group_id in self.buffer.dropped_groups:
+            await self.drop(samples, "group already dropped for staleness")
             return
-        if r.group_id in self.buffer.dropped_groups:
-            await self.drop([sample], "group already dropped for staleness")
-            return
-        if is_stale(sample.version, self.state.version, self.cfg.max_staleness):
-            reason = (f"stale: oldest token from version {sample.version}, trainer at {self.state.version}, "
+        stale = next((s for s in samples if is_stale(s.version, self.state.version, self.cfg.max_staleness)), None)
+        if stale is not None:
+            reason = (f"stale: oldest token from version {stale.version}, trainer at {self.state.version}, "
                       f"max_staleness {self.cfg.max_staleness}")
-            await self.drop([sample, *self._give_up(r.group_id)], reason)
+            await self.drop([*samples, *self._give_up(group_id)], reason)
             return
-        displaced = self.buffer.add(sample, r.group_size)
-        if displaced is not None:  # a redelivery of a sample already held: the newer delivery is kept
-            self.state.count("duplicate")
-            await displaced.ack.ack()
+        for s in samples:
+            displaced = self.buffer.add(s, s.item.rollout.group_size)
+            if displaced is not None:  # a redelivery of a sample already held: the newer delivery is kept
+                self.state.count("duplicate")
+                await displaced.ack.ack()
         self.arrived.set()
 
     async def drop(self, samples: list[Sample], reason: str) -> None:

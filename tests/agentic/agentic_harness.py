@@ -202,7 +202,11 @@ class Bus:
                                       ordered_consumer=True,
                                       config=jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.ALL))
         try:
-            return [codec.decode((await sub.next_msg(timeout=timeout)).data, ScoredTrajectory) for _ in range(count)]
+            out: list[ScoredTrajectory] = []
+            while len(out) < count:  # a message carries a group's trajectories
+                msg = codec.decode((await sub.next_msg(timeout=timeout)).data, catalog.TRAJECTORIES.msg_type)
+                out.extend(catalog.members(msg))
+            return out[:count]
         finally:
             await sub.unsubscribe()
 

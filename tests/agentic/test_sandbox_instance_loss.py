@@ -161,7 +161,7 @@ async def run_episode(nats_url: str, tmp_path: Any, tokenizer: Any, kill_during:
         sub = await js.subscribe(f"rlbus.{RUN}.trajectories", stream=catalog.TRAJECTORIES_STREAM.name,
                                  ordered_consumer=True)
         try:
-            traj = codec.decode((await sub.next_msg(timeout=180)).data, ScoredTrajectory)
+            [traj] = catalog.members(codec.decode((await sub.next_msg(timeout=180)).data, catalog.TRAJECTORIES.msg_type))
         finally:
             await sub.unsubscribe()
         await killer[0]

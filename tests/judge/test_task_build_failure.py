@@ -14,7 +14,7 @@ from proto.deadletter import DeadLetter
 from proto.rollouts import Rollout, Turn
 from proto.trajectories import ScoredTrajectory
 from services.launcher import registry
-from services.launcher.accounting import read_all
+from services.launcher.accounting import read_all, read_channel
 from services.runtime import bus, service
 from services.runtime.config import load_service_config
 from tests.conftest import wait_for_async
@@ -49,7 +49,7 @@ async def test_a_task_that_fails_to_build_poisons_its_rollouts_and_the_judge_kee
                                               "judge-0", stop=stop))
     try:
         async def published() -> list[ScoredTrajectory]:
-            got = await read_all(js, "TRAJECTORIES", f"rlbus.{RUN}.trajectories", ScoredTrajectory)
+            got = await read_channel(js, catalog.TRAJECTORIES, RUN)
             return got if len(got) == 3 else []
 
         trajectories = await wait_for_async(published, 120, "three scored trajectories")

@@ -19,7 +19,7 @@ from proto.trajectories import ScoredTrajectory
 from services.judge.config import UserCodeConfig
 from services.judge.user_code import ProcessUserCode
 from services.launcher import registry
-from services.launcher.accounting import read_all
+from services.launcher.accounting import read_all, read_channel
 from services.runtime import bus, service
 from services.runtime.config import load_service_config
 from services.tasks import get_task
@@ -150,7 +150,7 @@ async def test_a_rollout_that_hung_or_killed_judges_is_published_failed_and_dead
     judge = asyncio.create_task(service.serve("judge", factory, loaded, "judge-0", stop=stop))
     try:
         async def published() -> list[ScoredTrajectory]:
-            return await read_all(js, "TRAJECTORIES", f"rlbus.{RUN}.trajectories", ScoredTrajectory)
+            return await read_channel(js, catalog.TRAJECTORIES, RUN)
 
         (traj,) = await wait_for_async(published, 120, "the failed trajectory")
         letters = await wait_for_async(lambda: read_all(js, "DLQ", f"rlbus.{RUN}.dlq.>", DeadLetter), 60,

@@ -10,9 +10,8 @@ import sys
 import nats
 import pytest
 
-from proto.accounting import TrajectoryOutcome
-from proto.trajectories import ScoredTrajectory
-from services.launcher.accounting import read_all
+from proto import catalog
+from services.launcher.accounting import read_channel
 from services.launcher.status import collect, format_status
 from services.lib.weights.objstore import ObjectStoreBlobs
 from services.runtime.natsd import EmbeddedNats
@@ -56,8 +55,8 @@ def test_short_run_end_to_end(tmp_path, loop_model_dir):
         with EmbeddedNats(run_dir / "nats", port=None) as server:
             nc = await nats.connect(server.url)
             js = nc.jetstream()
-            trajectories = await read_all(js, "TRAJECTORIES", "rlbus.e2e.trajectories", ScoredTrajectory)
-            outcomes = await read_all(js, "OUTCOMES", "rlbus.e2e.outcomes", TrajectoryOutcome)
+            trajectories = await read_channel(js, catalog.TRAJECTORIES, "e2e")
+            outcomes = await read_channel(js, catalog.OUTCOMES, "e2e")
             ci = await js.consumer_info("TRAJECTORIES", "trainer-e2e")
             stored = await ObjectStoreBlobs(nc).list("e2e/")
             status = await collect(nc, "e2e")

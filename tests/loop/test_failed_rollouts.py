@@ -14,13 +14,12 @@ import json
 import nats
 import pytest
 
-from proto import codec
-from proto.accounting import TrajectoryOutcome
+from proto import catalog, codec
 from proto.prompts import PromptTicket
 from proto.rollouts import Rollout, Turn
 from proto.trajectories import ScoredTrajectory
 from services.launcher import registry
-from services.launcher.accounting import read_all
+from services.launcher.accounting import read_channel
 from services.runtime import service
 from services.runtime.config import load_service_config
 from tests.conftest import run_file
@@ -64,7 +63,7 @@ async def test_failed_rollout_is_dropped_with_its_error_and_siblings_train(nats_
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["step"] == 1
 
-    outcomes = await read_all(js, "OUTCOMES", f"rlbus.{RUN}.outcomes", TrajectoryOutcome)
+    outcomes = await read_channel(js, catalog.OUTCOMES, RUN)
     await nc.close()
     train = [o for o in outcomes if o.outcome != "eval"]
     by_sample = {o.trajectory_id.rsplit("-", 1)[1]: o for o in train}

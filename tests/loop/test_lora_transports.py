@@ -11,8 +11,8 @@ import json
 import nats
 import pytest
 
-from proto.trajectories import ScoredTrajectory
-from services.launcher.accounting import read_all
+from proto import catalog
+from services.launcher.accounting import read_channel
 from services.runtime.natsd import EmbeddedNats
 from tests.loop.test_transports_in_loop import _run_three_steps
 
@@ -41,8 +41,7 @@ def test_lora_versions_through_a_direct_transport(tmp_path, loop_model_dir, kind
         with EmbeddedNats(run_dir / "nats", port=None) as server:
             nc = await nats.connect(server.url)
             try:
-                return await read_all(nc.jetstream(), "TRAJECTORIES", f"rlbus.{run_id}.trajectories",
-                                      ScoredTrajectory)
+                return await read_channel(nc.jetstream(), catalog.TRAJECTORIES, run_id)
             finally:
                 await nc.close()
 

@@ -17,8 +17,8 @@ import sys
 import nats
 import pytest
 
-from proto.trajectories import ScoredTrajectory
-from services.launcher.accounting import read_all
+from proto import catalog
+from services.launcher.accounting import read_channel
 from services.launcher.status import collect
 from services.launcher.supervisor import check_weight_transport
 from services.runtime.config import ConfigError
@@ -77,7 +77,7 @@ def test_loop_runs_with_direct_transport(tmp_path, loop_model_dir, kind):
         with EmbeddedNats(run_dir / "nats", port=None) as server:
             nc = await nats.connect(server.url)
             js = nc.jetstream()
-            trajectories = await read_all(js, "TRAJECTORIES", f"rlbus.{run_id}.trajectories", ScoredTrajectory)
+            trajectories = await read_channel(js, catalog.TRAJECTORIES, run_id)
             streams = [s.config.name for s in await js.streams_info()]
             status = await collect(nc, run_id)
             await nc.close()

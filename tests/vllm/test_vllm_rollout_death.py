@@ -11,7 +11,6 @@ import nats
 
 from proto import catalog, codec
 from proto.prompts import PromptTicket, Sampling
-from proto.rollouts import Rollout
 from services.launcher import registry
 from services.runtime import bus, service
 from services.runtime.config import load_service_config
@@ -36,7 +35,7 @@ async def test_a_dead_engine_stops_the_rollout_with_an_error_and_loses_no_ticket
     finished: set[str] = set()
 
     async def on_rollout(m) -> None:
-        finished.add(codec.decode(m.data, Rollout).group_id)
+        finished.update(r.group_id for r in catalog.members(codec.decode(m.data, catalog.ROLLOUTS.msg_type)))
 
     await nc.subscribe(catalog.ROLLOUTS.subject(RUN), cb=on_rollout)
 
