@@ -4,7 +4,9 @@ Every figure a service keeps as a heartbeat gauge (``ctx.gauges``: the rollout's
 tokens/s, the trainer's step time split and staleness, the sandbox's live sandboxes, ...) becomes an
 observable gauge named ``rlbus_<name>`` (``/`` and other characters become ``_``), labelled with the
 service and instance; the runtime adds counters (messages handled per consumer and outcome, dead letters
-per reason) and services add histograms (:func:`histogram`: the trainer's staleness).
+per reason; each durable consumer's queue depth and lag, :mod:`services.runtime.lag`, through the labelled
+:func:`gauge`) and services add histograms (:func:`histogram`: the trainer's staleness, the sandbox's
+request latency by verb).
 
 Where they go:
 
@@ -37,6 +39,7 @@ _meter: otel_metrics.Meter = otel_metrics.NoOpMeter("rlbus")
 _labels: dict[str, str] = {}
 _gauges: dict[str, Any] = {}
 _instruments: dict[str, Any] = {}
+_gauge_values: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
 _PORT_TRIES = 64
 
 
@@ -105,6 +108,12 @@ def _otlp_reader() -> Any:
     return PeriodicExportingMetricReader(OTLPMetricExporter())
 
 
+def active() -> bool:
+    """Whether this process exports metrics (an endpoint or OTLP): figures that cost a request to get
+    (:mod:`services.runtime.lag`) are only fetched then."""
+    return _provider is not None
+
+
 def follow_gauges(gauges: Mapping[str, float]) -> None:
     """Export every key of ``gauges`` (a service's heartbeat gauges) as an observable gauge; call again when
     keys were added (the heartbeat loop does)."""
@@ -132,6 +141,25 @@ def counter(name: str, description: str = "") -> Callable[..., None]:
             instrument = _instruments[key] = _meter.create_counter(metric_name(name), description=description)
         instrument.add(amount, {**_labels, **labels})
     return add
+
+
+def gauge(name: str, description: str = "") -> Callable[..., None]:
+    """``set(value, **labels)`` on the observable gauge ``rlbus_<name>``: each label set keeps its last value
+    (the consumers' pending and ack-pending counts, per consumer). A no-op without metrics."""
+    key = "gauge:" + name
+    values = _gauge_values.setdefault(key, {})
+
+    def observe(options: CallbackOptions) -> list[Observation]:
+        return [Observation(v, dict(labels)) for labels, v in list(values.items())]
+
+    def set_value(value: float, **labels: str) -> None:
+        if _provider is None:
+            return
+        values[tuple(sorted({**_labels, **labels}.items()))] = float(value)
+        if key not in _instruments:
+            _instruments[key] = _meter.create_observable_gauge(metric_name(name), callbacks=[observe],
+                                                               description=description)
+    return set_value
 
 
 def histogram(name: str, description: str = "", unit: str = "") -> Callable[..., None]:

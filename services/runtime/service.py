@@ -25,7 +25,7 @@ from nats.js import api
 from proto import catalog, codec, membership, subjects
 from proto.membership import Heartbeat
 from proto.metrics import MetricsReport
-from services.runtime import bus, gang, metrics, tracing
+from services.runtime import bus, gang, lag, metrics, tracing
 from services.runtime.config import ConfigError, Loaded
 from services.runtime.consume import Consumer, DeadLetterSink, Handler
 
@@ -89,7 +89,11 @@ class ServiceContext:
             concurrency=concurrency, max_message_bytes=self.cfg.common.max_message_bytes,
             name=f"{self.name}:{cdef.durable}",
         )
-        await c.run(self.stop, self.cfg.common.drain_timeout_s)
+        follow = asyncio.create_task(lag.follow(self.js, cdef, self.stop), name=f"{cdef.durable}-lag")
+        try:
+            await c.run(self.stop, self.cfg.common.drain_timeout_s)
+        finally:
+            follow.cancel()
         return c
 
     async def report(self, values: dict[str, float], step: int = -1) -> None:

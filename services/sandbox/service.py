@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from opentelemetry import context as otel_context
 
 from proto import catalog, codec, subjects
 from proto import sandbox as api
-from services.runtime import tracing
+from services.runtime import metrics, tracing
 from services.runtime.bus import BusError
 from services.runtime.config import Loaded
 from services.runtime.service import ServiceContext
@@ -44,6 +45,8 @@ from services.sandbox.backend import (
 from services.sandbox.config import SandboxConfig
 
 log = logging.getLogger("rlbus.sandbox")
+#: seconds the backend took per request, by verb (``create``, ``exec``, ...): rlbus_sandbox_request_seconds
+_LATENCY = metrics.histogram("sandbox_request_seconds", "backend time of a sandbox request, by verb", unit="s")
 
 #: Every request type; a payload is decoded as this union, then checked against its subject.
 AnyRequest = (
@@ -321,8 +324,11 @@ class SandboxService:
                                        f"{_belongs_on(req)}", "WrongSubject")
         if rejection is not None:
             return api.ErrorReply(run_id=ctx.run_id, code="invalid", message=rejection.reason), rejection
+        t0 = time.perf_counter()
         try:
-            return await dispatch(backend, req), None
+            reply = await dispatch(backend, req)
+            _LATENCY(time.perf_counter() - t0, verb=_verb(req))
+            return reply, None
         except SandboxError as e:
             return e.reply(ctx.run_id), None
         except Exception as e:  # a bug or host failure: answer it, keep serving
@@ -347,6 +353,11 @@ class SandboxService:
             await ctx.nc.publish(msg.reply, data, headers=headers or None)
         except Exception as e:  # disconnected: the requester times out
             log.warning("could not send the reply to %s: %s", msg.subject, e)
+
+
+def _verb(req: Any) -> str:
+    """``ExecRequest`` -> ``exec``: the label of the latency histogram."""
+    return type(req).__name__.removesuffix("Request").lower()
 
 
 def build(loaded: Loaded) -> SandboxService:

@@ -96,6 +96,7 @@ class Trainer:
         self.version_kept = start.version_kept
         self.sender = sender
         self.runs_kv = runs_kv
+        self.weight_bytes = 0
         self.started = time.time()
         self.sampling = Sampling(max_new_tokens=cfg.max_new_tokens or self.task.max_new_tokens,
                                  temperature=cfg.temperature, top_p=cfg.top_p, stop=list(self.task.stop))
@@ -122,17 +123,18 @@ class Trainer:
         try:
             await self._start_eval()
             while self.state.step < self.cfg.total_steps and not ctx.stop.is_set() and not self._out_of_time():
+                t_wait = time.perf_counter()
                 groups = await self.collector.collect(ctx.stop)
                 if not groups:
                     break
-                await self._train_step(groups)
+                await self._train_step(groups, wait_s=time.perf_counter() - t_wait)
             if not ctx.stop.is_set():
                 await self._finish()
         finally:
             ctx.stop.set()
             await consumer  # unsettled trajectories are naked on the way out: redelivered at once
 
-    async def _train_step(self, groups: list[list[Sample]]) -> None:
+    async def _train_step(self, groups: list[list[Sample]], wait_s: float = 0.0) -> None:
         samples = [s for g in groups for s in g]
         # a rollout that failed (sandbox died, engine error) says nothing about the policy:
         # it is dropped with its error, never trained on as a zero reward
@@ -171,7 +173,9 @@ class Trainer:
             "trainer/in_flight_groups": float(len(self.collector.admission.in_flight)),
             "trainer/in_flight_peak": float(self.collector.admission.peak),
             "trainer/admission_bound": float(self.collector.admission.max_in_flight),
+            "time/wait_s": wait_s,  # blocked in collect for this batch (step time = wait + step + publish + commit)
             "time/publish_s": publish_s,
+            "weights/bytes": float(self.weight_bytes),
         })
         await self._metrics(metrics, step=self.state.step)
         if self.cfg.eval_every and self.state.step % self.cfg.eval_every == 0:
@@ -188,7 +192,10 @@ class Trainer:
 
     async def _send_weights(self) -> float:
         t0 = time.perf_counter()
-        await self.sender.send(await asyncio.to_thread(self.learner.state_dict), self.state.version)
+        state_dict = await asyncio.to_thread(self.learner.state_dict)
+        # the version's tensor bytes as sent (before a transport's delta or compression)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+        await self.sender.send(state_dict, self.state.version)
         return time.perf_counter() - t0
 
     async def save_state(self) -> None:

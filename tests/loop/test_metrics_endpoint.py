@@ -1,6 +1,7 @@
 """Every service of a run serves its metrics on a Prometheus endpoint (``[common] metrics_port``): a real
 ``rlbus run`` is scraped while it trains, and named series move (the trainer's version and trained count,
-messages the consumers handled, the staleness histogram, the rollout's engine figures)."""
+messages the consumers handled, the staleness histogram, the rollout's engine figures, each consumer's queue
+depth and ack-pending lag, the trainer's wait for a batch) or are there (step time split, weight bytes)."""
 
 from __future__ import annotations
 
@@ -88,10 +89,35 @@ def test_each_service_serves_metrics_that_move(tmp_path, loop_model_dir):
         rollout = wait_for(rollout_reported, 60, "the rollout's engine figures on its endpoint")
         assert value(rollout, "rlbus_rollout_pending_requests") is not None, names(rollout)
         assert value(rollout, "rlbus_metrics_port", service="rollout") == ports["rollout"]
+        # the step time split: the wait for a batch beside compute, publish and commit; the bytes of each version
+        for series in ("rlbus_time_wait_s", "rlbus_time_step_s", "rlbus_time_publish_s", "rlbus_time_commit_s"):
+            assert value(trainer, series) is not None, (series, names(trainer))
+        assert (value(trainer, "rlbus_weights_bytes") or 0) > 0, names(trainer)
+        # queue depth and lag of every service's durable consumer (refreshed every few seconds), and they move
+        seen: dict[str, set[float]] = {}
+
+        def lag_moved() -> dict | None:
+            for service in ("trainer", "rollout", "judge"):
+                scraped = scrape(ports[service])
+                for series in ("rlbus_consumer_pending", "rlbus_consumer_ack_pending"):
+                    found = value(scraped, series, consumer=f"{service}-*")
+                    if found is not None:
+                        seen.setdefault(f"{service}:{series}", set()).add(found)
+            wait = trainer_wait()
+            seen.setdefault("trainer:wait", set()).update([] if wait is None else [wait])
+            return seen if len(seen) == 7 and any(len(v) > 1 for k, v in seen.items() if "consumer" in k) \
+                and len(seen["trainer:wait"]) > 1 else None
+
+        def trainer_wait() -> float | None:
+            return value(scrape(ports["trainer"]), "rlbus_time_wait_s")
+
+        wait_for(lag_moved, 120, "each consumer's pending/ack-pending series and the wait time to move", interval=1.0)
         # every series the Grafana dashboard in deploy/ queries is one a service serves (failure counters
         # appear with their first event, so they are named here rather than observed)
         served = set(names(trainer)) | set(names(rollout)) | set(names(scrape(ports["judge"])))
         served |= {"rlbus_messages_failed_total", "rlbus_dead_letters_total"}
+        # the sandbox's latency histogram: scraped in tests/sandbox/test_sandbox_metrics.py (no sandbox here)
+        served |= {"rlbus_sandbox_request_seconds_bucket"}
         served |= {n.removesuffix("_count") + "_bucket" for n in served if n.endswith("_count")}
         dashboard = json.loads((REPO / "deploy" / "grafana" / "rlbus-dashboard.json").read_text())
         queried = {m for panel in dashboard["panels"] for t in panel["targets"]
