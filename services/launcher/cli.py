@@ -14,6 +14,7 @@ from pathlib import Path
 from services.launcher import simulate_cmd
 from services.launcher.connect import bus_sections, overrides, with_connection
 from services.runtime.config import ConfigError, RunSection, convert, load_service_config, load_tree
+from services.runtime.service import CONFIG_ERROR_EXIT
 
 DESCRIPTION = """\
 rlbus: reinforcement-learning post-training of language models as independent
@@ -309,6 +310,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             async def watch_children() -> None:
                 while not stop.is_set():
+                    bad = sorted({e["child"] for e in sup.events if e.get("event") == "config_error"})
+                    if bad:  # the run file must change: the rest of the run would only wait for it
+                        print(f"[rlbus] {', '.join(bad)} stopped on a configuration error; stopping the run",
+                              file=sys.stderr)
+                        stop.set()
+                        break
                     if any(c.given_up and "trainer" in c.service.split("+") and c.proc is None for c in sup.children) and \
                             not (sup.run_dir / "summary.json").exists():
                         print("[rlbus] the trainer is down for good; stopping the run", file=sys.stderr)
@@ -520,7 +527,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except ConfigError as e:
         print(f"rlbus: configuration error: {e}", file=sys.stderr)
-        return 2
+        # a service refused by its configuration tells its supervisor not to restart it (EX_CONFIG)
+        return CONFIG_ERROR_EXIT if args.command == "service" else 2
     except KeyboardInterrupt:
         return 130
     except Exception as e:

@@ -20,7 +20,7 @@ from services.echo.config import EchoConfig
 from services.echo.service import EchoService
 from services.runtime import bus
 from services.runtime.config import CommonSection, Loaded, NatsSection, RunSection
-from services.runtime.service import ServiceContext
+from services.runtime.service import CONFIG_ERROR_EXIT, ServiceContext
 from tests.conftest import wait_for_async
 
 RUN = "t1"
@@ -217,9 +217,9 @@ def test_bad_config_value_names_key(tmp_path):
     cfg.write_text('[services.echo]\nconcurrency = "lots"\n')
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "service", "echo", "--config", str(cfg)],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2
+    assert r.returncode == CONFIG_ERROR_EXIT  # supervisors do not restart it
     assert "services.echo.concurrency" in r.stderr and "int" in r.stderr
     cfg.write_text("[services.echo]\nconcurrency = 2\n")
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "service", "echo", "--config", str(cfg),
                         "--set", "services.echo.concurency=3"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "services.echo.concurency" in r.stderr and "unknown key" in r.stderr
+    assert r.returncode == CONFIG_ERROR_EXIT and "services.echo.concurency" in r.stderr and "unknown key" in r.stderr
