@@ -53,4 +53,4 @@ def test_a_two_rank_trainer_runs_the_loop(tmp_path, loop_model_dir):
     assert all(len(v) == 1 for v in by_id.values()), "a trajectory got two outcomes"
     assert sum(o.outcome == "trained" for o in outcomes) == 3 * 2 * 4  # steps x groups x group size
     pending = {t.msg_id for t in trajectories} - set(by_id)
-    assert len({p.rsplit("-s", 1)[0] for p in pending}) == ci.num_ack_pending + ci.num_pending  # a message per group  # nothing vanished
+    assert len({p.rsplit("-s", 2)[0] for p in pending}) == ci.num_ack_pending + ci.num_pending  # a message per group  # nothing vanished

@@ -75,4 +75,4 @@ def test_dataset_example_trains_and_scores_with_named_rewards(tmp_path, loop_mod
     assert sum(o.outcome == "trained" for o in outcomes) == STEPS * GROUPS * GROUP_SIZE
     assert sum(o.outcome == "eval" for o in outcomes) == 3 * EVAL_PROMPTS
     pending = {t.msg_id for t in trajectories} - set(by_id)
-    assert len({p.rsplit("-s", 1)[0] for p in pending}) == ci.num_ack_pending + ci.num_pending  # a message per group
+    assert len({p.rsplit("-s", 2)[0] for p in pending}) == ci.num_ack_pending + ci.num_pending  # a message per group

@@ -84,5 +84,5 @@ def test_short_run_end_to_end(tmp_path, loop_model_dir):
     assert all(o.reason.startswith("stale") or "dropped" in o.reason for o in dropped)
     pending = published - set(by_id)
     # whatever has no outcome is still held by the trainer's durable consumer: nothing vanished
-    assert len({p.rsplit("-s", 1)[0] for p in pending}) == ci.num_ack_pending + ci.num_pending  # a message per group
+    assert len({p.rsplit("-s", 2)[0] for p in pending}) == ci.num_ack_pending + ci.num_pending  # a message per group
     assert len(trajectories) == len(trained) + len(dropped) + sum(o.outcome == "eval" for o in outcomes) + len(pending)
