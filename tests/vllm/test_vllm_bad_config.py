@@ -23,4 +23,4 @@ def test_a_misspelt_vllm_engine_key_stops_the_run_naming_it(tmp_path, loop_model
     assert r.returncode == 1, r.stderr[-3000:]
     assert "services.rollout.engine.max_num_seq: unknown key" in r.stderr, r.stderr[-3000:]
     assert "rollout-0 stopped on a configuration error; stopping the run" in r.stderr, r.stderr[-3000:]
-    assert "restarting" not in r.stderr
+    assert "restarting in" not in r.stderr and "not restarting it" in r.stderr, r.stderr[-3000:]
