@@ -183,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "with --run-dir.")
     rdlq.add_argument("--family", required=True, metavar="FAMILY", help="the family of the failed messages")
     rdlq.add_argument("--publish", action="store_true", help="re-publish them (default: only list)")
+    rdlq.add_argument("--fix", action="append", default=[], metavar="PATH=VALUE",
+                      help="change a field before re-publishing (implies --publish; repeatable): dotted path, "
+                           "list indices as numbers, VALUE a JSON literal (else text), e.g. --fix metadata.answer='\"5\"';"
+                           " a fix that names no field, or leaves an invalid message, sends nothing")
     rdlq.add_argument("--seq", type=int, action="append", metavar="N",
                       help="only the dead letter with this DLQ sequence number (repeatable)")
     _common_bus_args(rdlq)
@@ -489,9 +493,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 print(x.line())
             if not letters:
                 print(f"no dead letters of family {args.family!r} in run {run_id}")
-            elif args.publish:
-                n = await republish(nc, letters, attempt=str(time.time_ns()))
-                print(f"re-published {n} message(s) to their original subjects")
+            elif args.publish or args.fix:
+                n = await republish(nc, letters, attempt=str(time.time_ns()), fixes=args.fix)
+                fixed = f" with {len(args.fix)} fix(es)" if args.fix else ""
+                print(f"re-published {n} message(s){fixed} to their original subjects")
             return 0
 
         try:

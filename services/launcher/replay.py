@@ -197,16 +197,68 @@ async def dead_letters(nc: Any, run_id: str, family: str) -> list[Letter]:
     return out
 
 
-async def republish(nc: Any, letters: list[Letter], *, attempt: str) -> int:
-    """Publish each letter's original payload to its original subject, with its original headers but a new
-    message id (``<id>-replay-<attempt>``: JetStream's de-duplication would drop the original id)."""
+def fix_payload(subject: str, payload: bytes, fixes: list[str]) -> bytes:
+    """The payload with each ``PATH=VALUE`` of ``fixes`` applied (``PATH``: dotted field names, list indices as
+    numbers, e.g. ``rollouts.0.metadata.answer``; ``VALUE``: a JSON literal, else the text as a string).
+
+    Raises ReplayError naming the fix when a path does not exist or the fixed message no longer decodes as
+    its channel's type: nothing malformed is sent again."""
+    import json
+
+    import msgspec
+
+    from proto import codec, registry
+
+    try:
+        msg = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as e:
+        raise ReplayError(f"the dead letter's payload is not msgpack ({e}): it cannot be fixed field by field") from e
+    for fix in fixes:
+        path, sep, text = fix.partition("=")
+        if not sep or not path:
+            raise ReplayError(f"--fix {fix!r}: expected PATH=VALUE, e.g. metadata.answer=\"5\"")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        *parents, last = path.split(".")
+        node = msg
+        try:
+            for key in parents:
+                node = node[int(key)] if isinstance(node, list) else node[key]
+            if isinstance(node, list):
+                node[int(last)] = value
+            elif isinstance(node, dict) and last in node:
+                node[last] = value
+            else:
+                raise KeyError(last)
+        except (KeyError, IndexError, ValueError, TypeError) as e:
+            raise ReplayError(f"--fix {fix!r}: the message has no field {path!r} ({type(e).__name__}: {e})") from e
+    fixed = msgspec.msgpack.encode(msg)
+    typ = registry.type_for_subject(subject)
+    if typ is not None:
+        try:
+            codec.decode(fixed, typ, max_bytes=None)
+        except codec.DecodeError as e:
+            raise ReplayError(f"the fixed message would be refused, so nothing was sent: {e}") from e
+    return fixed
+
+
+async def republish(nc: Any, letters: list[Letter], *, attempt: str, fixes: list[str] | None = None) -> int:
+    """Publish each letter's original payload (with ``fixes`` applied, see :func:`fix_payload`; all are checked
+    before any is sent) to its original subject, with its original headers but a new message id
+    (``<id>-replay-<attempt>``: JetStream's de-duplication would drop the original id)."""
     js = nc.jetstream()
+    if fixes:
+        for item in letters:
+            fix_payload(item.letter.original_subject, item.letter.payload, fixes)
     done = 0
     for item in letters:
         d = item.letter
         headers = {k: v for k, v in d.headers.items() if not k.lower().startswith("nats-")}
         original = d.headers.get("Nats-Msg-Id", f"dlq-{item.seq}")
         headers["Nats-Msg-Id"] = f"{original}-replay-{attempt}"
-        await js.publish(d.original_subject, d.payload, headers=headers)
+        payload = fix_payload(d.original_subject, d.payload, fixes) if fixes else d.payload
+        await js.publish(d.original_subject, payload, headers=headers)
         done += 1
     return done

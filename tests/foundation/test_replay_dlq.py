@@ -1,5 +1,6 @@
 """``rlbus replay dlq``: a dead-lettered rollout is listed with why it failed and, with ``--publish``, sent to
-its original subject again under a new message id (real nats-server, the real CLI)."""
+its original subject again under a new message id, with ``--fix`` after changing fields (real nats-server, the
+real CLI)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,18 @@ def test_dead_letters_are_listed_and_republished(nats_url):
 
     got = asyncio.run(read())
     assert len(got) == 2 and all(r == original for r in got)
+
+    # --fix: a field changed before the payload goes out again; a bad fix sends nothing and says why
+    for bad, why in ((["--fix", "no_such_field=1"], "has no field 'no_such_field'"),
+                     (["--fix", "policy_version=\"late\""], "refused, so nothing was sent: cannot decode"),
+                     (["--fix", "turns.0.versions.0=1", "--fix", "oops"], "expected PATH=VALUE")):
+        r = cli(nats_url, *bad)
+        assert r.returncode != 0 and why in r.stderr, (bad, r.stdout, r.stderr)
+    fixed = cli(nats_url, "--fix", "policy_version=3", "--fix", "turns.0.text=\"three\"")
+    assert fixed.returncode == 0 and "re-published 1 message(s) with 2 fix(es)" in fixed.stdout, fixed.stderr
+    got = asyncio.run(read())
+    assert len(got) == 3 and got[2].policy_version == 3 and got[2].turns[0].text == "three"
+    assert got[2].turns[0].token_ids == original.turns[0].token_ids and got[2].msg_id == original.msg_id
 
 
 def test_status_watch_redraws_in_place(nats_url):
