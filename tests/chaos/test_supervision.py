@@ -13,6 +13,7 @@ import pytest
 
 from services.launcher.supervisor import Supervisor
 from services.runtime.natsd import free_port
+from services.runtime.service import CONFIG_ERROR_EXIT
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow
@@ -59,9 +60,13 @@ def test_a_silent_service_is_killed_and_restarted(tmp_path):
 
 
 def test_a_crash_loop_is_reported_with_its_count_and_last_log_lines(tmp_path):
-    # a config key the echo service does not know: every start fails the same way
-    cfg = write_run(tmp_path, "services = { echo = 1 }\nmax_restarts = 2\nrestart_window_s = 600",
-                    extra="[services.echo]\nno_such_key = 1\n")
+    # a model directory whose config.json is corrupt: every start fails the same way, at run time (a
+    # configuration error would not be restarted at all: the run file must change)
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    cfg = write_run(tmp_path, "services = { rollout = 1 }\nmax_restarts = 2\nrestart_window_s = 600",
+                    extra=f'[services.rollout]\nmodel = "{broken}"\n')
     sup = Supervisor(cfg, quiet=True)
     try:
         sup.start()
@@ -70,8 +75,26 @@ def test_a_crash_loop_is_reported_with_its_count_and_last_log_lines(tmp_path):
                              "the crash loop to be reported")
     finally:
         sup.stop()
-    assert report["child"] == "echo-0" and report["crashes"] == 3 and report["code"] != 0
-    exits = [e for e in sup.events if e["event"] == "exit" and e["child"] == "echo-0"]
+    assert report["child"] == "rollout-0" and report["crashes"] == 3 and report["code"] != 0
+    exits = [e for e in sup.events if e["event"] == "exit" and e["child"] == "rollout-0"]
     assert len(exits) == 3  # started, restarted twice, then left down
-    assert report["last_lines"] and any("no_such_key" in line for line in report["last_lines"]), report
+    assert report["last_lines"] and any("is not a valid JSON file" in line for line in report["last_lines"]), report
+    assert child(sup, "rollout-0").given_up
+
+
+def test_a_configuration_error_is_reported_and_not_restarted(tmp_path):
+    # a config key the echo service does not know: restarting cannot help, the run file must change
+    cfg = write_run(tmp_path, "services = { echo = 1 }\nmax_restarts = 2\nrestart_window_s = 600",
+                    extra="[services.echo]\nno_such_key = 1\n")
+    sup = Supervisor(cfg, quiet=True)
+    try:
+        sup.start()
+        threading.Thread(target=sup.wait, name="supervisor", daemon=True).start()
+        (report,) = wait_for(lambda: [e for e in sup.events if e["event"] == "config_error"], 120,
+                             "the configuration error to be reported")
+    finally:
+        sup.stop()
+    assert report["child"] == "echo-0" and report["code"] == CONFIG_ERROR_EXIT
+    assert any("services.echo.no_such_key" in line for line in report["last_lines"]), report
+    assert [e["code"] for e in sup.events if e["event"] == "exit" and e["child"] == "echo-0"] == [CONFIG_ERROR_EXIT]
     assert child(sup, "echo-0").given_up
