@@ -8,11 +8,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+from tests.otlp_receiver import OtlpReceiver
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,46 +43,22 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-class OtlpMetricsReceiver:
-    """An OTLP/HTTP metrics receiver: POST /v1/metrics with an ExportMetricsServiceRequest protobuf."""
-
-    def __init__(self) -> None:
-        self.points: list[tuple[str, str, dict[str, str], float]] = []  # (service, metric, labels, value)
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                got = []
-                for rm in ExportMetricsServiceRequest.FromString(body).resource_metrics:
-                    service = next(a.value.string_value for a in rm.resource.attributes if a.key == "service.name")
-                    for sm in rm.scope_metrics:
-                        for m in sm.metrics:
-                            kind = m.WhichOneof("data")
-                            for p in getattr(m, kind).data_points:
-                                labels = {a.key: a.value.string_value for a in p.attributes}
-                                v = p.count if kind == "histogram" else (p.as_double or float(p.as_int))
-                                got.append((service, m.name, labels, v))
-                with receiver.lock:
-                    receiver.points.extend(got)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
+def decode_points(body: bytes) -> list[tuple[str, str, dict[str, str], float]]:
+    """(service, metric, labels, value) of every data point of one ExportMetricsServiceRequest (POST /v1/metrics)."""
+    got = []
+    for rm in ExportMetricsServiceRequest.FromString(body).resource_metrics:
+        service = next(a.value.string_value for a in rm.resource.attributes if a.key == "service.name")
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                kind = m.WhichOneof("data")
+                for p in getattr(m, kind).data_points:
+                    labels = {a.key: a.value.string_value for a in p.attributes}
+                    got.append((service, m.name, labels, p.count if kind == "histogram" else (p.as_double or float(p.as_int))))
+    return got
 
 
 def test_otlp_exports_consumer_lag_and_latency(nats_url):
-    receiver = OtlpMetricsReceiver()
+    receiver = OtlpReceiver(decode_points)
     try:
         env = {**os.environ, "PYTHONPATH": str(REPO), "OTEL_METRICS_EXPORTER": "otlp",
                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
@@ -93,7 +69,7 @@ def test_otlp_exports_consumer_lag_and_latency(nats_url):
     finally:
         receiver.close()
     points = {(name, labels.get("consumer", labels.get("verb", ""))): (service, labels, v)
-              for service, name, labels, v in receiver.points}
+              for service, name, labels, v in receiver.items}
     service, labels, pending = points[("rlbus_consumer_pending", "echo-otlp")]
     assert (service, labels["service"], labels["instance"], pending) == ("rlbus-unit", "unit", "u0", 3.0)
     assert points[("rlbus_consumer_ack_pending", "echo-otlp")][2] == 0.0

@@ -9,59 +9,34 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 from collections import defaultdict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from services.runtime import tracing
 from tests.conftest import free_port, run_file
+from tests.otlp_receiver import OtlpReceiver
 
 
-class OtlpReceiver:
-    """An OTLP/HTTP trace receiver: POST /v1/traces with an ExportTraceServiceRequest protobuf."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict] = []
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                request = ExportTraceServiceRequest.FromString(body)
-                got = []
-                for rs in request.resource_spans:
-                    service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
-                    for ss in rs.scope_spans:
-                        for s in ss.spans:
-                            got.append({"service": service, "name": s.name, "trace_id": s.trace_id.hex(),
-                                        "span_id": s.span_id.hex(), "parent_id": s.parent_span_id.hex() or None,
-                                        "attributes": {a.key: a.value for a in s.attributes},
-                                        "links": [(link.trace_id.hex(), link.span_id.hex()) for link in s.links]})
-                with receiver.lock:
-                    receiver.spans.extend(got)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
+def decode_spans(body: bytes) -> list[dict]:
+    """The spans of one ExportTraceServiceRequest (POST /v1/traces), flattened."""
+    got = []
+    for rs in ExportTraceServiceRequest.FromString(body).resource_spans:
+        service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
+        for ss in rs.scope_spans:
+            for s in ss.spans:
+                got.append({"service": service, "name": s.name, "trace_id": s.trace_id.hex(),
+                            "span_id": s.span_id.hex(), "parent_id": s.parent_span_id.hex() or None,
+                            "attributes": {a.key: a.value for a in s.attributes},
+                            "links": [(link.trace_id.hex(), link.span_id.hex()) for link in s.links]})
+    return got
 
 
 @pytest.mark.slow
 def test_one_group_is_traced_from_admission_to_the_engine_applying_its_step(tmp_path, loop_model_dir):
-    receiver = OtlpReceiver()
+    receiver = OtlpReceiver(decode_spans)
     try:
         cfg = run_file(tmp_path, loop_model_dir, run_id="traced",
                        services={"trainer": 1, "rollout": 1, "judge": 1},
@@ -75,7 +50,7 @@ def test_one_group_is_traced_from_admission_to_the_engine_applying_its_step(tmp_
         assert r.returncode == 0, r.stderr[-3000:]
     finally:
         receiver.close()
-    spans = receiver.spans
+    spans = receiver.items
     by_id = {s["span_id"]: s for s in spans}
     by_trace: dict[str, list[dict]] = defaultdict(list)
     for s in spans:
