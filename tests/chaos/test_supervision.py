@@ -26,6 +26,20 @@ def write_run(tmp_path, launcher: str, extra: str = "") -> str:
     return str(path)
 
 
+def first_event(cfg: str, event: str, timeout: float) -> tuple[Supervisor, dict]:
+    """Supervise the run until its first ``event`` (e.g. ``crash_loop``) is recorded; the stopped
+    supervisor and that event."""
+    sup = Supervisor(cfg, quiet=True)
+    try:
+        sup.start()
+        threading.Thread(target=sup.wait, name="supervisor", daemon=True).start()
+        (report,) = wait_for(lambda: [e for e in sup.events if e["event"] == event], timeout,
+                             f"a {event} event to be recorded")
+    finally:
+        sup.stop()
+    return sup, report
+
+
 def child(sup: Supervisor, label: str):
     return next(c for c in sup.children if c.label == label)
 
@@ -67,14 +81,7 @@ def test_a_crash_loop_is_reported_with_its_count_and_last_log_lines(tmp_path):
     (broken / "config.json").write_text("{not json")
     cfg = write_run(tmp_path, "services = { rollout = 1 }\nmax_restarts = 2\nrestart_window_s = 600",
                     extra=f'[services.rollout]\nmodel = "{broken}"\n')
-    sup = Supervisor(cfg, quiet=True)
-    try:
-        sup.start()
-        threading.Thread(target=sup.wait, name="supervisor", daemon=True).start()
-        (report,) = wait_for(lambda: [e for e in sup.events if e["event"] == "crash_loop"], 180,
-                             "the crash loop to be reported")
-    finally:
-        sup.stop()
+    sup, report = first_event(cfg, "crash_loop", 180)
     assert report["child"] == "rollout-0" and report["crashes"] == 3 and report["code"] != 0
     exits = [e for e in sup.events if e["event"] == "exit" and e["child"] == "rollout-0"]
     assert len(exits) == 3  # started, restarted twice, then left down
@@ -86,14 +93,7 @@ def test_a_configuration_error_is_reported_and_not_restarted(tmp_path):
     # a config key the echo service does not know: restarting cannot help, the run file must change
     cfg = write_run(tmp_path, "services = { echo = 1 }\nmax_restarts = 2\nrestart_window_s = 600",
                     extra="[services.echo]\nno_such_key = 1\n")
-    sup = Supervisor(cfg, quiet=True)
-    try:
-        sup.start()
-        threading.Thread(target=sup.wait, name="supervisor", daemon=True).start()
-        (report,) = wait_for(lambda: [e for e in sup.events if e["event"] == "config_error"], 120,
-                             "the configuration error to be reported")
-    finally:
-        sup.stop()
+    sup, report = first_event(cfg, "config_error", 120)
     assert report["child"] == "echo-0" and report["code"] == CONFIG_ERROR_EXIT
     assert any("services.echo.no_such_key" in line for line in report["last_lines"]), report
     assert [e["code"] for e in sup.events if e["event"] == "exit" and e["child"] == "echo-0"] == [CONFIG_ERROR_EXIT]
