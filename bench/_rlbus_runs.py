@@ -7,20 +7,26 @@ only function that starts processes.
 Clock. Every time here is seconds since the trainer finished loading (the
 ``elapsed_s`` of ``metrics.jsonl``). An evaluation of weight version ``v`` is
 placed at the moment version ``v`` existed: the ``elapsed_s`` of the trainer
-step that produced it (0 for version 0). So the cost of evaluating, which runs
-beside training and comes back later, does not count as time to a reward; the
-competitor bench measures its side the same way (its evaluation time is taken
-off its clock).
+step that produced it (0 for version 0). Evaluated in the loop
+(:func:`eval_curve`), the latency of an evaluation does not count as time to a
+reward, but its load does: the rollout engine generates it beside training on
+the same machine, which slows the steps. Evaluated offline
+(:class:`VersionKeeper` keeps the checkpointed versions, :func:`offline_curve`
+places their rewards the same way), evaluating costs the run nothing; writing
+the checkpoints does (:func:`checkpoint_cost`). The competitor bench takes its
+evaluation time off its clock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +75,10 @@ class RunResult:
     stats: dict[str, float]
     launch_s: float
     summary: dict[str, Any] = field(default_factory=dict)
+    #: where the profiled service's time went (``bench/_profile.py``); empty when not profiled
+    profile: dict[str, Any] = field(default_factory=dict)
+    #: seconds each kept checkpoint took to write, by step (``keep_versions``); empty otherwise
+    checkpoint_write_s: dict[int, float] = field(default_factory=dict)
 
     @property
     def final_reward(self) -> float:
@@ -258,6 +268,125 @@ def curve_json(curve: Sequence[EvalPoint]) -> list[list[float]]:
     return [[p.step, round(p.t, 1), round(p.reward, 4)] for p in curve]
 
 
+# --- offline evaluation: kept weight versions ---------------------------------------------------
+
+#: where :class:`VersionKeeper` keeps a run's checkpointed models (inside the run directory)
+KEPT_DIR = "bench_versions"
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of a checkpoint directory named ``step-<N>`` (None for anything else: ``.tmp-*``, ``latest``)."""
+    name = path.name
+    if not name.startswith("step-") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
+
+
+def kept_versions(kept: Path) -> dict[int, Path]:
+    """``{step: model directory}`` of the versions a :class:`VersionKeeper` kept under ``kept``, step order."""
+    if not kept.is_dir():
+        return {}
+    found = {checkpoint_step(p): p for p in kept.iterdir() if p.is_dir() and (p / "config.json").is_file()}
+    return {s: found[s] for s in sorted(s for s in found if s is not None)}
+
+
+def offline_curve(metrics: Iterable[Mapping[str, Any]], rewards: Mapping[int, float]) -> list[EvalPoint]:
+    """The eval curve of versions evaluated after the run (``rewards``: ``{trainer step: reward}``, step 0
+    the initial model), each placed, as :func:`eval_curve` places in-loop evaluations, at the trainer
+    clock time of the step that produced it (the ``elapsed_s`` of that step's line; step 0 at 0 s). An
+    offline evaluation costs the run nothing, so it counts as reported the moment its version existed.
+
+    Raises:
+        BenchRunError: a step has no step line in the metrics (not a version this run made).
+    """
+    made: dict[int, tuple[int, float]] = {0: (0, 0.0)}
+    for r in metrics:
+        if "trainer/version" in r:
+            made[int(r["step"])] = (int(r["trainer/version"]), float(r["elapsed_s"]))
+    points = []
+    for step in sorted(rewards):
+        if step not in made:
+            raise BenchRunError(f"kept version of step {step} has no step line in the run's metrics")
+        version, t = made[step]
+        points.append(EvalPoint(version=version, step=step, reward=float(rewards[step]), t=t, reported_s=t))
+    return points
+
+
+def checkpoint_cost(metrics: Iterable[Mapping[str, Any]], every: int) -> dict[str, float]:
+    """What checkpointing every ``every`` steps cost a run's clock, from its step lines: the mean gap
+    before a step that follows a checkpoint (the trainer writes it between the two steps) less the mean
+    gap before the other steps (the first step, which fills the pipeline, left out), times the number
+    of checkpoints written inside the run (the one written after the last step is off the clock)."""
+    steps = [(int(r["step"]), float(r["elapsed_s"])) for r in metrics if "trainer/version" in r]
+    after, other = [], []
+    for (prev_step, prev_t), (_step, t) in zip(steps, steps[1:], strict=False):
+        (after if every and prev_step % every == 0 else other).append(t - prev_t)
+    if not after or not other:
+        return {}
+    extra = sum(after) / len(after) - sum(other) / len(other)
+    return {"checkpoint_extra_s_per_write": round(extra, 3), "checkpoint_writes_on_clock": len(after),
+            "checkpoint_cost_s": round(extra * len(after), 2)}
+
+
+class VersionKeeper:
+    """Keeps every checkpoint a running trainer writes under ``<run_dir>/checkpoints/`` (which keeps only
+    the two newest) as a loadable model directory ``<run_dir>/bench_versions/step-<N>/``: a thread polls
+    the checkpoints and hard-links each new one's top-level files (the Hugging Face model directory,
+    ``services.lib.model_io.load_policy`` reads it; ``dcp/``, the optimiser shards, is left out). A
+    checkpoint is renamed into place whole, so a ``step-<N>`` seen is complete. Records each write's
+    duration (newest minus oldest file time, ``dcp/`` included) in ``write_s``."""
+
+    def __init__(self, run_dir: Path, poll_s: float = 0.2) -> None:
+        self.src = run_dir / "checkpoints"
+        self.dst = run_dir / KEPT_DIR
+        self.poll_s = poll_s
+        self.write_s: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-version-keeper", daemon=True)
+
+    def __enter__(self) -> VersionKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sweep()  # what the last poll missed (the final checkpoint)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.sweep()
+            except OSError as e:  # a checkpoint pruned while being linked: the next poll goes on
+                log.debug("version keeper: %s", e)
+
+    def sweep(self) -> None:
+        if not self.src.is_dir():
+            return
+        for ckpt in sorted(self.src.iterdir()):
+            step = checkpoint_step(ckpt)
+            if step is None or not ckpt.is_dir() or (self.dst / ckpt.name / "config.json").is_file():
+                continue
+            with contextlib.suppress(FileNotFoundError):  # pruned meanwhile: a poll too slow, reported later
+                self._keep(step, ckpt)
+
+    def _keep(self, step: int, ckpt: Path) -> None:
+        times = [p.stat().st_mtime for p in ckpt.rglob("*") if p.is_file()]
+        tmp = self.dst / f".tmp-{ckpt.name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f in ckpt.iterdir():
+            if f.is_file():
+                try:
+                    os.link(f, tmp / f.name)
+                except OSError:
+                    shutil.copy2(f, tmp / f.name)
+        shutil.rmtree(self.dst / ckpt.name, ignore_errors=True)
+        os.replace(tmp, self.dst / ckpt.name)
+        if times:
+            self.write_s[step] = max(times) - min(times)
+
+
 # --- running ------------------------------------------------------------------------------------
 
 
@@ -268,12 +397,17 @@ def rlbus_bin() -> list[str]:
 
 
 def run_rlbus(label: str, run_dir: Path, overrides: Mapping[str, object], *, example: Path = EXAMPLE,
-              timeout_s: float = 1800.0, env: Mapping[str, str] | None = None) -> RunResult:
+              timeout_s: float = 1800.0, env: Mapping[str, str] | None = None,
+              profile: str | None = None, keep_versions: bool = False) -> RunResult:
     """Run ``rlbus run example`` to completion in ``run_dir`` (wiped first) and read its metrics.
 
     ``overrides`` are config keys (``services.trainer.total_steps``...) set with ``--set``;
     ``run.dir`` and ``run.id`` are set here; ``env`` adds environment variables (the services
-    inherit them). The CLI's output goes to ``<run_dir>.log``.
+    inherit them). The CLI's output goes to ``<run_dir>.log``. ``profile`` names a service
+    (``trainer``) to record with py-spy from its start to its exit (``<run_dir>.<service>.pyspy``);
+    the result's ``profile`` says where its time went. ``keep_versions``: every checkpoint the trainer
+    writes is kept as a model directory under ``<run_dir>/bench_versions/`` (:class:`VersionKeeper`; set
+    ``services.trainer.checkpoint_every`` for which), their write times in the result's ``checkpoint_write_s``.
 
     Raises:
         BenchRunError: the run failed, timed out or left no evaluation.
@@ -287,7 +421,16 @@ def run_rlbus(label: str, run_dir: Path, overrides: Mapping[str, object], *, exa
     log_path = run_dir.with_name(run_dir.name + ".log")
     log.info("%s: %s", label, " ".join(argv))
     t0 = time.monotonic()
-    with open(log_path, "w") as out:
+    profiler = None
+    keeper = VersionKeeper(run_dir) if keep_versions else None
+    with open(log_path, "w") as out, contextlib.ExitStack() as stack:
+        if keeper is not None:
+            stack.enter_context(keeper)
+        if profile:
+            from bench._profile import ServiceProfile
+
+            profiler = stack.enter_context(ServiceProfile(run_dir, profile, run_dir.with_name(
+                f"{run_dir.name}.{profile}.pyspy")))
         try:
             rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, timeout=timeout_s,
                                 env={**os.environ, **(env or {})}).returncode
@@ -296,7 +439,13 @@ def run_rlbus(label: str, run_dir: Path, overrides: Mapping[str, object], *, exa
     launch_s = time.monotonic() - t0
     if rc != 0 or not (run_dir / "metrics.jsonl").is_file():
         raise BenchRunError(f"{label}: rlbus run exited with {rc}; see {log_path} and {run_dir / 'logs'}")
-    return read_run(label, run_dir, launch_s)
+    result = read_run(label, run_dir, launch_s)
+    if keeper is not None:
+        result.checkpoint_write_s = dict(keeper.write_s)
+    if profiler is not None:
+        result.profile = profiler.summary()
+        log.info("%s: %s profile %s", label, profile, json.dumps(result.profile))
+    return result
 
 
 def read_run(label: str, run_dir: Path, launch_s: float = 0.0) -> RunResult:

@@ -88,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="an extra asynchronous side NAME with these keys on top; repeatable")
     p.add_argument("--reuse", action="store_true",
                    help="read a side whose run directory already holds a finished run instead of rerunning it")
+    p.add_argument("--profile", action="store_true",
+                   help="record every side's trainer with py-spy (pip install py-spy); where its time went goes "
+                        "into the JSON line (profiles, per side)")
     p.add_argument("--order", choices=["sync-first", "async-first"], default="sync-first")
     p.add_argument("--work-dir", type=Path, default=None, help="where the run directories go (default: a temp dir)")
     return p.parse_args(argv)
@@ -171,7 +174,7 @@ def compare_seed(args: argparse.Namespace, seed: int, work: Path,
             reused.append(name)
             continue
         results[name] = run_rlbus(f"{name}-s{seed}", run_dir, {**overrides(args, staleness, threads, seed), **keys},
-                                  env=env)
+                                  env=env, profile="trainer" if args.profile else None)
     curves = {name: smooth_curve(results[name].curve, args.smooth) for name in sides}
     sync = results["sync"]
     vs_sync: dict[str, dict[str, object]] = {}
@@ -202,6 +205,8 @@ def compare_seed(args: argparse.Namespace, seed: int, work: Path,
         "eval_reward_mean": {name: eval_reward_mean(results[name]) for name in sides},
         "reused": reused,
         "sides": {name: side_json(results[name]) for name in sides},
+        **({"profiles": {name: results[name].profile for name in sides if results[name].profile}}
+           if args.profile else {}),
     }
 
 

