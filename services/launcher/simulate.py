@@ -6,6 +6,8 @@ What it models (one prompt group = ``group_size`` sequences; times in seconds):
   groups_per_step``, as :mod:`services.trainer.admission` does); a group whose version is more than
   ``max_staleness`` behind is dropped; a step takes ``groups_per_step`` complete groups, runs the learner
   (``learn_fixed_s + learn_per_token_s * batch tokens``) and publishes the next version (``publish_s``).
+  With ``overlap_publish`` (the trainer's default) the publish and the commit run beside the next learner
+  step, which waits for them only before its own publish; without it they run between steps.
 * **Engines** (``engines`` of them) with continuous batching: a ticket is pulled when the engine holds
   fewer than ``max_tickets`` and waits until the engine has the ticket's version; its sequences join the
   running batch (at most ``max_batch`` sequences); one decode iteration of ``n`` sequences costs
@@ -86,6 +88,9 @@ class Simulation:
         self.tickets: deque[_Group] = deque()
         self.ready: list[_Group] = []
         self.learning = False
+        #: overlap_publish: a step's publish and commit are running (beside the next learner step)
+        self.committing = False
+        self.after_commit: Callable[[], None] | None = None
         self.staleness: Counter[int] = Counter()
         self.dropped = 0
         self.learner_times: list[float] = []
@@ -223,28 +228,61 @@ class Simulation:
 
         def learned() -> None:
             self.learner_times.append(self.t - began)
-            self.start("trainer/loop", 1.0, self.r.publish_s, published)
+            if not self.s.overlap_publish:  # publish, then commit, then the next step
+                self.start("trainer/loop", 1.0, self.r.publish_s, published)
+            elif self.committing:  # the previous step's publish and commit first (the trainer's settle)
+                self.after_commit = begin_publish
+            else:
+                begin_publish()
+
+        def begin_publish() -> None:
+            # overlap: the version moves on and the learner is free for the next batch while this one is sent
+            self._bump(batch)
+            self.committing = True
+            self.learning = False
+            self.start("trainer/loop", 1.0, self.r.publish_s, sent)
+            self._drop_stale()  # what the next collect expires at the new version
+            self._maybe_learn()
+
+        def sent() -> None:
+            self._offer()
+            self.start("trainer/loop", 1.0, self.r.commit_s, committed)
 
         def published() -> None:
-            for g in batch:
-                self.staleness[self.version - g.oldest] += 1
-            self.version += 1
-            self.step += 1
-            for e in self.engines:
-                self.start(None, 0.0, self.r.transfer_s, lambda e=e, v=self.version: e.offer(v))
+            self._bump(batch)
+            self._offer()
             self.start("trainer/loop", 1.0, self.r.commit_s, committed)
 
         def committed() -> None:
             self.in_flight -= len(batch)
-            self.learning = False
-            stale = [g for g in self.ready if self.version - g.oldest > self.s.max_staleness]
-            self.ready = [g for g in self.ready if g not in stale]
-            self._drop(stale)
+            self.learning = self.learning and self.s.overlap_publish  # serial: this step is over
+            self.committing = False
+            self._drop_stale()
             self._admit()
+            follow, self.after_commit = self.after_commit, None
+            if follow is not None:
+                follow()
             self._maybe_learn()
 
         work = self.r.learn_fixed_s + self.r.learn_per_token_s * tokens
         self.start("trainer/learner", self.s.trainer_threads, work, learned)
+
+    def _drop_stale(self) -> None:
+        stale = [g for g in self.ready if self.version - g.oldest > self.s.max_staleness]
+        self.ready = [g for g in self.ready if g not in stale]
+        self._drop(stale)
+
+    def _bump(self, batch: list[_Group]) -> None:
+        """A step's version exists: its groups' staleness is counted, the trainer is one version on."""
+        for g in batch:
+            self.staleness[self.version - g.oldest] += 1
+        self.version += 1
+        self.step += 1
+
+    def _offer(self) -> None:
+        """The version just sent reaches every engine ``transfer_s`` later."""
+        for e in self.engines:
+            self.start(None, 0.0, self.r.transfer_s, lambda e=e, v=self.version: e.offer(v))
 
     def seq_length(self) -> int:
         """A completion length around the mean, within 1..max_new_tokens."""

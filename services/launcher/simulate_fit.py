@@ -75,6 +75,7 @@ def shape_of(run_dir: Path, cores: float | None = None) -> Shape:
         max_tickets=rollout.get("max_tickets", 64), max_batch=engine.get("max_batch_size", 256),
         engine_threads=float(engine.get("num_threads", 1) or 1),
         trainer_threads=float(trainer.get("num_threads", 1) or 1),
+        overlap_publish=bool(trainer.get("overlap_publish", False)),  # runs from before the switch: serial
         cores=float(os.cpu_count() or 1) if cores is None else cores)
 
 

@@ -70,6 +70,9 @@ class Shape(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: cores each busy part wants on a shared machine
     engine_threads: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     trainer_threads: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    #: the trainer sends a version and commits its batch beside the next learner step (its
+    #: ``overlap_publish``, on by default); false: between steps
+    overlap_publish: bool = True
 
 
 class Result(msgspec.Struct, kw_only=True):

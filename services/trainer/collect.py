@@ -177,9 +177,17 @@ class Collector:
         return []
 
     def finish(self, groups: list[list[Sample]]) -> None:
-        """The groups were trained on (or all their samples dropped): their admission slots are free."""
+        """The groups were trained on (or all their samples dropped): their admission slots are free, and a
+        collect() waiting for room (the step's commit runs beside the next collect) admits more at once."""
         for g in groups:
             self.admission.finish(g[0].group_id)
+        self.arrived.set()
+
+    async def admit(self) -> None:
+        """Admit prompt groups into the room a commit freed, now: a commit that runs beside the next learner
+        step (``overlap_publish``) would otherwise leave the room empty until the next collect(), and the
+        rollouts idle for a whole learner step."""
+        await self._top_up()
 
     async def _fit_to_fleet(self) -> None:
         """Every ``FLEET_EVERY_S``, set the admission bound for the live rollout fleet."""

@@ -132,6 +132,10 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     checkpoint_every: NonNeg = 20
     #: torch intra-op threads (0: torch's default)
     num_threads: NonNeg = 0
+    #: send a step's weight version and commit its batch while the next batch is collected and trained on
+    #: (the state, outcomes and acks stay in step order); off: each step is sent and committed before the
+    #: next begins. Always off while colocated engines sleep during learner steps (enable_sleep_mode)
+    overlap_publish: bool = True
     #: how weight versions reach the engines (the rollouts' ``transport`` must match), chosen by ``type``:
     #: { type = "store", store = {...}, encoding = {...} } (the default: anchors + deltas in a blob store,
     #: objstore, s3 or fs; sends retried while the bus is away, the newest version kept for resuming),

@@ -380,6 +380,14 @@ class Learner:
         exists once there; the other ranks hold nothing more than their shards)."""
         return self._all("full_state_dict")
 
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """:meth:`state_dict` with no tensor sharing memory with the model: what the next step (updating the
+        weights in place) cannot change while the version is still being sent. Tensors the state dict already
+        made (a bf16 cast, a gather onto rank 0, LoRA's wire form) are not copied again."""
+        sd = self.state_dict()
+        live = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
+        return {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in sd.items()}
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         if self.lora is not None:  # the adapters only (services/lib/weights/lora_merge.py)
             from services.trainer.lora import adapter_state, targets_of, wire_from_state_dict

@@ -5,13 +5,23 @@
     repeat total_steps times:
         batch   = await collect()                 admission, staleness filter, groups (collect.py)
         metrics = learner.step(batch)             GRPO update in a worker thread (learner.py, loss.py)
-        await sender.send(weights, v + 1)         durable/delivered before anything is acked
-        await commit(batch)                       state saved, outcomes recorded, trajectories acked
-        checkpoint, metrics, evaluation round     (state.py, evaluation.py)
+        weights = learner.snapshot()              version v + 1, a copy the next step cannot change
+        in the background, while the next batch is collected and trained on:
+            await sender.send(weights, v + 1)     durable/delivered before anything is acked
+            await commit(batch)                   state saved, outcomes recorded, trajectories acked
+            metrics, evaluation round             (state.py, evaluation.py)
+        checkpoint (the background work settled first)
     final evaluation, final model, summary
 
 Trajectory messages are deferred by the consume handler (``Delivery.defer()``) and acked in
 ``commit``, so a crash before the version trained on them is sent redelivers them.
+
+Publishing overlaps the next step (``overlap_publish``, on by default): a step's version is sent and
+its batch committed while the next batch is collected and the learner computes the next update. The
+bookkeeping stays in order: the next step moves the state (step, version) only after the previous
+step's publish and commit have finished, so the state saved, the outcomes recorded and the acks are
+exactly those of the serial loop. The commit admits new prompt groups into the room it freed at once,
+so the rollouts generate beside the learner step as in the serial loop.
 """
 
 from __future__ import annotations
@@ -105,6 +115,8 @@ class Trainer:
                                  cfg.eval_samples, self.state.eval_history)
         self.outcomes = Outcomes(ctx, self.state)
         self.members_kv: Any = None
+        #: the previous step's publish and commit, running while the next step computes (overlap_publish)
+        self._pending: asyncio.Task[None] | None = None
         rollout = ((ctx.cfg.tree.get("services") or {}).get("rollout") or {})
         self.collector = Collector(cfg, self.state, self.task.train_prompts(seed, start=self.state.data_position),
                                    self._train_ticket, self.evals, self.outcomes, self.save_state, self._eval_done,
@@ -128,9 +140,11 @@ class Trainer:
                 if not groups:
                     break
                 await self._train_step(groups, wait_s=time.perf_counter() - t_wait)
+            await self._settle()
             if not ctx.stop.is_set():
                 await self._finish()
         finally:
+            await self._settle(quiet=True)  # a version being sent is finished, its batch committed
             ctx.stop.set()
             await consumer  # unsettled trajectories are naked on the way out: redelivered at once
 
@@ -139,15 +153,12 @@ class Trainer:
         # a rollout that failed (sandbox died, engine error) says nothing about the policy:
         # it is dropped with its error, never trained on as a zero reward
         failed = [s for s in samples if s.item.rollout.error]
-        await asyncio.gather(*(self.outcomes.record([s], "dropped", f"rollout failed: {s.item.rollout.error[:300]}")
-                               for s in failed))
         samples = [s for s in samples if not s.item.rollout.error]
         if not samples:
+            await self._settle()
+            await self._record_failed(failed)
             await self._commit(groups, failed, [])
             return
-        staleness = [self.state.version - s.version for s in samples]
-        for v in staleness:
-            _STALENESS(v)
         # one span for the step, linked to every trajectory it trains on; the version it sends carries its
         # context to the engines (their "apply weights" spans link back to it)
         with tracing.span("train step", links=tracing.link_to([s.trace for s in samples]),
@@ -155,15 +166,62 @@ class Trainer:
             async with DEVICE_SHARE.trainer_turn():  # colocated engines with enable_sleep_mode give memory back
                 with tracing.span("learner step"):
                     metrics = await asyncio.to_thread(self.learner.step, [s.item for s in samples])
+            # the previous step's version is sent and its batch committed before this step moves the state
+            t_settle = time.perf_counter()
+            await self._settle()
+            metrics["time/settle_s"] = time.perf_counter() - t_settle  # what the overlap did not hide
+            await self._record_failed(failed)
+            staleness = [self.state.version - s.version for s in samples]
+            for v in staleness:
+                _STALENESS(v)
             self.state.step += 1
             self.state.version += 1
-            with tracing.span("publish weights", version=self.state.version):
-                publish_s = await self._send_weights()  # durable before anything is acked
+            t0 = time.perf_counter()
+            overlap = self._overlaps()
+            weights = await asyncio.to_thread(self.learner.snapshot if overlap else self.learner.state_dict)
+            metrics["time/snapshot_s"] = time.perf_counter() - t0
+            metrics["time/wait_s"] = wait_s  # blocked in collect for this batch
+            done = self._publish_and_commit(groups, failed, samples, weights, metrics, staleness)
+            if overlap:
+                self._pending = asyncio.create_task(done, name=f"trainer-publish-{self.state.version}")
+            else:
+                await done
+        if self.cfg.checkpoint_every and self.state.step % self.cfg.checkpoint_every == 0:
+            await self._settle()  # the checkpoint holds this step's state: its commit first
+            await self._checkpoint()
+
+    def _overlaps(self) -> bool:
+        """Whether this step's version is sent while the next step computes: on unless configured off, or
+        while colocated engines sleep during learner steps (they must apply versions while awake)."""
+        return self.cfg.overlap_publish and DEVICE_SHARE.engines == 0
+
+    async def _settle(self, quiet: bool = False) -> None:
+        """Wait for the previous step's publish and commit (running beside this step); its error is raised
+        here (``quiet``: logged, on the way out after another error)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            await pending
+        except Exception:
+            if not quiet:
+                raise
+            log.exception("sending the last version or committing its batch failed")
+
+    async def _record_failed(self, failed: list[Sample]) -> None:
+        await asyncio.gather(*(self.outcomes.record([s], "dropped", f"rollout failed: {s.item.rollout.error[:300]}")
+                               for s in failed))
+
+    async def _publish_and_commit(self, groups: list[list[Sample]], failed: list[Sample], samples: list[Sample],
+                                  weights: dict[str, Any], metrics: dict[str, float], staleness: list[int]) -> None:
+        """Send the step's version (durable before anything is acked), commit its batch, report it, and
+        start an evaluation round when one is due."""
+        with tracing.span("publish weights", version=self.state.version):  # a child of "train step" (a task copies the context)
+            publish_s = await self._publish_version(weights)
         t_commit = time.perf_counter()
         await self._commit(groups, failed, samples)
         metrics["time/commit_s"] = time.perf_counter() - t_commit  # outcomes, state, acks
-        if self.cfg.checkpoint_every and self.state.step % self.cfg.checkpoint_every == 0:
-            await self._checkpoint()
+        await self.collector.admit()  # the freed room is filled now, not after the next learner step
         metrics.update({
             "trainer/version": float(self.state.version),
             "trainer/staleness_mean": sum(staleness) / len(staleness),
@@ -173,7 +231,6 @@ class Trainer:
             "trainer/in_flight_groups": float(len(self.collector.admission.in_flight)),
             "trainer/in_flight_peak": float(self.collector.admission.peak),
             "trainer/admission_bound": float(self.collector.admission.max_in_flight),
-            "time/wait_s": wait_s,  # blocked in collect for this batch (step time = wait + step + publish + commit)
             "time/publish_s": publish_s,
             "weights/bytes": float(self.weight_bytes),
         })
@@ -191,8 +248,11 @@ class Trainer:
     # --- weights, state, checkpoints ------------------------------------------------------------
 
     async def _send_weights(self) -> float:
+        """Send the learner's current weights as ``state.version`` (the first version, or a resumed one)."""
+        return await self._publish_version(await asyncio.to_thread(self.learner.state_dict))
+
+    async def _publish_version(self, state_dict: dict[str, Any]) -> float:
         t0 = time.perf_counter()
-        state_dict = await asyncio.to_thread(self.learner.state_dict)
         # the version's tensor bytes as sent (before a transport's delta or compression)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
         await self.sender.send(state_dict, self.state.version)

@@ -28,7 +28,8 @@ PARTS = {"iter_fixed_s": 0.125, "pipeline_latency_s": 0.125, "learn_fixed_s": 1.
 def test_a_synchronous_cycle_is_the_sum_of_its_parts():
     # one token per sequence (max_new_tokens 1): a step = one decode iteration, the hop to the trainer,
     # learner, publish, commit; the next version reaches the engine (transfer + apply) during the commit
-    shape = Shape(groups_per_step=2, group_size=2, max_new_tokens=1, completion_tokens=1, max_staleness=0)
+    shape = Shape(groups_per_step=2, group_size=2, max_new_tokens=1, completion_tokens=1, max_staleness=0,
+                  overlap_publish=False)
     result = Simulation(shape, Rates(**PARTS)).run(10)
     cycle = 0.125 + 0.125 + 1.0 + 0.5 + 0.25
     assert result.steps == 10
@@ -40,7 +41,8 @@ def test_a_synchronous_cycle_is_the_sum_of_its_parts():
 def test_asynchronous_overlaps_generation_with_training_and_caps_staleness():
     rates = Rates(**{**PARTS, "iter_fixed_s": 0.05})
     for cap in (1, 2):
-        shape = Shape(groups_per_step=4, group_size=4, max_new_tokens=16, completion_tokens=8, max_staleness=cap)
+        shape = Shape(groups_per_step=4, group_size=4, max_new_tokens=16, completion_tokens=8, max_staleness=cap,
+                      overlap_publish=False)
         sync = Simulation(msgspec_replace(shape, max_staleness=0), rates).run(30)
         run = Simulation(shape, rates).run(30)
         assert max(run.staleness) <= cap and run.staleness_mean > 0
@@ -49,8 +51,30 @@ def test_asynchronous_overlaps_generation_with_training_and_caps_staleness():
         assert run.steps_per_s == pytest.approx(1 / (1.0 + 0.5 + 0.25), rel=0.05)
 
 
-def test_shared_cores_slow_what_runs_at_once():
+def test_overlapped_publishing_runs_beside_the_next_learner_step():
+    # sync: the next batch needs the new version, and its tickets the commit's room: the cycle is the
+    # serial one; the run ends half a publish sooner (at the tenth step's bump, not after its publish)
+    shape = Shape(groups_per_step=2, group_size=2, max_new_tokens=1, completion_tokens=1, max_staleness=0)
+    assert shape.overlap_publish  # the trainer's default
+    sync = Simulation(shape, Rates(**PARTS)).run(10)
+    serial = Simulation(msgspec_replace(shape, overlap_publish=False), Rates(**PARTS)).run(10)
+    assert sync.steps == 10 and sync.staleness == {0: 20}
+    assert sync.sim_s == pytest.approx(serial.sim_s - 0.5)
+    # async, each part on its own device: publish + commit (0.75 s) run beside the next learner step in the
+    # trainer's process, whose two threads share one interpreter: the learner slows to 1.3 s, the step stays
+    # the serial 1.75 s (the model charges publishing as the process's CPU work, not as waiting)
+    rates = Rates(**{**PARTS, "iter_fixed_s": 0.05})
     shape = Shape(groups_per_step=4, group_size=4, max_new_tokens=16, completion_tokens=8, max_staleness=1)
+    run = Simulation(shape, rates).run(30)
+    serial = Simulation(msgspec_replace(shape, overlap_publish=False), rates).run(30)
+    assert run.learner_s == pytest.approx(1.3, rel=0.02) and serial.learner_s == pytest.approx(1.0)
+    assert run.steps_per_s == pytest.approx(serial.steps_per_s, rel=0.02)
+    assert max(run.staleness) <= 1 and run.staleness == serial.staleness
+
+
+def test_shared_cores_slow_what_runs_at_once():
+    shape = Shape(groups_per_step=4, group_size=4, max_new_tokens=16, completion_tokens=8, max_staleness=1,
+                  overlap_publish=False)
     rates = Rates(**{**PARTS, "iter_fixed_s": 0.05})
     own = Simulation(shape, rates).run(30)
     one_core = Simulation(msgspec_replace(shape, cores=1), rates).run(30)
