@@ -116,22 +116,18 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._offline_eval import held_out_reward, offline_overrides, run_curve  # noqa: E402
 from bench._rlbus_runs import (  # noqa: E402
     EXAMPLE,
-    KEPT_DIR,
     REPO,
     BenchRunError,
     EvalPoint,
     RunResult,
-    checkpoint_cost,
     compare,
     curve_json,
     default_target,
     final_reward,
-    kept_versions,
-    offline_curve,
     ratio,
-    read_metrics,
     run_rlbus,
     smooth_curve,
 )
@@ -286,41 +282,6 @@ def held_out_set(args: argparse.Namespace, cfg: Any, task: Any) -> list[Any]:
     return task.eval_prompts()[: eval_prompt_count(args, cfg) or None]
 
 
-def held_out_reward(model: Any, tokenizer: Any, task: Any, eval_set: list[Any], cfg: Any) -> float:
-    """One evaluation, the same for both sides: ``evaluate_task`` (HF ``generate``) on ``eval_set``,
-    ``eval_samples`` samples a prompt at ``eval_temperature``, the example's completion length. Torch
-    threads are the caller's (``--trl-threads`` on both sides)."""
-    from services.tasks.evaluate import evaluate_task
-
-    return evaluate_task(model, tokenizer, task, eval_set, samples_per_prompt=cfg.eval_samples,
-                         temperature=cfg.eval_temperature, max_new_tokens=cfg.max_new_tokens or task.max_new_tokens)
-
-
-def evaluate_versions(args: argparse.Namespace, cfg: Any, versions: dict[int, Path]) -> dict[int, float]:
-    """``{step: reward}`` of model directories ``{step: dir}`` (step 0: the initial model), each loaded as
-    TRL's model is (float32) and evaluated with :func:`held_out_reward` on ``--trl-threads`` threads, the
-    torch RNG seeded once with ``--seed`` (TRL's callback samples from the seeded global RNG too)."""
-    import torch
-
-    from services.lib.model_io import load_policy
-    from services.tasks import get_task
-
-    torch.set_num_threads(args.trl_threads)
-    torch.manual_seed(args.seed)
-    task = get_task(cfg.task, **cfg.task_options)
-    eval_set = held_out_set(args, cfg, task)
-    rewards = {}
-    for step, path in sorted(versions.items()):
-        model, tokenizer = load_policy(path, "float32")
-        rewards[step] = held_out_reward(model, tokenizer, task, eval_set, cfg)
-        log.info("rlbus (offline): eval of step %d (%s): reward %.3f", step, path.name, rewards[step])
-        del model
-    return rewards
-
-
-# --- TRL side -----------------------------------------------------------------------------------
-
-
 def prompt_text(tokenizer: Any, task: Any, prompt: Any) -> str:
     """The prompt as text that TRL's tokenizer call turns into exactly ``task.format_prompt``'s ids.
 
@@ -449,27 +410,10 @@ def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
 
 def rlbus_offline_curve(args: argparse.Namespace, cfg: Any, model_dir: Path,
                         r: RunResult) -> tuple[list[EvalPoint], dict[str, Any]]:
-    """The rlbus run's curve from its kept versions (every ``eval_every``-th step and the last) and the
-    initial model, evaluated now as TRL's callback evaluates, placed at the steps' trainer clock times;
-    and figures about it (checkpoint cost, offline eval time, versions the keeper missed)."""
-    metrics = read_metrics(r.run_dir / "metrics.jsonl")
-    done = [int(m["step"]) for m in metrics if "trainer/version" in m]
-    last = max(done, default=0)
-    kept = kept_versions(r.run_dir / KEPT_DIR)
-    wanted = {s for s in done if s % args.eval_every == 0} | {last}
-    versions = {0: model_dir, **{s: p for s, p in kept.items() if s in wanted}}
-    missing = sorted(wanted - set(versions))
-    if missing:
-        log.warning("rlbus (offline): versions of steps %s were pruned before the bench kept them", missing)
-    t0 = time.monotonic()
-    curve = offline_curve(metrics, evaluate_versions(args, cfg, versions))
-    writes = [v for s, v in r.checkpoint_write_s.items() if s < last]  # the last one is written after the clock
-    return curve, {
-        "eval_s_total": round(time.monotonic() - t0, 1),
-        "versions_missing": missing,
-        "checkpoint_write_s_mean": round(sum(writes) / len(writes), 3) if writes else None,
-        **checkpoint_cost(metrics, args.eval_every),
-    }
+    """The rlbus run's curve from its kept versions, evaluated now as TRL's callback evaluates (the same
+    :func:`held_out_reward`, float32, ``--trl-threads`` threads, seeded with ``--seed``)."""
+    return run_curve(r, cfg, model_dir, eval_every=args.eval_every, eval_prompts=eval_prompt_count(args, cfg),
+                     threads=args.trl_threads, seed=args.seed)
 
 
 def eval_prompt_count(args: argparse.Namespace, cfg: Any) -> int:
@@ -494,19 +438,9 @@ def rlbus_overrides(args: argparse.Namespace, cfg: Any | None = None) -> dict[st
 
 def rlbus_eval_overrides(args: argparse.Namespace) -> dict[str, object]:
     """On top of :func:`rlbus_overrides`, what ``--rlbus-eval`` changes. ``inloop``: nothing (the trainer
-    evaluates every ``eval_every`` steps through its rollout engine). ``offline``: no evaluation in the
-    loop and a checkpoint every ``eval_every`` steps, which the bench keeps and evaluates after the run.
-    The trainer still evaluates at its start and end with ``eval_every = 0`` (services/trainer/service.py
-    ``run``/``_finish``; no key turns that off), so those shrink to one prompt, one sample: the start round
-    otherwise competes with the first steps (the end round comes after the last step, off the clock)."""
-    if args.rlbus_eval == "inloop":
-        return {}
-    return {
-        "services.trainer.eval_every": 0,
-        "services.trainer.eval_prompts": 1,
-        "services.trainer.eval_samples": 1,
-        "services.trainer.checkpoint_every": args.eval_every,
-    }
+    evaluates every ``eval_every`` steps through its rollout engine). ``offline``: see
+    :func:`bench._offline_eval.offline_overrides`."""
+    return {} if args.rlbus_eval == "inloop" else offline_overrides(args.eval_every)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -238,3 +238,16 @@ def test_vs_trl_offline_mode_evaluates_nothing_in_the_loop_and_keeps_every_eval_
     inloop = parse_args(["--rlbus-eval", "inloop"])
     apply_defaults(inloop)
     assert rlbus_eval_overrides(inloop) == {}
+
+
+def test_async_vs_sync_evaluates_every_side_offline_by_default() -> None:
+    from bench._offline_eval import offline_overrides
+    from bench.async_vs_sync import overrides, parse_args
+
+    args = parse_args(["--eval-every", "7"])
+    assert args.eval == "offline" and parse_args(["--eval", "inloop"]).eval == "inloop"
+    args.steps, args.eval_prompts = 50, 20
+    # what a side runs with offline: its own keys, then no evaluation in the loop and a checkpoint every 7 steps
+    keys = {**overrides(args, 1, 1, 0), **offline_overrides(args.eval_every)}
+    assert keys["services.trainer.eval_every"] == 0 and keys["services.trainer.checkpoint_every"] == 7
+    assert keys["services.trainer.max_staleness"] == 1 and keys["services.trainer.total_steps"] == 50

@@ -1,0 +1,101 @@
+"""Evaluate an rlbus run after it finished, off its clock: the RL benches' ``offline`` evaluation.
+
+In the loop the trainer evaluates through its own rollout engine, on the same cores as training, so an
+evaluation round slows the run it measures (and an asynchronous run, which has no idle core to hide it
+in, more than a synchronous one). Offline, the run evaluates nothing in the loop (:func:`offline_overrides`)
+and checkpoints every ``eval_every`` steps, which :class:`bench._rlbus_runs.VersionKeeper` keeps
+(``run_rlbus(..., keep_versions=True)``); after the run each kept version and the initial model are
+evaluated here with :func:`held_out_reward` (``evaluate_task``: HF ``generate``, float32) and placed at the
+trainer clock time of the step that made it (:func:`bench._rlbus_runs.offline_curve`). ``bench/vs_trl.py``
+evaluates TRL's side with the same :func:`held_out_reward`, its clock stopped meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from bench._rlbus_runs import (
+    KEPT_DIR,
+    EvalPoint,
+    RunResult,
+    checkpoint_cost,
+    kept_versions,
+    offline_curve,
+    read_metrics,
+)
+
+log = logging.getLogger("rlbus.bench")
+
+
+def offline_overrides(eval_every: int) -> dict[str, object]:
+    """Config keys of an offline-evaluated run: no evaluation in the loop, a checkpoint every ``eval_every``
+    steps. The trainer still evaluates at its start and end with ``eval_every = 0`` (no key turns that off),
+    so those shrink to one prompt, one sample: the start round would otherwise compete with the first steps
+    (the end round comes after the last step, off the clock)."""
+    return {
+        "services.trainer.eval_every": 0,
+        "services.trainer.eval_prompts": 1,
+        "services.trainer.eval_samples": 1,
+        "services.trainer.checkpoint_every": eval_every,
+    }
+
+
+def held_out_reward(model: Any, tokenizer: Any, task: Any, eval_set: list[Any], cfg: Any) -> float:
+    """One evaluation: ``evaluate_task`` (HF ``generate``) on ``eval_set``, ``cfg.eval_samples`` samples a
+    prompt at ``cfg.eval_temperature``, the trainer's completion length. Torch threads are the caller's."""
+    from services.tasks.evaluate import evaluate_task
+
+    return evaluate_task(model, tokenizer, task, eval_set, samples_per_prompt=cfg.eval_samples,
+                         temperature=cfg.eval_temperature, max_new_tokens=cfg.max_new_tokens or task.max_new_tokens)
+
+
+def evaluate_versions(cfg: Any, versions: dict[int, Path], *, eval_prompts: int, threads: int,
+                      seed: int) -> dict[int, float]:
+    """``{step: reward}`` of model directories ``{step: dir}`` (step 0: the initial model), each loaded in
+    float32 and evaluated with :func:`held_out_reward` on the task's first ``eval_prompts`` held-out prompts
+    (0: all), on ``threads`` torch threads, the torch RNG seeded once with ``seed``."""
+    import torch
+
+    from services.lib.model_io import load_policy
+    from services.tasks import get_task
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    task = get_task(cfg.task, **cfg.task_options)
+    eval_set = task.eval_prompts()[: eval_prompts or None]
+    rewards = {}
+    for step, path in sorted(versions.items()):
+        model, tokenizer = load_policy(path, "float32")
+        rewards[step] = held_out_reward(model, tokenizer, task, eval_set, cfg)
+        log.info("offline eval of step %d (%s): reward %.3f", step, path.name, rewards[step])
+        del model
+    return rewards
+
+
+def run_curve(r: RunResult, cfg: Any, model_dir: Path, *, eval_every: int, eval_prompts: int, threads: int,
+              seed: int) -> tuple[list[EvalPoint], dict[str, Any]]:
+    """The run's curve from its kept versions (every ``eval_every``-th step and the last) and the initial
+    model ``model_dir``, placed at the steps' trainer clock times; and figures about it (checkpoint cost,
+    offline eval time, versions the keeper missed)."""
+    metrics = read_metrics(r.run_dir / "metrics.jsonl")
+    done = [int(m["step"]) for m in metrics if "trainer/version" in m]
+    last = max(done, default=0)
+    kept = kept_versions(r.run_dir / KEPT_DIR)
+    wanted = {s for s in done if s % eval_every == 0} | {last}
+    versions = {0: model_dir, **{s: p for s, p in kept.items() if s in wanted}}
+    missing = sorted(wanted - set(versions))
+    if missing:
+        log.warning("%s: versions of steps %s were pruned before the bench kept them", r.label, missing)
+    t0 = time.monotonic()
+    curve = offline_curve(metrics, evaluate_versions(cfg, versions, eval_prompts=eval_prompts, threads=threads,
+                                                     seed=seed))
+    writes = [v for s, v in r.checkpoint_write_s.items() if s < last]  # the last one is written after the clock
+    return curve, {
+        "eval_s_total": round(time.monotonic() - t0, 1),
+        "versions_missing": missing,
+        "checkpoint_write_s_mean": round(sum(writes) / len(writes), 3) if writes else None,
+        **checkpoint_cost(metrics, eval_every),
+    }
