@@ -75,8 +75,21 @@ def shape_of(run_dir: Path, cores: float | None = None) -> Shape:
         max_tickets=rollout.get("max_tickets", 64), max_batch=engine.get("max_batch_size", 256),
         engine_threads=float(engine.get("num_threads", 1) or 1),
         trainer_threads=float(trainer.get("num_threads", 1) or 1),
-        overlap_publish=bool(trainer.get("overlap_publish", False)),  # runs from before the switch: serial
+        overlap_publish=bool(trainer.get("overlap_publish", _overlapped(run_dir))),
         cores=float(os.cpu_count() or 1) if cores is None else cores)
+
+
+def _overlapped(run_dir: Path) -> bool:
+    """Whether a run that left ``overlap_publish`` at its default published beside its next step: the default
+    (on) since the trainer reports ``time/settle_s``; runs from before that were serial."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return True
+    with open(path) as f:
+        for line in f:
+            if '"time/step_s"' in line:
+                return '"time/settle_s"' in line
+    return True
 
 
 def measure(run_dir: Path) -> Measured:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -147,3 +148,18 @@ def test_a_fit_to_an_asynchronous_run_predicts_a_synchronous_one(tmp_path, loop_
     error = predicted.steps_per_s / target.steps_per_s - 1
     print(f"predicted {predicted.steps_per_s:.3f} steps/s, measured {target.steps_per_s:.3f} ({error:+.1%})")
     assert abs(error) <= 0.25, (predicted.steps_per_s, target, measured, rates)
+
+
+def test_a_fit_reads_whether_the_run_published_beside_its_next_step(tmp_path):
+    def run(name: str, trainer: dict, step_line: dict) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.resolved.json").write_text(json.dumps({"services": {"trainer": trainer}}))
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/reward": 0.1}) + "\n" + json.dumps(step_line) + "\n")
+        return d
+
+    # the key left at its default: the trainer's default since it reports time/settle_s, serial before that
+    assert shape_of(run("now", {}, {"step": 1, "time/step_s": 0.1, "time/settle_s": 0.0})).overlap_publish
+    assert not shape_of(run("before", {}, {"step": 1, "time/step_s": 0.1})).overlap_publish
+    assert not shape_of(run("off", {"overlap_publish": False},
+                            {"step": 1, "time/step_s": 0.1, "time/settle_s": 0.0})).overlap_publish
