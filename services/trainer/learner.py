@@ -385,6 +385,8 @@ class Learner:
         weights in place) cannot change while the version is still being sent. Tensors the state dict already
         made (a bf16 cast, a gather onto rank 0, LoRA's wire form) are not copied again."""
         sd = self.state_dict()
+        if self.world_size > 1:  # gathered onto rank 0's host memory: copies already (FSDP's own are DTensors)
+            return sd
         live = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
         return {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in sd.items()}
 
