@@ -20,35 +20,10 @@ from proto.accounting import OutcomeBatch
 from proto.weights import WeightAnnouncement
 from services.launcher import registry
 from services.runtime import service
-from services.runtime.config import load_service_config
-from tests.trainer.test_resume import RUN, _stand_in
+from tests.conftest import wait_for_async
+from tests.trainer.test_resume import RUN, _config, _stand_in
 
 STEPS = 6
-
-
-def _config(tmp_path, nats_url, model_dir, overlap: bool):
-    cfg = tmp_path / "run.toml"
-    cfg.write_text(f"""
-[run]
-id = "{RUN}"
-dir = "{tmp_path / 'run'}"
-[nats]
-url = "{nats_url}"
-[services.trainer]
-model = "{model_dir}"
-groups_per_step = 2
-group_size = 2
-max_new_tokens = 4
-total_steps = {STEPS}
-max_staleness = 1
-eval_every = 0
-eval_prompts = 1
-checkpoint_every = 4
-num_threads = 1
-overlap_publish = {str(overlap).lower()}
-""")
-    cfg_cls, _ = registry.load("trainer")
-    return load_service_config("trainer", cfg_cls, cfg)
 
 
 @pytest.mark.slow
@@ -70,11 +45,14 @@ async def test_outcomes_follow_their_version_and_every_step_trains_once(nats_url
     await nc.flush()
     await _stand_in(nc, [])
     factory = registry.load("trainer")[1]
-    code = await asyncio.wait_for(service.serve("trainer", factory, _config(tmp_path, nats_url, loop_model_dir,
-                                                                             overlap), "trainer-0"), 240)
+    cfg = _config(tmp_path, nats_url, loop_model_dir, STEPS, 4, groups_per_step=2, max_staleness=1,
+                  overlap_publish=overlap)
+    code = await asyncio.wait_for(service.serve("trainer", factory, cfg, "trainer-0"), 240)
     assert code == 0
-    await nc.flush()
-    await asyncio.sleep(0.2)
+    # the last step's announcement and outcomes, published before the trainer stopped, reach this connection
+    await wait_for_async(lambda: sum(kind == "announce" for kind, _ in seen) == STEPS + 1 and
+                         sum(kind == "trained" for kind, _ in seen) == STEPS * 2 * 2, 30,
+                         "every version's announcement and every trained outcome")
     await nc.close()
 
     announced = [v for kind, v in seen if kind == "announce"]

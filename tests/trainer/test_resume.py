@@ -27,7 +27,12 @@ from tests.conftest import wait_for_async
 RUN = "resumerun"
 
 
-def _config(tmp_path, nats_url, model_dir, total_steps: int, checkpoint_every: int):
+def _config(tmp_path, nats_url, model_dir, total_steps: int, checkpoint_every: int, **trainer):
+    """The trainer's config of these tests; ``trainer`` overrides keys of ``[services.trainer]``."""
+    keys = {"model": str(model_dir), "groups_per_step": 1, "group_size": 2, "max_new_tokens": 4,
+            "total_steps": total_steps, "max_staleness": 0, "eval_every": 0, "eval_prompts": 1,
+            "checkpoint_every": checkpoint_every, "num_threads": 1, **trainer}
+    table = "\n".join(f"{k} = {json.dumps(v)}" for k, v in keys.items())  # JSON scalars are TOML scalars
     cfg = tmp_path / f"run-{total_steps}-{checkpoint_every}.toml"
     cfg.write_text(f"""
 [run]
@@ -36,16 +41,7 @@ dir = "{tmp_path / 'run'}"
 [nats]
 url = "{nats_url}"
 [services.trainer]
-model = "{model_dir}"
-groups_per_step = 1
-group_size = 2
-max_new_tokens = 4
-total_steps = {total_steps}
-max_staleness = 0
-eval_every = 0
-eval_prompts = 1
-checkpoint_every = {checkpoint_every}
-num_threads = 1
+{table}
 """)
     cfg_cls, _ = registry.load("trainer")
     return load_service_config("trainer", cfg_cls, cfg)
