@@ -177,11 +177,10 @@ class Collector:
         return []
 
     def finish(self, groups: list[list[Sample]]) -> None:
-        """The groups were trained on (or all their samples dropped): their admission slots are free, and a
-        collect() waiting for room (the step's commit runs beside the next collect) admits more at once."""
+        """The groups were trained on (or all their samples dropped): their admission slots are free (the
+        trainer fills them with :meth:`admit` after its commit)."""
         for g in groups:
             self.admission.finish(g[0].group_id)
-        self.arrived.set()
 
     async def admit(self) -> None:
         """Admit prompt groups into the room a commit freed, now: a commit that runs beside the next learner
