@@ -118,8 +118,9 @@ def replay_step(run_dir: str | Path, step: int) -> Replayed:
 
     from services.tasks.models import resolve_model
     from services.trainer.config import TrainerConfig
-    from services.trainer.learner import Learner, StepInput
+    from services.trainer.learner import Learner
     from services.trainer.optim import clip_grad_norm
+    from services.trainer.step_input import StepInput
 
     run_dir = Path(run_dir)
     if step < 1:

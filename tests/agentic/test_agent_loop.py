@@ -22,7 +22,7 @@ from services.rollout.service import RolloutService
 from services.runtime import bus as runtime_bus
 from services.tasks import get_task
 from services.tasks.grader_specs import RewardGraderSpec, SandboxTestsSpec
-from services.trainer.learner import completion_tensors
+from services.trainer.step_input import completion_tensors
 
 SCRIPT = [
     "I will write the function.\n```python file=solution.py\ndef add_2(x):\n    return x + 2\n```\n",

@@ -11,7 +11,8 @@ import torch
 
 from services.trainer import batching, devices
 from services.trainer.config import TrainerConfig
-from services.trainer.learner import Learner, StepInput
+from services.trainer.learner import Learner
+from services.trainer.step_input import StepInput
 from tests.distributed.rank_script import batch
 from tests.distributed.test_ranks import _max_diff, _run, _weights
 

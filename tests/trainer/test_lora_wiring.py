@@ -24,8 +24,9 @@ from services.lib.weights import lora_merge
 from services.runtime.config import ConfigError, convert
 from services.trainer import devices
 from services.trainer.config import TrainerConfig
-from services.trainer.learner import Learner, StepInput
+from services.trainer.learner import Learner
 from services.trainer.lora import merged_state
+from services.trainer.step_input import StepInput
 from tests.distributed.rank_script import batch
 
 LORA = {"r": 4, "alpha": 8.0}
