@@ -11,8 +11,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.launcher import simulate_cmd
-from services.launcher.connect import bus_sections, overrides, with_connection
+from services.launcher import replay_cmd, simulate_cmd
+from services.launcher.connect import add_bus_args, bus_sections, overrides, with_connection
 from services.runtime.config import ConfigError, RunSection, convert, load_service_config, load_tree
 from services.runtime.service import CONFIG_ERROR_EXIT
 
@@ -21,17 +21,6 @@ rlbus: reinforcement-learning post-training of language models as independent
 services on NATS JetStream. Every command reads the same run file (TOML);
 values can be overridden by RLBUS__SECTION__KEY environment variables and by
 --set section.key=value flags, in that order."""
-
-
-def _common_bus_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", metavar="FILE", help="run file (TOML); its [run] and [nats] sections are used")
-    p.add_argument("--nats-url", metavar="URL", help="NATS server URL (overrides [nats] url)")
-    p.add_argument("--run-id", metavar="ID", help="run id (overrides [run] id)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set services.rollout.concurrency=64 (repeatable)")
-    p.add_argument("--run-dir", metavar="DIR", help="read a finished or stopped run from its directory: its stored "
-                   "JetStream is started on a free port and read (default: the live server; when none answers, "
-                   "the run directory of --config is read this way)")
 
 
 DEFAULT_EXAMPLE = "addition"  # the main job: README, `./rlbus run`
@@ -96,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("name", metavar="NAME", help="service name (see `rlbus services`), or several joined by + "
                      "to colocate them in one process on one event loop (e.g. trainer+rollout, which the inproc "
                      "weight transport needs); a colocated group stops as a whole when any part stops")
-    _common_bus_args(svc)
+    add_bus_args(svc)
     svc.add_argument("--instance", metavar="ID", help="instance id (default: host-pid-random); a colocated part "
                      "gets this id with the group name replaced by its own (trainer+rollout-0 -> rollout-0)")
     svc.add_argument("--part-set", dest="part_overrides", action="append", default=[], metavar="PART:KEY=VALUE",
@@ -110,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "or a stream name in capitals (TRAJECTORIES). Without --from-start/--since it shows "
                          "new messages live; with them it replays what the stream stored.")
     tap.add_argument("target", metavar="SUBJECT_OR_STREAM")
-    _common_bus_args(tap)
+    add_bus_args(tap)
     tap.add_argument("--from-start", action="store_true", help="replay the stream from its first message")
     tap.add_argument("--since", metavar="WHEN", help="replay from a time: 30s, 5m, 2h, 1d ago or ISO-8601")
     tap.add_argument("--count", type=int, metavar="N", help="stop after N messages")
@@ -121,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="members, stream depths, consumer lag, latest weight version",
                         description="Show the run's live members (from heartbeats), stream depths, the lag of "
                         "this run's consumers and the latest weight version.")
-    _common_bus_args(st)
+    add_bus_args(st)
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
                     help="refresh in place every SECONDS (default 2) until Ctrl-C")
@@ -149,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "replicas are only raised, storage is never changed. What rlbus up does before "
                           "services start; run it once (with a login that may update streams) before the "
                           "services of a deployment start.")
-    _common_bus_args(prov)
+    add_bus_args(prov)
 
     tr = sub.add_parser("trace", help="a prompt group's trace as a tree with timings, from the run directory",
                         description="Print the trace of one prompt group (admission, rollout generation with its "
@@ -164,32 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key (repeatable)")
 
-    rp = sub.add_parser("replay", help="recompute a recorded train step from the run directory",
-                        description="replay step N: rebuild trainer step N of a run from its run directory (the "
-                        "trajectories it trained on, in batch order, from the stored streams; the weights of version "
-                        "N-1 from the run's weight store), recompute its loss and gradient norm with the trainer's "
-                        "code and compare them with metrics.jsonl (bit-identical on the CPU). Exit 0 when identical, "
-                        "1 when they differ, 2 when the step cannot be rebuilt (the message says what is missing).")
-    rps = rp.add_subparsers(dest="what", required=True, metavar="{step,dlq}")
-    rstep = rps.add_parser("step", help="recompute trainer step N and compare it with what was recorded")
-    rstep.add_argument("n", type=int, metavar="N", help="the trainer step (from 1)")
-    rstep.add_argument("--run-dir", metavar="DIR", help="the run directory (default: [run] dir of --config)")
-    rstep.add_argument("--config", "-c", metavar="FILE", help="run file (TOML) whose [run] dir is replayed")
-    rdlq = rps.add_parser("dlq", help="list a family's dead letters; --publish sends them to their subjects again",
-                          description="List the dead letters of FAMILY (rollouts, trajectories, prompts, ...) with "
-                          "why each failed; after inspection (and a fix of what failed them), --publish re-publishes "
-                          "their original payloads to their original subjects, each with a new message id. The "
-                          "dead letters themselves stay on record. Works on a live run, or on a finished one "
-                          "with --run-dir.")
-    rdlq.add_argument("--family", required=True, metavar="FAMILY", help="the family of the failed messages")
-    rdlq.add_argument("--publish", action="store_true", help="re-publish them (default: only list)")
-    rdlq.add_argument("--fix", action="append", default=[], metavar="PATH=VALUE",
-                      help="change a field before re-publishing (implies --publish; repeatable): dotted path, "
-                           "list indices as numbers, VALUE a JSON literal (else text), e.g. --fix metadata.answer='\"5\"';"
-                           " a fix that names no field, or leaves an invalid message, sends nothing")
-    rdlq.add_argument("--seq", type=int, action="append", metavar="N",
-                      help="only the dead letter with this DLQ sequence number (repeatable)")
-    _common_bus_args(rdlq)
+    replay_cmd.add_parser(sub)
 
     sub.add_parser("services", help="list the services this installation can run",
                    description="List the service names `rlbus service NAME` and [launcher] services accept: the "
@@ -480,40 +444,6 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return schema.main(args.out, args.check)
 
 
-def cmd_replay(args: argparse.Namespace) -> int:
-    from services.launcher.replay import ReplayError, dead_letters, replay_step, republish
-
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    if args.what == "dlq":
-        async def go(nc, run_id):
-            letters = await dead_letters(nc, run_id, args.family)
-            if args.seq:
-                letters = [x for x in letters if x.seq in set(args.seq)]
-            for x in letters:
-                print(x.line())
-            if not letters:
-                print(f"no dead letters of family {args.family!r} in run {run_id}")
-            elif args.publish or args.fix:
-                n = await republish(nc, letters, attempt=str(time.time_ns()), fixes=args.fix)
-                fixed = f" with {len(args.fix)} fix(es)" if args.fix else ""
-                print(f"re-published {n} message(s){fixed} to their original subjects")
-            return 0
-
-        try:
-            return asyncio.run(with_connection(args, go))
-        except ReplayError as e:
-            print(f"rlbus replay: {e}", file=sys.stderr)
-            return 2
-    run_dir = args.run_dir or convert(load_tree(args.config, None, []).get("run"), RunSection, "run").dir
-    try:
-        result = replay_step(run_dir, args.n)
-    except ReplayError as e:
-        print(f"rlbus replay: {e}", file=sys.stderr)
-        return 2
-    print(result.report())
-    return 0 if result.identical else 1
-
-
 def cmd_services(args: argparse.Namespace) -> int:
     from services.launcher import registry
 
@@ -522,7 +452,7 @@ def cmd_services(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": cmd_run, "up": cmd_up, "service": cmd_service, "tap": cmd_tap, "status": cmd_status, "services": cmd_services,
-            "trace": cmd_trace, "replay": cmd_replay,
+            "trace": cmd_trace, "replay": replay_cmd.main,
             "provision": cmd_provision, "schema": cmd_schema, "scale": cmd_scale, "simulate": simulate_cmd.main}
 
 

@@ -15,6 +15,19 @@ from services.runtime.config import ConfigError, RunSection, convert, load_tree
 T = TypeVar("T")
 
 
+def add_bus_args(p: argparse.ArgumentParser) -> None:
+    """The options of every command that reads a run's bus (what :func:`bus_sections` and
+    :func:`with_connection` read back)."""
+    p.add_argument("--config", "-c", metavar="FILE", help="run file (TOML); its [run] and [nats] sections are used")
+    p.add_argument("--nats-url", metavar="URL", help="NATS server URL (overrides [nats] url)")
+    p.add_argument("--run-id", metavar="ID", help="run id (overrides [run] id)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set services.rollout.concurrency=64 (repeatable)")
+    p.add_argument("--run-dir", metavar="DIR", help="read a finished or stopped run from its directory: its stored "
+                   "JetStream is started on a free port and read (default: the live server; when none answers, "
+                   "the run directory of --config is read this way)")
+
+
 def overrides(args: argparse.Namespace) -> list[str]:
     """``--set`` values plus ``--nats-url`` and ``--run-id`` as config overrides."""
     o = list(args.overrides)
