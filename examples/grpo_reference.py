@@ -2,10 +2,13 @@
 
 Runs the same loss, optimiser and model I/O the trainer service uses, with
 ``model.generate`` as the sampler, to find settings that learn and to measure
-what a run without services achieves. Prints one JSON line per evaluation and
-a summary JSON line at the end.
+what a run without services achieves. Prints one JSON line per evaluation
+(``eval_reward``), one per ``--log-every`` steps (``train_reward``, ``loss``,
+``grad_norm``) and a summary JSON line at the end (with ``param_change``, the L2
+norm of what the run changed in the weights).
 
     .venv/bin/python examples/grpo_reference.py --budget-s 300
+    .venv/bin/python examples/grpo_reference.py --steps 20 --log-every 1   # a quick look
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--budget-s", type=float, default=300.0, help="stop after this many seconds of RL (no eval)"
     )
-    p.add_argument("--max-steps", type=int, default=100_000)
+    p.add_argument("--max-steps", "--steps", dest="max_steps", type=int, default=100_000, help="stop after N steps")
     p.add_argument("--eval-every", type=int, default=25, help="evaluate every N steps")
     p.add_argument("--eval-samples", type=int, default=1, help="samples per held-out prompt")
+    p.add_argument("--save-dir", type=Path, default=None, help="save the trained model here (a HF directory)")
+    p.add_argument("--log-every", type=int, default=0, help="print a JSON line of the step's figures every N steps")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     return p.parse_args(argv)
 
@@ -57,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from services.lib.model_io import load_policy, sequence_logprobs
+    from services.lib.model_io import load_policy, save_policy, sequence_logprobs
     from services.tasks import get_task
     from services.tasks.evaluate import evaluate_task, generate_completions
     from services.tasks.tiny_model import DEFAULT_WARMUP_STEPS, ensure_tiny_model
@@ -74,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_policy(model_dir)
     task = get_task("addition")
     optimizer = build_optimizer(model, lr=args.lr)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     stream = task.train_prompts(seed=args.seed)
 
     def evaluate(step: int, rl_seconds: float) -> float:
@@ -92,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     curve = [(0, 0.0, evaluate(0, 0.0))]
     rl_seconds, step = 0.0, 0
+    last: dict[str, float] = {}  # the newest step's figures
     while step < args.max_steps and rl_seconds < args.budget_s:
         t0 = time.monotonic()
         # 1. Sample a group of completions per prompt with the current policy.
@@ -121,6 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         metrics |= optimizer_step(model, optimizer, max_grad_norm=args.max_grad_norm)
         step += 1
         rl_seconds += time.monotonic() - t0
+        last = {
+            "step": step,
+            "train_reward": sum(rewards) / len(rewards),
+            "loss": metrics["losses/total"],
+            "grad_norm": metrics["optim/grad_norm"],
+        }
+        if args.log_every and step % args.log_every == 0:
+            print(json.dumps(last), flush=True)
         if step % args.eval_every == 0:
             logging.info(
                 "step %d reward %.3f %s",
@@ -132,17 +147,24 @@ def main(argv: list[str] | None = None) -> int:
     if curve[-1][0] != step:
         curve.append((step, rl_seconds, evaluate(step, rl_seconds)))
     start, best = curve[0][2], max(c[2] for c in curve)
+    with torch.no_grad():
+        change = sum(float((p - initial[n]).float().pow(2).sum()) for n, p in model.named_parameters()) ** 0.5
     summary = {
         "start_eval_reward": start,
         "final_eval_reward": curve[-1][2],
         "best_eval_reward": best,
         "gain_points": round(100 * (curve[-1][2] - start), 1),
         "steps": step,
+        "final_train_reward": last.get("train_reward"),
+        "final_loss": last.get("loss"),
+        "param_change": change,
         "rl_s": round(rl_seconds, 1),
         "s_per_step": round(rl_seconds / max(1, step), 3),
         "wall_s": round(time.monotonic() - started, 1),
         "settings": {k: str(v) for k, v in vars(args).items()},
     }
+    if args.save_dir:
+        save_policy(model, tokenizer, args.save_dir)
     print(json.dumps(summary), flush=True)
     return 0
 
