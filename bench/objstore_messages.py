@@ -25,7 +25,7 @@ import nats  # noqa: E402
 from weightsync import MB, random_state, raw_loopback_MBps  # noqa: E402
 
 from services.lib.weights.client import WeightPublisher, WeightSubscriber  # noqa: E402
-from services.lib.weights.config import EncodingConfig, ObjStoreConfig  # noqa: E402
+from services.runtime.weights_config import EncodingConfig, ObjStoreConfig  # noqa: E402
 from services.lib.weights.encoding import encode_full  # noqa: E402
 from services.lib.weights.store import open_store  # noqa: E402
 from services.runtime.natsd import EmbeddedNats  # noqa: E402

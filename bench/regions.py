@@ -26,7 +26,7 @@ import nats  # noqa: E402
 import torch  # noqa: E402
 
 from services.lib.weights.client import WeightPublisher  # noqa: E402
-from services.lib.weights.config import EncodingConfig, FsStoreConfig, StoreTransportConfig  # noqa: E402
+from services.runtime.weights_config import EncodingConfig, FsStoreConfig, StoreTransportConfig  # noqa: E402
 from services.lib.weights.objstore import ObjectStoreBlobs  # noqa: E402
 from services.lib.weights.transport import StoreReceiver  # noqa: E402
 from services.runtime.natsd import hub_and_leaf  # noqa: E402

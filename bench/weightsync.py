@@ -53,7 +53,7 @@ import nats  # noqa: E402
 import torch  # noqa: E402
 
 from services.lib.weights.client import WeightPublisher, WeightSubscriber, cast_for_publish  # noqa: E402
-from services.lib.weights.config import (  # noqa: E402
+from services.runtime.weights_config import (  # noqa: E402
     BroadcastConfig,
     EncodingConfig,
     ObjStoreConfig,

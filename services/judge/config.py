@@ -28,7 +28,6 @@ from typing import Annotated
 
 import msgspec
 
-from services.runtime.config import TaskOption
 from services.tasks.grader_specs import GraderSpec
 
 
@@ -48,8 +47,6 @@ class UserCodeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class JudgeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: rollouts graded at once by one judge process
     concurrency: Annotated[int, msgspec.Meta(ge=1)] = 64
-    #: options per task name, passed to the task factory (must match the trainer's)
-    task_options: dict[str, dict[str, TaskOption]] = {}
     #: graders per task name (see the module docstring); a task without an entry uses its reward function
     graders: dict[str, list[GraderSpec]] = {}
     #: destroy a rollout's sandbox once its trajectory is published (the rollout hands it over paused)

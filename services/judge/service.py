@@ -12,7 +12,7 @@ the trajectory is published with ``rollout.error = "grading failed: <grader>: <r
 records it as dropped with that reason, and the failure is counted (``judge/failed/<kind>``). A rollout that
 came back more than ``poison_after_deliveries`` times without being settled (it killed or hung a judge each
 time) is published the same way and dead-lettered, instead of crash-looping the fleet. So is a rollout whose
-task this judge cannot build (unknown, or its ``task_options`` refused: a bad path, a bad option, a plugin that
+task this judge cannot build (unknown, or its ``[task.options]`` refused: a bad path, a bad option, a plugin that
 raises): the reason is remembered per task, so the next rollouts of that task fail at once with it.
 
 **Sandbox ownership.** An agent rollout arrives with its sandbox handed over (paused, lease extended): the
@@ -53,12 +53,13 @@ class JudgeService:
 
         self.cfg: JudgeConfig = loaded.service
         self.seed = loaded.run.seed
+        self.run_task = loaded.task
         self.tasks: dict[str, Any] = {}
         #: tasks this judge failed to build: name -> why (run-file options do not change while it runs)
         self.task_errors: dict[str, str] = {}
         self.graders: dict[str, list[Any]] = {}
         self.cache = JudgeCache(self.cfg.judge_cache_entries)
-        self.user_code = ProcessUserCode(self.cfg.user_code, self.cfg.task_options)
+        self.user_code = ProcessUserCode(self.cfg.user_code, {loaded.task.name: dict(loaded.task.options)})
         self.factory = GraderFactory(None, self.cache, seed=self.seed, user_code=self.user_code)
         self.sandboxes: Any = None
         #: samples scored failed, by why (timeout, exception, crash, bad_value, out_of_range, poison, task)
@@ -75,9 +76,9 @@ class JudgeService:
             raise TaskUnavailable(self.task_errors[name])
         if name not in self.tasks:
             try:
-                self.tasks[name] = get_task(name, **self.cfg.task_options.get(name, {}))
+                self.tasks[name] = get_task(name, **self.run_task.options_for(name))
             except Exception as e:  # unknown task, refused options, or a plugin's own error: none heal on retry
-                self.task_errors[name] = (f"task {name!r} cannot be built from [services.judge.task_options.{name}]:"
+                self.task_errors[name] = (f"task {name!r} cannot be built from [task.options]:"
                                           f" {type(e).__name__}: {e}")
                 log.error("%s", self.task_errors[name])
                 raise TaskUnavailable(self.task_errors[name]) from e

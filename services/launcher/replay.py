@@ -68,7 +68,7 @@ async def _batch_and_weights(run_dir: Path, run_id: str, cfg: Any, step: int) ->
     from proto import catalog
     from services.launcher.accounting import read_channel
     from services.launcher.connect import with_stored_streams
-    from services.lib.weights.config import StoreTransportConfig
+    from services.runtime.weights_config import StoreTransportConfig
     from services.lib.weights.transport import store_subscriber
 
     store = run_dir / "nats"

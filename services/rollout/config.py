@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from services.lib.weights.config import StoreTransportConfig, TransportConfig
-from services.runtime.config import TaskOption
+from services.runtime.config import ConfigError
+from services.runtime.weights_config import StoreConfig, StoreTransportConfig, TransportConfig
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -126,11 +126,16 @@ class AgentSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sandbox: SandboxSection = msgspec.field(default_factory=SandboxSection)
 
 
+class WeightsSource(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A weightsync relay a rollout reads versions from (``[services.rollout] weights_from``)."""
+
+    #: the relay's scope (``[services.weightsync] relay.scope``)
+    scope: str
+    #: the relay's store (absent: the [weights] store)
+    store: StoreConfig | None = None
+
+
 class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    #: builtin model (tiny-addition, smollm2) or a Hugging Face directory (must match the trainer's)
-    model: str = "tiny-addition"
-    #: where builtin models are cached (default ~/.cache/rlbus or $RLBUS_CACHE)
-    cache_dir: str = ""
     #: the inference engine, chosen by `type`: "auto" (default: vLLM for models >= 50 M parameters where
     #: vLLM is installed, else torch), "torch" or "vllm"
     engine: EngineSection = msgspec.field(default_factory=AutoEngineSection)
@@ -142,12 +147,20 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     initial_weights_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 600.0
     #: seconds a ticket waits for the engine to reach the ticket's admission version
     version_wait_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
-    #: how weight versions arrive; must match the trainer's ``transport`` (same type, store and scope):
-    #: { type = "store", ... } (the default: pulled from the blob store, the latest re-read every ``recheck_s``;
-    #: ``scope = "<relay scope>"`` and the relay's ``store`` read through a weightsync relay),
-    #: { type = "broadcast", world_size = ... } or { type = "inproc" } (colocated: "trainer+rollout")
-    transport: TransportConfig = msgspec.field(default_factory=StoreTransportConfig)
-    #: options per task name, passed to the task factory (must match the trainer's)
-    task_options: dict[str, dict[str, TaskOption]] = {}
+    #: read weight versions through a weightsync relay instead of straight from the trainer's store:
+    #: { scope = "<the relay's scope>", store = {...} (the relay's store; absent: [weights] store) }. Needs
+    #: the store transport ([weights] type = "store"); absent: versions come as [weights] says
+    weights_from: WeightsSource | None = None
     #: budgets of agent loops (tasks with tools); single-turn tasks ignore it
     agent: AgentSection = msgspec.field(default_factory=AgentSection)
+
+    def weight_source(self, weights: TransportConfig) -> TransportConfig:
+        """The transport this rollout reads versions with: ``weights`` (the run's ``[weights]``), or its scope
+        and store replaced by ``weights_from`` (a relay's)."""
+        if self.weights_from is None:
+            return weights
+        if not isinstance(weights, StoreTransportConfig):
+            raise ConfigError(f"config key services.rollout.weights_from: a relay serves the store transport only, "
+                              f"but [weights] type is {weights.type!r}")
+        return msgspec.structs.replace(weights, scope=self.weights_from.scope,
+                                       store=self.weights_from.store or weights.store)

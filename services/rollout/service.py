@@ -84,7 +84,8 @@ class RolloutService:
 
     def _engine(self) -> tuple[Engine, bool]:
         """The engine (not started) and whether it sleeps while a colocated trainer steps."""
-        model_dir = resolve_model(self.cfg.model, self.cfg.cache_dir or None, seed=self.loaded.run.seed)
+        model_dir = resolve_model(self.loaded.model.name, self.loaded.model.cache_dir or None, seed=self.loaded.run.seed,
+                                  revision=self.loaded.model.revision or None)
         section = concrete_engine(self.cfg.engine, str(model_dir))  # "auto" decided once, here
         return build_engine(section, model_dir), section.enable_sleep_mode
 
@@ -97,7 +98,7 @@ class RolloutService:
         self.attach(engine, engine.tokenizer, SandboxClient(
             ctx.nc, ctx.run_id, timeout_s=self.cfg.agent.sandbox_timeout_s,
             default_exec_timeout_s=self.cfg.agent.exec_timeout_s))
-        receiver = make_receiver(self.cfg.transport, ctx.nc, ctx.run_id)
+        receiver = make_receiver(self.cfg.weight_source(self.loaded.weights), ctx.nc, ctx.run_id)
         weights = asyncio.create_task(self.follow_weights(ctx, receiver), name="rollout-weights")
         reports = asyncio.create_task(self._report(ctx), name="rollout-metrics")
         try:
@@ -147,7 +148,7 @@ class RolloutService:
 
         if name not in self.tasks:
             try:
-                self.tasks[name] = get_task(name, **self.cfg.task_options.get(name, {}))
+                self.tasks[name] = get_task(name, **self.loaded.task.options_for(name))
             except (UnknownTaskError, TaskRegistrationError) as e:
                 log.warning("task %r is not known to this rollout process (%s); its tickets run single-turn", name, e)
                 self.tasks[name] = None

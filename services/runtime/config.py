@@ -35,6 +35,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
+from services.runtime.weights_config import StoreTransportConfig, TransportConfig
+
 T = TypeVar("T")
 ENV_PREFIX = "RLBUS__"
 
@@ -99,6 +101,37 @@ class NatsSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return out
 
 
+class ModelSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The policy every service of the run loads (section ``[model]``): trainer, rollout engines, replay."""
+
+    #: builtin model (tiny-addition, smollm2), a Hugging Face directory (with config.json) or a Hub id already
+    #: in the local Hugging Face cache (nothing is downloaded at run time)
+    name: str = "tiny-addition"
+    #: revision of a Hub id (empty: the one in ``name`` after ``@``, else the cached default)
+    revision: str = ""
+    #: training precision: float32, or bfloat16 mixed precision (bf16 compute, fp32 master weights and
+    #: optimiser moments; weights are sent to the engines in bf16). Engines choose their own dtype
+    #: (``[services.rollout] engine.dtype``)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    #: where builtin models are built and cached (empty: ~/.cache/rlbus or $RLBUS_CACHE)
+    cache_dir: str = ""
+
+
+class TaskSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The task (environment) the run trains on (section ``[task]``), read alike by trainer, rollout and judge."""
+
+    #: task name from the task registry (``rlbus services`` lists them), e.g. addition, dataset, coding
+    name: str = "addition"
+    #: the task's options, passed to its factory as keyword arguments (``[task.options]``); which keys a
+    #: task takes is the task's to say (services/tasks/: a dataset's path, columns and rewards, ...)
+    options: dict[str, TaskOption] = {}
+
+    def options_for(self, name: str) -> dict[str, TaskOption]:
+        """The options to build task ``name`` with: this section's for its own task, none for another
+        (a message naming a task this run does not train on gets that task's defaults)."""
+        return dict(self.options) if name == self.name else {}
+
+
 class CommonSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Settings every service shares (section ``[common]``)."""
 
@@ -118,6 +151,18 @@ class CommonSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 #: keys that were replaced: old dotted path -> the key (and form) that replaced it. Checked on the merged
 #: tree before anything is decoded, so a TOML file, an RLBUS__ variable and a --set override all get it.
 MOVED_KEYS: dict[str, str] = {
+    # the facts of the whole run, once (one [model], [task] and [weights] section every service reads)
+    **{f"services.{svc}.{key}": new for svc in ("trainer", "rollout", "judge") for key, new in (
+        ("model", "model.name ([model] name = ...: one model for the whole run)"),
+        ("cache_dir", "model.cache_dir ([model] cache_dir = ...)"),
+        ("task", "task.name ([task] name = ...)"),
+        ("task_options", "task.options ([task.options]: one table, read by trainer, rollout and judge)"),
+        ("transport", "weights ([weights] type = \"store\" | \"broadcast\" | \"inproc\", with the transport's "
+                      "fields: one transport for the whole run)"),
+    )},
+    "services.trainer.dtype": "model.dtype ([model] dtype = ...)",
+    "services.weightsync.upstream_scope": "weights.scope (the trainer's transport, [weights])",
+    "services.weightsync.upstream_store": "weights.store (the trainer's transport, [weights])",
     "services.trainer.store":
         'services.trainer.transport.store (transport = { type = "store", store = {...} })',
     "services.trainer.weights":
@@ -211,13 +256,17 @@ def convert(section: Any, cls: type[T], key: str) -> T:
 
 
 class Loaded(msgspec.Struct, kw_only=True):
-    """The sections a service sees once its config is resolved."""
+    """What a service sees of the run file once it is resolved: the shared sections, typed, and its own
+    section (``service``, typed by the service's config class). A service never sees another's section."""
 
     run: RunSection
     nats: NatsSection
     common: CommonSection
-    service: Any
-    tree: dict[str, Any]
+    model: ModelSection = msgspec.field(default_factory=ModelSection)
+    task: TaskSection = msgspec.field(default_factory=TaskSection)
+    #: how weight versions travel from the trainer to the engines (``[weights]``)
+    weights: TransportConfig = msgspec.field(default_factory=StoreTransportConfig)
+    service: Any = None
     gang: Any = None  # services.runtime.gang.GangSection
 
 
@@ -238,7 +287,9 @@ def load_service_config(
         run=convert(tree.get("run"), RunSection, "run"),
         nats=convert(tree.get("nats"), NatsSection, "nats"),
         common=convert(tree.get("common"), CommonSection, "common"),
+        model=convert(tree.get("model"), ModelSection, "model"),
+        task=convert(tree.get("task"), TaskSection, "task"),
+        weights=convert(tree.get("weights"), TransportConfig, "weights"),  # type: ignore[arg-type]
         service=convert(services.get(service), cls, f"services.{service}"),
-        tree=tree,
         gang=convert(tree.get("gang"), GangSection, "gang"),
     )

@@ -214,7 +214,7 @@ def _check_list_options(name: str, factory: TaskFactory, options: dict[str, Any]
             continue
         declared = param.annotation if isinstance(param.annotation, str) else repr(param.annotation)
         if not any(word in declared for word in _LIST_WORDS):
-            raise TaskOptionTypeError(f"task_options.{key}: task {name!r} takes one value here ({declared}), "
+            raise TaskOptionTypeError(f"task.options.{key}: task {name!r} takes one value here ({declared}), "
                                       f"got the list {value!r}")
 
 

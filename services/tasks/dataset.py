@@ -1,15 +1,10 @@
 """A task made of a data file and reward functions: train on your own prompts without writing a Task class.
 
-Run-file form (the trainer's and the judge's options must be the same; the rollout needs none)::
+Run-file form (one ``[task]`` section, read alike by the trainer, the rollout and the judge)::
 
-    [services.trainer]
-    task = "dataset"
-    task_options = { path = "data/train.jsonl", answer_field = "answer", reward = "exact_match" }
-
-    [services.judge.task_options.dataset]
-    path = "data/train.jsonl"
-    answer_field = "answer"
-    reward = "exact_match"
+    [task]
+    name = "dataset"
+    options = { path = "data/train.jsonl", answer_field = "answer", reward = "exact_match" }
 
 **Data.** ``path`` is a JSON Lines (``.jsonl``), JSON array (``.json``), CSV or Parquet file, or a directory
 written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict`` with ``split``). Each row has
@@ -73,7 +68,7 @@ def _list(value: Any, key: str) -> list[str]:
         return [str(value)]  # a single weight written as a number
     if isinstance(value, (list, tuple)):
         return [str(v).strip() for v in value]
-    raise DatasetError(f"task_options.{key}: expected a list or a comma-separated string, got {value!r}")
+    raise DatasetError(f"task.options.{key}: expected a list or a comma-separated string, got {value!r}")
 
 
 # --- reading rows ----------------------------------------------------------------------------------------
@@ -90,8 +85,8 @@ def _detect_format(path: Path) -> str:
     formats = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet",
                ".pq": "parquet"}
     if suffix not in formats:
-        raise DatasetError(f"task_options.path: cannot tell the format of {str(path)!r} from its suffix; set "
-                           f"task_options.format to one of {', '.join(FORMATS[1:])}")
+        raise DatasetError(f"task.options.path: cannot tell the format of {str(path)!r} from its suffix; set "
+                           f"task.options.format to one of {', '.join(FORMATS[1:])}")
     return formats[suffix]
 
 
@@ -111,16 +106,16 @@ def _arrow_files(path: Path, split: str) -> list[Path]:
     if (path / "dataset_dict.json").is_file():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
         if split not in splits:
-            raise DatasetError(f"task_options.split: {split!r} is not a split of {str(path)!r} "
+            raise DatasetError(f"task.options.split: {split!r} is not a split of {str(path)!r} "
                                f"(it has {', '.join(splits) or 'none'})")
         path = path / split
     state = path / "state.json"
     if not state.is_file():
-        raise DatasetError(f"task_options.path: {str(path)!r} is a directory but not one written by "
+        raise DatasetError(f"task.options.path: {str(path)!r} is a directory but not one written by "
                            "datasets' save_to_disk (no state.json or dataset_dict.json)")
     files = [path / f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
     if not files:
-        raise DatasetError(f"task_options.path: {str(path)!r} lists no data files in state.json")
+        raise DatasetError(f"task.options.path: {str(path)!r} lists no data files in state.json")
     return files
 
 
@@ -142,7 +137,7 @@ def read_rows(path: Path, fmt: str = "auto", split: str = "train") -> Iterator[t
     elif fmt == "json":
         rows = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(rows, list):
-            raise DatasetError(f"task_options.path: {str(path)!r} holds a JSON {type(rows).__name__}, "
+            raise DatasetError(f"task.options.path: {str(path)!r} holds a JSON {type(rows).__name__}, "
                                "not an array of rows (use JSON Lines for one object per line)")
         yield from enumerate(rows, start=1)
     elif fmt == "csv":
@@ -164,7 +159,7 @@ def read_rows(path: Path, fmt: str = "auto", split: str = "train") -> Iterator[t
                     number += 1
                     yield number, row
     else:
-        raise DatasetError(f"task_options.format: {fmt!r} is not one of {', '.join(FORMATS)}")
+        raise DatasetError(f"task.options.format: {fmt!r} is not one of {', '.join(FORMATS)}")
 
 
 # --- the task --------------------------------------------------------------------------------------------
@@ -215,16 +210,16 @@ class DatasetTask:
         if unknown:
             known = [k for k, p in inspect.signature(DatasetTask).parameters.items() if p.kind is p.KEYWORD_ONLY
                      or p.kind is p.POSITIONAL_OR_KEYWORD]
-            raise DatasetError(f"task_options.{sorted(unknown)[0]}: unknown option of the dataset task "
+            raise DatasetError(f"task.options.{sorted(unknown)[0]}: unknown option of the dataset task "
                                f"(known: {', '.join(known)})")
         if format not in FORMATS:
-            raise DatasetError(f"task_options.format: {format!r} is not one of {', '.join(FORMATS)}")
+            raise DatasetError(f"task.options.format: {format!r} is not one of {', '.join(FORMATS)}")
         if not 0.0 <= eval_fraction < 1.0:
-            raise DatasetError(f"task_options.eval_fraction: must be in [0, 1), got {eval_fraction}")
+            raise DatasetError(f"task.options.eval_fraction: must be in [0, 1), got {eval_fraction}")
         if max_new_tokens < 1:
-            raise DatasetError(f"task_options.max_new_tokens: must be at least 1, got {max_new_tokens}")
+            raise DatasetError(f"task.options.max_new_tokens: must be at least 1, got {max_new_tokens}")
         if not (prompt_field or messages_field):
-            raise DatasetError("task_options.prompt_field: set it (or messages_field) to the prompt's column")
+            raise DatasetError("task.options.prompt_field: set it (or messages_field) to the prompt's column")
         self.path, self.format, self.split = path, format, split
         self.eval_split, self.eval_path, self.eval_fraction, self.eval_seed = eval_split, eval_path, eval_fraction, eval_seed
         self.prompt_field, self.messages_field, self.answer_field = prompt_field, messages_field, answer_field
@@ -234,17 +229,17 @@ class DatasetTask:
         self.shuffle = shuffle
         self.reward_names = _list(reward, "reward")
         if not self.reward_names:
-            raise DatasetError("task_options.reward: name at least one reward function")
+            raise DatasetError("task.options.reward: name at least one reward function")
         weights = _list(reward_weights, "reward_weights") if reward_weights != "" else []
         try:
             self.reward_weights = [float(w) for w in weights] or [1.0] * len(self.reward_names)
         except ValueError:
-            raise DatasetError(f"task_options.reward_weights: {reward_weights!r} are not numbers") from None
+            raise DatasetError(f"task.options.reward_weights: {reward_weights!r} are not numbers") from None
         if len(self.reward_weights) != len(self.reward_names):
-            raise DatasetError(f"task_options.reward_weights: {len(self.reward_weights)} weights for "
+            raise DatasetError(f"task.options.reward_weights: {len(self.reward_weights)} weights for "
                                f"{len(self.reward_names)} reward functions ({', '.join(self.reward_names)})")
         if any(w < 0 for w in self.reward_weights) or sum(self.reward_weights) <= 0:
-            raise DatasetError("task_options.reward_weights: weights must be >= 0 with a positive sum")
+            raise DatasetError("task.options.reward_weights: weights must be >= 0 with a positive sum")
         #: the reward spec as the trainer writes it into every prompt (the judge checks it against its own)
         self.reward_spec = ", ".join(f"{n}*{w:g}" for n, w in zip(self.reward_names, self.reward_weights, strict=True))
         #: rows skipped as unusable, by file (train and eval files alike)
@@ -258,7 +253,7 @@ class DatasetTask:
 
     def _load(self, path_text: str, key: str, split: str) -> list[tuple[int, Prompt]]:
         if not path_text:
-            raise DatasetError(f"task_options.{key}: the dataset task needs the path of its data to train")
+            raise DatasetError(f"task.options.{key}: the dataset task needs the path of its data to train")
         path = Path(path_text).expanduser()
         prompts: list[tuple[int, Prompt]] = []
         bad = 0
@@ -273,14 +268,14 @@ class DatasetTask:
         except DatasetError:
             raise
         except (OSError, ValueError, UnicodeDecodeError) as e:
-            raise DatasetError(f"task_options.{key}: cannot read {str(path)!r}: {e}") from e
+            raise DatasetError(f"task.options.{key}: cannot read {str(path)!r}: {e}") from e
         except Exception as e:  # pyarrow's errors (ArrowInvalid, ...) share no base class with the above
-            raise DatasetError(f"task_options.{key}: cannot read {str(path)!r}: {type(e).__name__}: {e}") from e
+            raise DatasetError(f"task.options.{key}: cannot read {str(path)!r}: {type(e).__name__}: {e}") from e
         self.skipped += bad
         if bad:
             log.warning("%s: %d of %d rows skipped as unusable", path, bad, bad + len(prompts))
         if not prompts:
-            raise DatasetError(f"task_options.{key}: {str(path)!r} has no usable rows"
+            raise DatasetError(f"task.options.{key}: {str(path)!r} has no usable rows"
                                + (f" ({bad} skipped: see the log for why)" if bad else " (it is empty)"))
         return prompts
 
@@ -387,7 +382,7 @@ class DatasetTask:
             return [(name, resolve_reward(name), w) for name, w in zip(self.reward_names, self.reward_weights,
                                                                           strict=True)]
         except RewardSpecError as e:
-            raise DatasetError(f"task_options.reward: {e}") from e
+            raise DatasetError(f"task.options.reward: {e}") from e
 
     def reward(self, prompt: Prompt, completion: str) -> Reward:
         """The weighted mean of the reward functions, each called with the row's columns.
@@ -396,9 +391,8 @@ class DatasetTask:
         something that is not a number in [0, 1] (the judge scores the sample failed, with the reason)."""
         sent = prompt.metadata.get("reward")
         if sent is not None and sent != self.reward_spec:
-            raise ValueError(f"the trainer scores this task with [{sent}] but this judge's task_options name "
-                             f"[{self.reward_spec}]: give [services.judge.task_options.dataset] the trainer's "
-                             "task_options")
+            raise ValueError(f"the trainer scores this task with [{sent}] but this judge's [task.options] name "
+                             f"[{self.reward_spec}]: run the judge with the trainer's run file (one [task] section)")
         fields: dict[str, Any] = json.loads(prompt.metadata.get("fields", "{}"))
         if "answer" in prompt.metadata:
             fields["answer"] = prompt.metadata["answer"]

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from services.lib.weights.config import StoreTransportConfig, TransportConfig
+from services.runtime.weights_config import StoreTransportConfig, TransportConfig
 from services.runtime.config import ConfigError, TaskOption
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
@@ -141,7 +141,7 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: objstore, s3 or fs; sends retried while the bus is away, the newest version kept for resuming),
     #: { type = "broadcast", world_size = 1 + rollout engines } (torch.distributed, rendezvous over the bus),
     #: { type = "inproc" } (trainer and rollout colocated: ``[launcher] services = { "trainer+rollout" = 1 }``).
-    #: See services/lib/weights/config.py for every field.
+    #: See services/runtime/weights_config.py for every field.
     transport: TransportConfig = msgspec.field(default_factory=StoreTransportConfig)
 
     def __post_init__(self) -> None:

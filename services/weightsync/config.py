@@ -1,6 +1,6 @@
 """The weightsync service's configuration: retention of the trainer's versions and a relay near engines.
 
-Stores and encodings are configured as for the trainer (``services/lib/weights/config.py``).
+Stores and encodings are configured as for the trainer (``services/runtime/weights_config.py``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Annotated
 
 import msgspec
 
-from services.lib.weights.config import ConfigError, ObjStoreConfig, StoreConfig
+from services.runtime.weights_config import ConfigError, ObjStoreConfig, StoreConfig
 
 
 class RelayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

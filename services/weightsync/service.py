@@ -31,7 +31,7 @@ from nats.aio.client import Client as NATS
 
 from proto.weights import WeightAnnouncement, WeightManifest
 from services.lib.weights.blobs import WeightIntegrityError, copy_chunks, read_chunks, verify_signature
-from services.lib.weights.config import ConfigError, load_hmac_key
+from services.runtime.weights_config import ConfigError, load_hmac_key
 from services.lib.weights.index import VersionIndex
 from services.lib.weights.store import BlobStore, StoreError, open_store
 from services.runtime.config import Loaded

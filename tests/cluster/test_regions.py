@@ -26,7 +26,7 @@ from proto import catalog
 from services.launcher.accounting import accounting, read_channel
 from services.launcher.status import members
 from services.lib.weights.client import WeightPublisher
-from services.lib.weights.config import EncodingConfig, FsStoreConfig, StoreTransportConfig
+from services.runtime.weights_config import EncodingConfig, FsStoreConfig, StoreTransportConfig
 from services.lib.weights.index import VersionIndex
 from services.lib.weights.objstore import ObjectStoreBlobs
 from services.lib.weights.transport import StoreReceiver

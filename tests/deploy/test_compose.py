@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from services.launcher.permissions import inbox_prefix
-from services.lib.weights.config import ObjStoreConfig
+from services.runtime.weights_config import ObjStoreConfig
 from services.runtime.natsd import find_nats_server, free_port
 from services.sandbox.config import SandboxConfig
 from tests.conftest import wait_for

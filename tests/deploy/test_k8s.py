@@ -15,7 +15,7 @@ import yaml
 
 from proto import catalog
 from services.launcher.permissions import inbox_prefix
-from services.lib.weights.config import ObjStoreConfig
+from services.runtime.weights_config import ObjStoreConfig
 from tests.deploy.deploy_tools import (
     DEPLOY,
     DEPLOY_VENV,

@@ -9,7 +9,7 @@ import hashlib
 import torch
 
 from services.lib.weights.broadcast import DeviceDigest, _hasher
-from services.lib.weights.config import InprocConfig
+from services.runtime.weights_config import InprocConfig
 from services.lib.weights.inproc import InprocReceiver, InprocSender
 
 

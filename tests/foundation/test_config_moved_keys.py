@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.lib.weights.config import FsStoreConfig, StoreTransportConfig
+from services.runtime.weights_config import FsStoreConfig, StoreTransportConfig
 from services.rollout.config import RolloutConfig
 from services.runtime.config import ConfigError, load_service_config, load_tree
 from services.trainer.config import TrainerConfig

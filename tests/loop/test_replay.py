@@ -39,7 +39,7 @@ def test_recorded_steps_recompute_bit_identically(tmp_path, loop_model_dir):
 
     import nats
 
-    from services.lib.weights.config import StoreTransportConfig
+    from services.runtime.weights_config import StoreTransportConfig
     from services.lib.weights.transport import store_subscriber
     from services.runtime.natsd import EmbeddedNats
 

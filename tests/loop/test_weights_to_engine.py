@@ -12,7 +12,7 @@ from services.lib.engine.torch_config import TorchEngineConfig
 from services.lib.engine.torch_engine import TorchEngine
 from services.lib.model_io import load_policy
 from services.lib.weights.client import WeightPublisher
-from services.lib.weights.config import EncodingConfig, StoreTransportConfig
+from services.runtime.weights_config import EncodingConfig, StoreTransportConfig
 from services.lib.weights.objstore import ObjectStoreBlobs
 from services.lib.weights.transport import make_receiver
 from services.rollout.config import RolloutConfig

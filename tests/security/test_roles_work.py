@@ -137,7 +137,7 @@ async def test_weights_flow_under_permissions(login, server, caplog):
     rollouts read from both scopes and claim a broadcast rank."""
     torch = pytest.importorskip("torch")
     from services.lib.weights.client import WeightPublisher, WeightSubscriber
-    from services.lib.weights.config import EncodingConfig, ObjStoreConfig
+    from services.runtime.weights_config import EncodingConfig, ObjStoreConfig
     from services.lib.weights.objstore import ObjectStoreBlobs
     from services.weightsync.config import RelayConfig, WeightsyncConfig
     from services.weightsync.service import WeightsyncService

@@ -8,7 +8,7 @@ import sys
 import nats
 import safetensors.torch
 
-from services.lib.weights.config import BroadcastConfig
+from services.runtime.weights_config import BroadcastConfig
 from services.lib.weights.transport import make_receiver
 
 

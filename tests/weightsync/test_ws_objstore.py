@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.lib.weights.client import WeightIntegrityError, WeightPublisher, WeightSubscriber
-from services.lib.weights.config import EncodingConfig, ObjStoreConfig
+from services.runtime.weights_config import EncodingConfig, ObjStoreConfig
 from services.lib.weights.objstore import ObjectStoreBlobs
 from tests.conftest import wait_for_async
 from tests.weightsync.helpers import assert_bit_identical, make_state

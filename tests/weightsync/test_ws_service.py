@@ -8,7 +8,7 @@ import torch
 
 from proto.weights import WeightManifest
 from services.lib.weights.client import WeightPublisher, WeightSubscriber
-from services.lib.weights.config import (
+from services.runtime.weights_config import (
     EncodingConfig,
     FsStoreConfig,
     ObjStoreConfig,
@@ -151,7 +151,7 @@ def test_config_selects_stores_and_checks_fields():
     import msgspec
     import pytest
 
-    from services.lib.weights.config import S3StoreConfig
+    from services.runtime.weights_config import S3StoreConfig
 
     cfg = msgspec.convert(
         {

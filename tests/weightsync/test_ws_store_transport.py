@@ -9,7 +9,7 @@ import logging
 import nats
 import torch
 
-from services.lib.weights.config import EncodingConfig, ObjStoreConfig, StoreTransportConfig
+from services.runtime.weights_config import EncodingConfig, ObjStoreConfig, StoreTransportConfig
 from services.lib.weights.transport import StoreReceiver, StoreSender, make_receiver, make_sender
 from services.runtime.natsd import EmbeddedNats
 from tests.conftest import wait_for_async

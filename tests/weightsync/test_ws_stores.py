@@ -8,7 +8,7 @@ from moto.server import ThreadedMotoServer
 
 from services.lib.weights.blobs import WeightIntegrityError
 from services.lib.weights.client import WeightPublisher, WeightSubscriber
-from services.lib.weights.config import EncodingConfig, FsStoreConfig, ObjStoreConfig, S3StoreConfig
+from services.runtime.weights_config import EncodingConfig, FsStoreConfig, ObjStoreConfig, S3StoreConfig
 from services.lib.weights.store import open_store
 from services.runtime.natsd import free_port
 from tests.weightsync.helpers import assert_bit_identical, make_state, perturb

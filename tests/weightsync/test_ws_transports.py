@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 
 from services.lib.weights.broadcast import BroadcastError
-from services.lib.weights.config import BroadcastConfig, InprocConfig, TransportConfig
+from services.runtime.weights_config import BroadcastConfig, InprocConfig, TransportConfig
 from services.lib.weights.transport import make_receiver, make_sender
 from tests.weightsync.helpers import assert_bit_identical, make_state, perturb
 

@@ -57,6 +57,7 @@ from proto.weights import (
     broadcast_ready_key,
 )
 from services.lib.weights.blobs import WeightIntegrityError
+from services.runtime.weights_config import ConfigError
 from services.lib.weights.broadcast_group import (  # noqa: F401  (DeviceDigest, _hasher: re-exported)
     _DIGEST_BYTES,
     _REFORM_PAUSE_S,
@@ -70,7 +71,7 @@ from services.lib.weights.broadcast_group import (  # noqa: F401  (DeviceDigest,
     _raw,
 )
 from services.lib.weights.client import cast_for_publish
-from services.lib.weights.config import BroadcastConfig
+from services.runtime.weights_config import BroadcastConfig
 from services.lib.weights.encoding import layout, torch_dtype
 from services.lib.weights.index import VersionIndex, stop_watch
 from services.lib.weights.transport import Weights, follow
@@ -90,6 +91,10 @@ class BroadcastSender:
         self.backend = _backend(config)
         #: ranks of the group formed next (trainer + engines): grows with join requests, back to
         #: ``config.world_size`` after a failure
+        if config.world_size < 2:
+            raise ConfigError(f"weights.world_size is {config.world_size}: the broadcast group needs the trainer and "
+                              "at least one engine (rlbus run/up set it from the rollouts they start; set it to "
+                              "1 + engines where no launcher starts the run)")
         self.world_size = config.world_size
         self.group = _Group(config, self.backend, self.world_size)
         self.group_id = uuid.uuid4().hex[:16]

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.lib.weights.config import BroadcastConfig
+from services.runtime.weights_config import BroadcastConfig
 
 _SLACK_S = 5.0  # extra wall time over the collective's own timeout before we give up on its thread
 _DIGEST_BYTES = 32

@@ -47,7 +47,7 @@ from services.lib.weights.blobs import (
     verify_signature,
     write_chunks,
 )
-from services.lib.weights.config import EncodingConfig
+from services.runtime.weights_config import EncodingConfig
 from services.lib.weights.encoding import (
     DELTA_ENCODING,
     FULL_ENCODING,

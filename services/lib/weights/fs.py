@@ -12,7 +12,7 @@ import os
 import uuid
 from pathlib import Path
 
-from services.lib.weights.config import FsStoreConfig
+from services.runtime.weights_config import FsStoreConfig
 from services.lib.weights.store import BlobNotFound, StoreError, StoreStats
 
 _TMP_MARK = ".tmp-"

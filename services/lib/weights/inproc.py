@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import torch
 
-from services.lib.weights.config import InprocConfig
+from services.runtime.weights_config import InprocConfig
 from services.lib.weights.transport import Weights, follow
 from services.runtime import tracing
 

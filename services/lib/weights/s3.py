@@ -17,7 +17,7 @@ import aioboto3
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
 
-from services.lib.weights.config import S3StoreConfig
+from services.runtime.weights_config import S3StoreConfig
 from services.lib.weights.store import BlobNotFound, StoreError, StoreStats
 
 log = logging.getLogger("rlbus.weightsync.s3")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
 
-    from services.lib.weights.config import StoreConfig
+    from services.runtime.weights_config import StoreConfig
 
 
 class StoreError(RuntimeError):
@@ -76,7 +76,7 @@ class BlobStore(Protocol):
 
 def open_store(config: StoreConfig, nc: NATS | None = None, scope: str = "main") -> BlobStore:
     """The store a config selects (``type``: objstore | s3 | fs). ``nc`` is needed for objstore."""
-    from services.lib.weights.config import FsStoreConfig, ObjStoreConfig, S3StoreConfig
+    from services.runtime.weights_config import FsStoreConfig, ObjStoreConfig, S3StoreConfig
 
     if isinstance(config, ObjStoreConfig):
         from services.lib.weights.objstore import ObjectStoreBlobs

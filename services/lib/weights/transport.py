@@ -46,7 +46,7 @@ from nats.aio.client import Client as NATS
 from proto.weights import WeightAnnouncement, WeightManifest
 from services.lib.weights.blobs import WeightIntegrityError
 from services.lib.weights.client import WeightPublisher, WeightSubscriber
-from services.lib.weights.config import (
+from services.runtime.weights_config import (
     BroadcastConfig,
     InprocConfig,
     StoreTransportConfig,

@@ -130,7 +130,9 @@ class BroadcastConfig(
     #: trainer + engines of the first group: every one must join before the first send completes. An
     #: engine that comes later asks for a rank and the next send forms a larger group; a group that fails
     #: (an engine left or died) is formed again at this size, and engines beyond it ask again
-    world_size: Annotated[int, msgspec.Meta(ge=2, le=4096)]
+    #: ``rlbus run``/``rlbus up`` set it to 1 + the rollout engines they start (0, the default: theirs to
+    #: set); set it yourself only where no launcher starts the run (a cluster's manifests)
+    world_size: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
     #: gloo (CPU tensors), nccl (CUDA tensors), or auto (nccl when CUDA is available)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     #: address engines reach the trainer's TCPStore at
