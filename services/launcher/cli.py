@@ -11,8 +11,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.launcher import replay_cmd, simulate_cmd
+from services.launcher import config_cmd, replay_cmd, simulate_cmd
 from services.launcher.connect import add_bus_args, bus_sections, overrides, with_connection
+from services.launcher.runfile import BUILTIN_SERVICES, RunFile
 from services.runtime.config import ConfigError, RunSection, convert, load_service_config, load_tree
 from services.runtime.service import CONFIG_ERROR_EXIT
 
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="override a config key (repeatable)")
 
     replay_cmd.add_parser(sub)
+    config_cmd.add_parser(sub)
 
     sub.add_parser("services", help="list the services this installation can run",
                    description="List the service names `rlbus service NAME` and [launcher] services accept: the "
@@ -190,7 +192,10 @@ def cmd_service(args: argparse.Namespace) -> int:
     group = []
     for part in parts:
         cfg_cls, factory = registry.load(part)
-        loaded = load_service_config(part, cfg_cls, args.config, None, overrides(args) + per_part[part])
+        if part in BUILTIN_SERVICES:  # the whole run file is checked, and the service gets its view of it
+            loaded = RunFile.load(args.config, None, overrides(args) + per_part[part]).loaded(part)
+        else:  # a service of another package (entry point): its own section, typed by its own class
+            loaded = load_service_config(part, cfg_cls, args.config, None, overrides(args) + per_part[part])
         instance = args.instance
         if instance and len(parts) > 1:
             instance = instance.replace(args.name, part) if args.name in instance else f"{instance}-{part}"
@@ -254,8 +259,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from services.launcher.supervisor import Supervisor
 
     sup = Supervisor(resolve_target(args.target), args.overrides, quiet=False)
-    trainer_cfg = sup.tree.get("services", {}).get("trainer", {})
-    total = trainer_cfg.get("total_steps") if isinstance(trainer_cfg, dict) else None
+    total = sup.runfile.services.trainer.total_steps
     try:
         said = prepare(sup.run_dir, sup.run.id, args.mode, total)
         print(f"[rlbus] {said}", file=sys.stderr)
@@ -399,18 +403,18 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_provision(args: argparse.Namespace) -> int:
-    from services.launcher.supervisor import provision_run
+    from services.launcher.runfile import provision_run
     from services.runtime import bus
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    tree = load_tree(args.config, None, overrides(args))
+    runfile = RunFile.load(args.config, None, overrides(args))
     run, nats_cfg = bus_sections(args)
     nats_cfg.max_reconnect_attempts = 3  # an unreachable server is an error within seconds, not a wait forever
 
     async def go() -> None:
         nc = await bus.connect(nats_cfg, "rlbus-provision", first_attempts=3)
         try:
-            await provision_run(nc.jetstream(), tree)
+            await provision_run(nc.jetstream(), runfile)
         finally:
             await nc.close()
 
@@ -452,7 +456,7 @@ def cmd_services(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": cmd_run, "up": cmd_up, "service": cmd_service, "tap": cmd_tap, "status": cmd_status, "services": cmd_services,
-            "trace": cmd_trace, "replay": replay_cmd.main,
+            "trace": cmd_trace, "replay": replay_cmd.main, "config": config_cmd.main,
             "provision": cmd_provision, "schema": cmd_schema, "scale": cmd_scale, "simulate": simulate_cmd.main}
 
 

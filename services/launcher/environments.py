@@ -15,8 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.lib.engine.vllm_config import vllm_available
-from services.runtime.config import ConfigError
+import msgspec
+
+from services.lib.engine.config import vllm_available
+from services.runtime.config import ConfigError, tag_of
 
 REPO = Path(__file__).resolve().parents[2]
 #: overrides where the vLLM environment's interpreter is
@@ -27,47 +29,30 @@ class MissingEnvironment(ConfigError):
     """A service needs an environment that is not installed (the message says how to install it)."""
 
 
-def needs_vllm(service: str, tree: dict[str, Any]) -> bool:
+def needs_vllm(service: str, runfile: Any) -> bool:
     """True when a part of ``service`` ("rollout", "trainer+rollout", ...) is configured with a vLLM engine
-    (a rollout's ``engine``, or a judge's ``llm_judge`` grader with ``judge = { type = "vllm" }``)."""
-    services = tree.get("services", {}) if isinstance(tree, dict) else {}
-    for part in service.split("+"):
-        section = services.get(part, {})
-        if not isinstance(section, dict):
-            continue
-        engine = section.get("engine", {})
-        if isinstance(engine, dict) and engine.get("type") == "vllm":
+    under ``runfile`` (a :class:`~services.launcher.runfile.RunFile`): a rollout's ``engine``, the default
+    ``auto`` for a model of its size where a vLLM environment exists, or a judge's ``llm_judge`` grader with
+    ``judge = { type = "vllm" }``."""
+    from services.tasks.models import model_params
+
+    parts = service.split("+")
+    if "rollout" in parts:
+        engine = runfile.services.rollout.engine
+        if tag_of(engine) == "vllm":
             return True
-        if part == "rollout" and isinstance(engine, dict) and engine.get("type", "auto") == "auto":
-            if _auto_wants_vllm(section, engine):
+        if tag_of(engine) == "auto" and engine.picks_vllm(model_params(runfile.model.name)):
+            try:
+                vllm_python()
+            except MissingEnvironment:
+                return False  # auto serves with the torch engine in this one, and the rollout says why
+            return True
+    if "judge" in parts:
+        for specs in runfile.services.judge.graders.values():
+            judges = [getattr(spec, "judge", None) for spec in specs]
+            if any(isinstance(j, msgspec.Struct) and tag_of(j) == "vllm" for j in judges):
                 return True
-        graders = section.get("graders", {}) if part == "judge" else {}
-        for specs in graders.values() if isinstance(graders, dict) else ():
-            for spec in specs if isinstance(specs, list) else ():
-                judge = spec.get("judge", {}) if isinstance(spec, dict) else {}
-                if isinstance(judge, dict) and judge.get("type") == "vllm":
-                    return True
     return False
-
-
-def _auto_wants_vllm(section: dict[str, Any], engine: dict[str, Any]) -> bool:
-    """``engine = { type = "auto" }`` (the default): vLLM for a model of its size, and a vLLM environment
-    exists (if none does, auto serves with the torch engine in this one and the rollout says why)."""
-    import msgspec
-
-    from services.rollout.config import AutoEngineSection
-
-    try:
-        auto = msgspec.convert({k: v for k, v in engine.items() if k != "type"}, AutoEngineSection)
-    except msgspec.ValidationError:
-        return False  # the rollout's own config check reports it, naming the key
-    if not auto.picks_vllm(str(section.get("model", "tiny-addition"))):
-        return False
-    try:
-        vllm_python()
-    except MissingEnvironment:
-        return False
-    return True
 
 
 def vllm_python() -> str:
@@ -88,6 +73,6 @@ def vllm_python() -> str:
         f"${VLLM_PYTHON_ENV} at a Python that has it")
 
 
-def python_for(service: str, tree: dict[str, Any]) -> str:
-    """The interpreter that runs ``service`` under the run's config ``tree``."""
-    return vllm_python() if needs_vllm(service, tree) else sys.executable
+def python_for(service: str, runfile: Any) -> str:
+    """The interpreter that runs ``service`` under ``runfile`` (the run's typed run file)."""
+    return vllm_python() if needs_vllm(service, runfile) else sys.executable

@@ -25,13 +25,15 @@ from typing import Any
 import msgspec
 
 from proto import catalog
-from services.launcher.autoscale import CONSUMERS, AutoscaleRule, desired_count
+from services.launcher.autoscale import CONSUMERS, desired_count
 from services.launcher.environments import python_for
+from services.launcher.runfile import LauncherSection, RunFile, provision_run
 from services.launcher.usage import UsageLog
-from services.runtime.config import ConfigError, NatsSection, RunSection, convert, load_tree
-from services.runtime.gang import GANG_FAILED_EXIT, GangSection
+from services.runtime.config import convert, load_tree
+from services.runtime.gang import GANG_FAILED_EXIT
 from services.runtime.natsd import EmbeddedNats, NatsCluster, die_with_parent, port_is_free
 from services.runtime.service import CONFIG_ERROR_EXIT
+from services.runtime.weights_config import InprocConfig
 
 log = logging.getLogger("rlbus.launcher")
 
@@ -45,111 +47,8 @@ def _instance_of(data: bytes) -> str:
         return "?"
 
 
-class LauncherSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    #: instances to start per service, e.g. { trainer = 1, rollout = 2 }
-    services: dict[str, int] = {}
-    #: start an embedded nats-server (false: use [nats] url as given)
-    embedded_nats: bool = True
-    #: preferred port of the embedded server (a free one is taken if it is busy)
-    nats_port: int = 4222
-    #: embedded NATS as a local JetStream cluster of this many nodes (routes on 127.0.0.1; 0 or 1: one
-    #: server). [nats] replicas defaults to the cluster size (3 or 5) when the run file does not set it
-    nats_cluster: int = 0
-    #: restart services that exit unexpectedly
-    restart: bool = True
-    #: give up on a service after this many restarts within restart_window_s
-    max_restarts: int = 5
-    restart_window_s: float = 300.0
-    #: seconds services get to drain on stop before SIGKILL
-    stop_timeout_s: float = 20.0
-    #: a running service silent (no heartbeat) this long is killed and restarted (0: off)
-    heartbeat_timeout_s: float = 30.0
-    #: autoscaler (off when empty): service -> { min, max, target_pending, period_s, cooldown_s }, sizing
-    #: rollout or judge workers on their consumer's lag like KEDA's NATS JetStream scaler
-    #: (services/launcher/autoscale.py)
-    autoscale: dict[str, AutoscaleRule] = {}
-    #: embedded server: one NATS user per service with minimal permissions and generated passwords
-    #: (services/launcher/auth.py; credentials under <run dir>/auth); false: an open server
-    auth: bool = True
-
-
 #: services whose instances share one durable consumer (a queue group): they may come and go mid-run
 SCALABLE = {"rollout", "judge", "sandbox"}
-
-
-def check_weight_transport(tree: dict[str, Any], services: dict[str, int]) -> None:
-    """Refuse launcher layouts the trainer's and rollouts' weight transports cannot serve (clear errors
-    before anything starts): mismatched types, inproc without colocation, a wrong broadcast world size."""
-    sections = tree.get("services", {}) if isinstance(tree.get("services"), dict) else {}
-
-    def kind(service: str) -> str:
-        t = (sections.get(service) or {}).get("transport") if isinstance(sections.get(service), dict) else None
-        return str(t.get("type", "?")) if isinstance(t, dict) else "store"
-
-    parts = {name: name.split("+") for name, count in services.items() if count > 0}
-    rollouts = sum(services[n] for n, ps in parts.items() if "rollout" in ps)
-    trainers = [n for n, ps in parts.items() if "trainer" in ps]
-    if not trainers or not rollouts:
-        return
-    tk, rk = kind("trainer"), kind("rollout")
-    if tk != rk:
-        raise ConfigError(f"config keys services.trainer.transport ({tk}) and services.rollout.transport ({rk}) "
-                          "must name the same weight transport")
-    if tk == "inproc":
-        if any("rollout" not in parts[n] for n in trainers) or any(
-                "trainer" not in ps for n, ps in parts.items() if "rollout" in ps):
-            raise ConfigError('the inproc weight transport needs the trainer and rollout colocated in one '
-                              'process: [launcher] services = { "trainer+rollout" = 1, ... }')
-        if sum(services[n] for n in trainers) != 1:
-            raise ConfigError("the inproc weight transport serves one trainer+rollout process; set its count to 1")
-    if tk == "broadcast":
-        world = sections["trainer"]["transport"].get("world_size")
-        if world != 1 + rollouts:
-            raise ConfigError(f"config key services.trainer.transport.world_size is {world}, but this launcher "
-                              f"starts {rollouts} rollout engine(s): set it to {1 + rollouts} (trainer + engines)")
-        rworld = sections["rollout"]["transport"].get("world_size")
-        if rworld != world:
-            raise ConfigError(f"config key services.rollout.transport.world_size ({rworld}) must equal the "
-                              f"trainer's ({world})")
-
-
-def weight_buckets(tree: dict[str, Any]) -> tuple[list[str], list[tuple[str, str]]]:
-    """The weight KV buckets and object stores (bucket, storage) a run's store transport will open: one
-    per scope (the trainer's, and each weightsync relay's)."""
-    from proto import weights
-
-    sections = tree.get("services") if isinstance(tree.get("services"), dict) else {}
-    trainer = sections.get("trainer") if isinstance(sections.get("trainer"), dict) else {}
-    transport = trainer.get("transport") if isinstance(trainer.get("transport"), dict) else {}
-    if transport.get("type", "store") != "store":
-        return [], []
-    scopes = [str(transport.get("scope", weights.MAIN_SCOPE))]
-    relay = (sections.get("weightsync") or {}).get("relay") if isinstance(sections.get("weightsync"), dict) else None
-    if isinstance(relay, dict) and "scope" in relay:
-        scopes.append(str(relay["scope"]))
-    store = transport.get("store") if isinstance(transport.get("store"), dict) else {}
-    kv = [weights.kv_bucket(s) for s in scopes]
-    if store.get("type", "objstore") != "objstore":
-        return kv, []
-    storage = str(store.get("storage", "file"))
-    if store.get("bucket"):
-        return kv, [(str(store["bucket"]), storage)]
-    return kv, [(weights.object_bucket(s), storage) for s in scopes]
-
-
-async def provision_run(js: Any, tree: dict[str, Any]) -> None:
-    """What the launcher (or ``rlbus provision``) creates before services start: every catalog stream and
-    bucket, brought to the catalog with [nats] replicas (never lowered), and the weight buckets."""
-    from services.runtime import bus
-
-    await bus.provision_all(js, update=True)
-    kv, objects = weight_buckets(tree)
-    for bucket in kv:
-        await bus.ensure_kv(js, catalog.KVDef(bucket=bucket, history=1, description="rlbus weight versions"),
-                            update=True)
-    for bucket, storage in objects:
-        await bus.ensure_object_store(js, bucket, storage=storage, description="rlbus weight blobs",
-                                      update=True)
 
 
 #: lines of a crash-looping service's log quoted in the launcher's report
@@ -191,32 +90,27 @@ class Supervisor:
                  quiet: bool = False) -> None:
         self.config_path = str(Path(config_path).resolve()) if config_path else None
         self.overrides = list(overrides)
-        self.tree = load_tree(config_path, env, overrides)
-        self.run = convert(self.tree.get("run"), RunSection, "run")
-        self.launcher = convert(self.tree.get("launcher"), LauncherSection, "launcher")
-        if not self.launcher.services:
-            raise ConfigError("config key launcher.services: no services to start (e.g. services = { echo = 2 })")
-        for name, count in self.launcher.services.items():
-            if count < 0:
-                raise ConfigError(f"config key launcher.services.{name}: expected a count >= 0, got {count}")
-        check_weight_transport(self.tree, self.launcher.services)
-        for name, rule in self.launcher.autoscale.items():
-            if name not in CONSUMERS or name not in self.launcher.services:
-                raise ConfigError(f"config key launcher.autoscale.{name}: only services of this run's layout that "
-                                  f"work from a consumer autoscale ({', '.join(sorted(CONSUMERS))})")
-            if rule.min > rule.max:
-                raise ConfigError(f"config key launcher.autoscale.{name}: min ({rule.min}) > max ({rule.max})")
-        self._check_cluster()
+        tree = load_tree(config_path, env, overrides)
+        nats_tree = tree.get("nats") if isinstance(tree.get("nats"), dict) else {}
+        size = convert(tree.get("launcher"), LauncherSection, "launcher").nats_cluster
+        if size in (3, 5) and "replicas" not in nats_tree and (tree.get("launcher") or {}).get("embedded_nats", True):
+            self.overrides.append(f"nats.replicas={size}")  # replicas default to the cluster's size
+        self.runfile = RunFile.load(config_path, env, self.overrides)
+        # what the launcher derives (a broadcast group's size) every service it starts gets too
+        self.overrides += self.runfile.check()
+        if self.overrides[len(overrides):]:
+            self.runfile = RunFile.load(config_path, env, self.overrides)
+        self.run = self.runfile.run
+        self.launcher = self.runfile.launcher
         self.run_dir = Path(self.run.dir).resolve()
         self.nats: EmbeddedNats | NatsCluster | None = None
-        url = (self.tree.get("nats") or {}).get("url", "nats://127.0.0.1:4222")
-        self.nats_url = ",".join(url) if isinstance(url, list) else str(url)
+        self.nats_url = ",".join(self.runfile.nats.servers())
         self.children: list[Child] = []
         self.stopping = threading.Event()
         self.quiet = quiet
         self.events: list[dict[str, Any]] = []
         self.usage = UsageLog(self.run_dir / "usage.jsonl")
-        self.gang = convert(self.tree.get("gang"), GangSection, "gang")
+        self.gang = self.runfile.gang
         self.gang_failed = False
         self.last_seen: dict[str, float] = {}  # "<service>/<instance>" -> monotonic time of its last heartbeat
         self.monitor_connected_since: float | None = None  # None: heartbeats are not being watched
@@ -225,25 +119,6 @@ class Supervisor:
         self.auth: Any = None  # services.launcher.auth.AuthBundle when the embedded server has users
         self.control: Any = None  # services.launcher.control.ControlServer while running
         self._layout_lock = threading.Lock()  # scale() (control thread) against poll() (supervision thread)
-
-    def _check_cluster(self) -> None:
-        """[launcher] nats_cluster against [nats] replicas: replicas default to the cluster size, and a
-        stream cannot have more replicas than the cluster has nodes."""
-        size = self.launcher.nats_cluster
-        if size < 0 or size > 7:
-            raise ConfigError(f"config key launcher.nats_cluster: expected 0..7 nodes, got {size}")
-        nats_tree = self.tree.setdefault("nats", {})
-        if not isinstance(nats_tree, dict):
-            raise ConfigError("config key nats: expected a section (table)")
-        if size > 1 and self.launcher.embedded_nats and "replicas" not in nats_tree and size in (3, 5):
-            nats_tree["replicas"] = size
-            self.overrides.append(f"nats.replicas={size}")  # the services see the same value
-        replicas = convert(nats_tree, NatsSection, "nats").replicas
-        nodes = max(size, 1) if self.launcher.embedded_nats else None
-        if nodes is not None and replicas > nodes:
-            raise ConfigError(f"config key nats.replicas is {replicas}, but the embedded NATS has {nodes} "
-                              f"node(s): set launcher.nats_cluster = {replicas} (or rlbus up --nats-cluster "
-                              f"{replicas}), or nats.replicas = 1")
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -254,10 +129,10 @@ class Supervisor:
             if self.launcher.auth:
                 from services.launcher.auth import generate_auth
 
-                relay = self.tree.get("services", {}).get("weightsync", {}).get("relay") or {}
+                relay = self.runfile.services.weightsync.relay
                 roles = [part for name in self.launcher.services for part in name.split("+")]
                 self.auth = generate_auth(self.run_dir, roles, run_id=self.run.id,
-                                          relay_scopes=[relay["scope"]] if "scope" in relay else [],
+                                          relay_scopes=[relay.scope] if relay is not None else [],
                                           max_payload=8 * 1024 * 1024)
                 config_file = self.auth.server_config
             if self.launcher.nats_cluster > 1:
@@ -269,8 +144,8 @@ class Supervisor:
                                          config_file=config_file)
             self.nats.start()
             self.nats_url = self.nats.url
-        resolved = dict(self.tree)
-        resolved["nats"] = {**resolved.get("nats", {}), "url": self.nats_url}
+        resolved = self.runfile.resolved()  # every key, defaults included
+        resolved["nats"]["url"] = self.nats_url
         (self.run_dir / "config.resolved.json").write_text(json.dumps(resolved, indent=2, default=str))
         self._say(f"nats {self.nats_url} (data {self.run_dir / 'nats'})")
         asyncio.run(self._provision())
@@ -284,7 +159,7 @@ class Supervisor:
         self.control = ControlServer(self.run_dir, self.scale).start()
 
     def _child(self, name: str, i: int) -> Child:
-        argv = [python_for(name, self.tree), "-m", "services.launcher.cli", "service", name,
+        argv = [python_for(name, self.runfile), "-m", "services.launcher.cli", "service", name,
                 "--nats-url", self.nats_url, "--instance", f"{name}-{i}"]
         if self.config_path:
             argv += ["--config", self.config_path]
@@ -314,8 +189,7 @@ class Supervisor:
         if count < 0 or count > 64:
             raise ControlError(f"{name}={count}: expected 0..64 instances")
         if "rollout" in name.split("+"):
-            kind = ((self.tree.get("services") or {}).get("rollout") or {}).get("transport") or {}
-            if isinstance(kind, dict) and kind.get("type", "store") == "inproc":
+            if isinstance(self.runfile.weights, InprocConfig):
                 raise ControlError("rollout engines of the inproc weight transport live in the trainer's process: "
                                    "the store and broadcast transports let engines come and go")
         with self._layout_lock:
@@ -338,8 +212,7 @@ class Supervisor:
 
     def nats_section(self, role: str = "launcher") -> Any:
         """The [nats] section for the launcher's own connections (with its login when the server has users)."""
-        nats_cfg = convert(self.tree.get("nats"), NatsSection, "nats")
-        nats_cfg.url = self.nats_url
+        nats_cfg = msgspec.structs.replace(self.runfile.nats, url=self.nats_url)
         if self.auth is not None:
             creds = self.auth.for_role(role)
             nats_cfg.user, nats_cfg.password = creds.user, creds.password
@@ -352,7 +225,7 @@ class Supervisor:
 
         nc = await bus.connect(self.nats_section(), "rlbus-launcher", first_attempts=10)
         try:
-            await provision_run(nc.jetstream(), self.tree)
+            await provision_run(nc.jetstream(), self.runfile)
             if self.gang.roles:
                 await gang.reset(nc.jetstream(), self.run.id)
         finally:

@@ -2,82 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 
-from services.runtime.config import ConfigError
+from services.lib.engine.config import AutoEngineConfig, EngineConfig
+from services.runtime.config import ConfigError, tag_of
 from services.runtime.weights_config import StoreConfig, StoreTransportConfig, TransportConfig
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
-
-
-class TorchEngineSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="torch"):
-    """The transformers engine with continuous batching (CPU or GPU)."""
-
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    #: torch device; empty picks cuda when available
-    device: str = ""
-    #: most sequences decoded together
-    max_batch_size: Pos = 128
-    #: torch intra-op threads (0: torch's default)
-    num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
-    #: apply new weights between decode steps (in_flight) or only when no request runs
-    weight_update_mode: Literal["in_flight", "between_requests"] = "in_flight"
-    #: release the KV cache (on a GPU also the weights) while a colocated trainer ("trainer+rollout") steps
-    enable_sleep_mode: bool = False
-
-
-class VllmEngineSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="vllm"):
-    """vLLM's async engine (``services/lib/engine/vllm_engine.py``): what GPU fleets generate with.
-
-    Needs vLLM in the rollout's environment: ``pip install "rlbus[rollout,vllm]"`` on a CUDA machine, or
-    ``./rlbus setup vllm`` here (the CPU build in ``.venv-vllm``, which the launcher then runs the rollout in).
-    """
-
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    #: most sequences in one engine step (further requests queue inside vLLM)
-    max_num_seqs: Pos = 256
-    #: longest prompt + completion in tokens (0: the model's own)
-    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0
-    #: share of GPU memory vLLM may take (weights, activations, KV cache); GPU only
-    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
-    #: KV cache size in GiB (0: from gpu_memory_utilization on GPUs, 1 GiB on CPU)
-    kv_cache_gib: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
-    #: reuse KV blocks of shared prompt prefixes (a GRPO group shares its prompt); reset on every weight update
-    enable_prefix_caching: bool = True
-    #: GPUs one model is sharded over
-    tensor_parallel_size: Pos = 1
-    #: no torch.compile / CUDA graphs (faster start, slower steps)
-    enforce_eager: bool = False
-    #: apply new weights between engine steps (in_flight) or only when no request runs
-    weight_update_mode: Literal["in_flight", "between_requests"] = "in_flight"
-    #: release KV cache and weights while a colocated trainer ("trainer+rollout") steps; GPU only (vLLM on
-    #: CPU has no sleep mode: start-up stops with an error saying so)
-    enable_sleep_mode: bool = False
-    #: further vLLM engine arguments, passed through as given (e.g. { block_size = 16 })
-    engine_args: dict[str, int | float | str | bool] = {}
-
-
-class AutoEngineSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="auto"):
-    """The default: the faster engine for the model, by measurement (BENCHMARKS.md, "vLLM beside the torch
-    engine"): vLLM with its defaults for models of at least ``vllm_min_params_m`` million parameters when
-    the rollout's environment has vLLM (the launcher runs it in ``.venv-vllm`` when that exists), else the
-    torch engine with its defaults. Name ``type = "torch"`` or ``"vllm"`` to choose and tune one."""
-
-    #: smallest model (millions of parameters) served by vLLM; below it the torch engine is faster here
-    vllm_min_params_m: Annotated[float, msgspec.Meta(ge=0.0)] = 50.0
-
-    def picks_vllm(self, model: str) -> bool:
-        """Whether ``model`` (a spec or directory) is served with vLLM where vLLM is installed: it has at
-        least ``vllm_min_params_m`` million parameters (counted from its config, nothing loaded)."""
-        from services.tasks.models import model_params
-
-        params = model_params(model)
-        return params is not None and params >= self.vllm_min_params_m * 1e6
-
-
-EngineSection = TorchEngineSection | VllmEngineSection | AutoEngineSection
 
 
 class SandboxSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -138,7 +71,7 @@ class WeightsSource(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: the inference engine, chosen by `type`: "auto" (default: vLLM for models >= 50 M parameters where
     #: vLLM is installed, else torch), "torch" or "vllm"
-    engine: EngineSection = msgspec.field(default_factory=AutoEngineSection)
+    engine: EngineConfig = msgspec.field(default_factory=AutoEngineConfig)
     #: prompt tickets worked on at once (each runs group_size agent loops concurrently)
     max_tickets: Pos = 64
     #: seconds between metrics reports (pending requests, tokens/s)
@@ -161,6 +94,6 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             return weights
         if not isinstance(weights, StoreTransportConfig):
             raise ConfigError(f"config key services.rollout.weights_from: a relay serves the store transport only, "
-                              f"but [weights] type is {weights.type!r}")
+                              f"but [weights] type is {tag_of(weights)!r}")
         return msgspec.structs.replace(weights, scope=self.weights_from.scope,
                                        store=self.weights_from.store or weights.store)

@@ -35,14 +35,12 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from services.runtime.weights_config import StoreTransportConfig, TransportConfig
+# ConfigError is defined beside the weight transports' config (which this module reads) and is the one class
+# every configuration error of rlbus raises
+from services.runtime.weights_config import ConfigError, StoreTransportConfig, TransportConfig
 
 T = TypeVar("T")
 ENV_PREFIX = "RLBUS__"
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or of the wrong type."""
 
 
 #: one value of a task's options (``task_options`` of the trainer, the rollout and the judge): a scalar or
@@ -161,8 +159,19 @@ MOVED_KEYS: dict[str, str] = {
                       "fields: one transport for the whole run)"),
     )},
     "services.trainer.dtype": "model.dtype ([model] dtype = ...)",
+    # the trainer's keys in groups ([services.trainer.loss], .optim, .sampling, .eval, .devices)
+    **{f"services.trainer.{key}": f"services.trainer.{group}.{key.removeprefix(group + '_')} ([services.trainer."
+       f"{group}] {key.removeprefix(group + '_')} = ...)" for group, keys in (
+        ("loss", "normalize_std clip_low clip_high kl_coef is_mode is_cap aggregation staleness_decay"),
+        ("optim", "lr weight_decay max_grad_norm lr_schedule lr_warmup_steps ppo_epochs minibatches "
+                  "micro_batch_size max_tokens_per_micro_batch gradient_checkpointing"),
+        ("sampling", "max_new_tokens temperature top_p"),
+        ("eval", "eval_every eval_prompts eval_samples eval_temperature"),
+        ("devices", "device ref_device world_size rank_timeout_s num_threads"),
+    ) for key in keys.split()},
     "services.weightsync.upstream_scope": "weights.scope (the trainer's transport, [weights])",
     "services.weightsync.upstream_store": "weights.store (the trainer's transport, [weights])",
+    "services.weightsync.hmac_key_env": "weights.hmac_key_env (the trainer's transport, [weights])",
     "services.trainer.store":
         'services.trainer.transport.store (transport = { type = "store", store = {...} })',
     "services.trainer.weights":
@@ -173,6 +182,11 @@ MOVED_KEYS: dict[str, str] = {
     "services.rollout.weights_recheck_s":
         'services.rollout.transport.recheck_s (transport = { type = "store", recheck_s = ... })',
 }
+
+
+def tag_of(value: msgspec.Struct) -> str:
+    """The ``type`` a tagged config struct was chosen by (``"store"``, ``"vllm"``, ...)."""
+    return str(type(value).__struct_config__.tag)
 
 
 def check_moved_keys(tree: Mapping[str, Any]) -> None:
@@ -247,10 +261,10 @@ def convert(section: Any, cls: type[T], key: str) -> T:
         text = str(e)
         reason, _, where = text.partition(" - at `")
         field = where.rstrip("`").removeprefix("$").lstrip(".")
-        full = f"{key}.{field}" if field else key
+        full = ".".join(k for k in (key, field) if k)
         if reason.startswith("Object contains unknown field"):
             bad = reason.split("`")[1] if "`" in reason else "?"
-            full = f"{full}.{bad}" if field else f"{key}.{bad}"
+            full = ".".join(k for k in (full, bad) if k)
             raise ConfigError(f"config key {full}: unknown key (check the spelling; see --help)") from None
         raise ConfigError(f"config key {full}: {reason.replace('Expected', 'expected')}") from None
 

@@ -20,7 +20,9 @@ MiB = 1024 * 1024
 
 
 class ConfigError(ValueError):
-    """A weightsync config value is out of range or inconsistent (the message names the field)."""
+    """A configuration value is missing, unknown, of the wrong type or inconsistent (the message names the key).
+
+    The one configuration error of rlbus (services.runtime.config re-exports it)."""
 
 
 class ObjStoreConfig(

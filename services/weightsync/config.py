@@ -1,6 +1,7 @@
 """The weightsync service's configuration: retention of the trainer's versions and a relay near engines.
 
-Stores and encodings are configured as for the trainer (``services/runtime/weights_config.py``).
+The upstream (the trainer's scope, store and HMAC key) is the run's ``[weights]`` section; stores are
+configured as there (``services/runtime/weights_config.py``).
 """
 
 from __future__ import annotations
@@ -28,18 +29,12 @@ class WeightsyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
     #: run whose versions this instance handles; empty = the run's id from the ``[run]`` section
     run_id: str = ""
-    #: scope the trainer publishes under
-    upstream_scope: str = "main"
-    #: the trainer's store (must match the publisher's config)
-    upstream_store: StoreConfig = msgspec.field(default_factory=ObjStoreConfig)
     #: run retention on the upstream scope (exactly one weightsync instance per run should)
     gc_upstream: bool = True
     #: anchors kept upstream (and every delta after the oldest of them)
     keep_anchors: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 2
     #: relay into a local scope; None = no relay (retention only)
     relay: RelayConfig | None = None
-    #: environment variable holding the hex HMAC key; empty = manifests are not verified
-    hmac_key_env: str = ""
     #: chunks transferred concurrently
     parallel: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     #: seconds without an upstream announcement after which the relay reads the upstream's latest version
@@ -47,9 +42,5 @@ class WeightsyncConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     recheck_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
 
     def __post_init__(self) -> None:
-        if self.relay is not None and self.relay.scope == self.upstream_scope:
-            raise ConfigError(
-                f"relay.scope {self.relay.scope!r} equals upstream_scope; a relay needs its own scope"
-            )
         if not self.gc_upstream and self.relay is None:
             raise ConfigError("weightsync with gc_upstream=false and no relay has nothing to do")

@@ -31,11 +31,11 @@ from nats.aio.client import Client as NATS
 
 from proto.weights import WeightAnnouncement, WeightManifest
 from services.lib.weights.blobs import WeightIntegrityError, copy_chunks, read_chunks, verify_signature
-from services.runtime.weights_config import ConfigError, load_hmac_key
 from services.lib.weights.index import VersionIndex
 from services.lib.weights.store import BlobStore, StoreError, open_store
-from services.runtime.config import Loaded
+from services.runtime.config import Loaded, tag_of
 from services.runtime.service import ServiceContext
+from services.runtime.weights_config import ConfigError, StoreTransportConfig, load_hmac_key
 from services.weightsync.config import WeightsyncConfig
 from services.weightsync.retention import ManifestCache, collect_garbage
 
@@ -61,13 +61,18 @@ class WeightsyncService:
     """Retention and/or relay for one run; ``run(stop)`` until the event is set."""
 
     def __init__(self, nc: NATS, config: WeightsyncConfig, local_nc: NATS | None = None,
-                 gauges: dict[str, float] | None = None) -> None:
+                 gauges: dict[str, float] | None = None, upstream: StoreTransportConfig | None = None) -> None:
+        """``upstream``: the trainer's store transport (the run's ``[weights]``; default: the default one)."""
         if not config.run_id:
             raise ConfigError("WeightsyncConfig.run_id is empty; set it (build() fills it from [run] id)")
+        upstream = upstream or StoreTransportConfig()
+        if config.relay is not None and config.relay.scope == upstream.scope:
+            raise ConfigError(f"config key services.weightsync.relay.scope: {config.relay.scope!r} is the trainer's "
+                              "scope (weights.scope); a relay needs its own scope")
         self.config = config
-        self.hmac_key = load_hmac_key(config.hmac_key_env)
-        self.upstream_store: BlobStore = open_store(config.upstream_store, nc, scope=config.upstream_scope)
-        self.upstream = VersionIndex(nc, config.run_id, config.upstream_scope)
+        self.hmac_key = load_hmac_key(upstream.hmac_key_env)
+        self.upstream_store: BlobStore = open_store(upstream.store, nc, scope=upstream.scope)
+        self.upstream = VersionIndex(nc, config.run_id, upstream.scope)
         self._upstream_cache = ManifestCache(self.upstream)
         self.local_store: BlobStore | None = None
         self.local: VersionIndex | None = None
@@ -241,11 +246,12 @@ class WeightsyncService:
 class WeightsyncRunner:
     """Adapts :class:`WeightsyncService` (which needs only a connection) to the harness's ``run(ctx)``."""
 
-    def __init__(self, config: WeightsyncConfig) -> None:
+    def __init__(self, config: WeightsyncConfig, upstream: StoreTransportConfig) -> None:
         self.config = config
+        self.upstream = upstream
 
     async def run(self, ctx: ServiceContext) -> None:
-        await WeightsyncService(ctx.nc, self.config, gauges=ctx.gauges).run(ctx.stop)
+        await WeightsyncService(ctx.nc, self.config, gauges=ctx.gauges, upstream=self.upstream).run(ctx.stop)
 
 
 def build(loaded: Loaded) -> WeightsyncRunner:
@@ -253,4 +259,7 @@ def build(loaded: Loaded) -> WeightsyncRunner:
     config: WeightsyncConfig = loaded.service
     if not config.run_id:
         config = msgspec.structs.replace(config, run_id=loaded.run.id)
-    return WeightsyncRunner(config)
+    if not isinstance(loaded.weights, StoreTransportConfig):
+        raise ConfigError(f"weightsync keeps and relays versions of the store transport; [weights] type is "
+                          f"{tag_of(loaded.weights)!r}: leave weightsync out of [launcher] services")
+    return WeightsyncRunner(config, loaded.weights)

@@ -8,19 +8,25 @@ import pytest
 
 from services.launcher import environments
 from services.launcher.environments import MissingEnvironment, needs_vllm, python_for
-from services.lib.engine.vllm_config import vllm_available
+from services.launcher.runfile import RunFile
+from services.lib.engine.config import vllm_available
 
-VLLM_TREE = {"services": {"rollout": {"engine": {"type": "vllm"}}, "trainer": {}}}
+
+def run_file(tree: dict) -> RunFile:
+    return RunFile.from_tree(tree)
+
+
+VLLM_TREE = run_file({"services": {"rollout": {"engine": {"type": "vllm"}}, "trainer": {}}})
 
 
 def test_only_parts_with_a_vllm_engine_need_it():
     assert needs_vllm("rollout", VLLM_TREE) and needs_vllm("trainer+rollout", VLLM_TREE)
     assert not needs_vllm("trainer", VLLM_TREE) and not needs_vllm("judge", VLLM_TREE)
-    assert not needs_vllm("rollout", {"services": {"rollout": {"engine": {"type": "torch"}}}})
-    assert not needs_vllm("rollout", {})
-    judged = {"services": {"judge": {"graders": {"coding": [{"type": "reward"},
-                                                           {"type": "llm_judge", "judge": {"type": "vllm"}}]}}}}
-    assert needs_vllm("judge", judged) and not needs_vllm("judge", {"services": {"judge": {"graders": {}}}})
+    assert not needs_vllm("rollout", run_file({"services": {"rollout": {"engine": {"type": "torch"}}}}))
+    assert not needs_vllm("rollout", run_file({}))
+    judged = run_file({"services": {"judge": {"graders": {"coding": [
+        {"type": "reward"}, {"type": "llm_judge", "rubric": "Correct?", "judge": {"type": "vllm", "model": "smollm2"}}]}}}})
+    assert needs_vllm("judge", judged) and not needs_vllm("judge", run_file({"services": {"judge": {"graders": {}}}}))
     assert python_for("trainer", VLLM_TREE) == sys.executable
 
 
@@ -50,9 +56,10 @@ def test_auto_engine_runs_the_rollout_under_vllm_for_models_of_its_size(tmp_path
         pytest.skip("this environment has vLLM itself: every service runs here (the case tested is its absence)")
     monkeypatch.setattr(environments, "REPO", tmp_path)
     monkeypatch.delenv(environments.VLLM_PYTHON_ENV, raising=False)
-    big = {"services": {"rollout": {"model": "smollm2"}}}
-    small = {"services": {"rollout": {"model": "tiny-addition", "engine": {"type": "auto"}}}}
-    raised = {"services": {"rollout": {"model": "smollm2", "engine": {"type": "auto", "vllm_min_params_m": 500}}}}
+    big = run_file({"model": {"name": "smollm2"}})
+    small = run_file({"model": {"name": "tiny-addition"}, "services": {"rollout": {"engine": {"type": "auto"}}}})
+    raised = run_file({"model": {"name": "smollm2"},
+                       "services": {"rollout": {"engine": {"type": "auto", "vllm_min_params_m": 500}}}})
     assert not needs_vllm("rollout", big)  # no vLLM environment: auto falls back to torch, no error
     venv = tmp_path / ".venv-vllm" / "bin"
     venv.mkdir(parents=True)
@@ -60,4 +67,5 @@ def test_auto_engine_runs_the_rollout_under_vllm_for_models_of_its_size(tmp_path
     assert needs_vllm("rollout", big) and python_for("rollout", big) == str(venv / "python")
     assert needs_vllm("trainer+rollout", big) and not needs_vllm("trainer", big)
     assert not needs_vllm("rollout", small) and not needs_vllm("rollout", raised)
-    assert not needs_vllm("rollout", {"services": {"rollout": {"model": "smollm2", "engine": {"type": "torch"}}}})
+    assert not needs_vllm("rollout", run_file({"model": {"name": "smollm2"},
+                                               "services": {"rollout": {"engine": {"type": "torch"}}}}))

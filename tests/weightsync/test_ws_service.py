@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from proto.weights import WeightManifest
@@ -12,6 +13,7 @@ from services.runtime.weights_config import (
     EncodingConfig,
     FsStoreConfig,
     ObjStoreConfig,
+    StoreTransportConfig,
 )
 from services.lib.weights.objstore import ObjectStoreBlobs
 from services.lib.weights.store import open_store
@@ -88,8 +90,8 @@ async def test_relay_joining_late_copies_the_chain(nc, tmp_path):
 
 async def test_retention_keeps_what_is_needed(nc, tmp_path):
     store_cfg = FsStoreConfig(root=str(tmp_path / "up"), fsync=False)
-    config = WeightsyncConfig(run_id=RUN, upstream_store=store_cfg, keep_anchors=2, gc_upstream=True)
-    service = WeightsyncService(nc, config)
+    config = WeightsyncConfig(run_id=RUN, keep_anchors=2, gc_upstream=True)
+    service = WeightsyncService(nc, config, upstream=StoreTransportConfig(store=store_cfg))
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop), name="weightsync")
     pub = WeightPublisher(
@@ -162,10 +164,18 @@ def test_config_selects_stores_and_checks_fields():
         },
         WeightsyncConfig,
     )
-    assert isinstance(cfg.relay.store, S3StoreConfig) and isinstance(cfg.upstream_store, ObjStoreConfig)
-    with pytest.raises(msgspec.ValidationError, match="own scope"):
-        msgspec.convert({"relay": {"scope": "main"}}, WeightsyncConfig)
+    assert isinstance(cfg.relay.store, S3StoreConfig)
     with pytest.raises(msgspec.ValidationError):
-        msgspec.convert({"upstream_store": {"type": "ftp"}}, WeightsyncConfig)
+        msgspec.convert({"relay": {"scope": "r", "store": {"type": "ftp"}}}, WeightsyncConfig)
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"keep_anchors": 0}, WeightsyncConfig)
+
+
+async def test_relay_scope_must_differ_from_the_trainers(nc):
+    """A relay announcing under the trainer's own scope ([weights] scope) would feed itself: refused, naming
+    the key."""
+    from services.runtime.config import ConfigError
+
+    config = WeightsyncConfig(run_id=RUN, relay=RelayConfig(scope="upstream"))
+    with pytest.raises(ConfigError, match="services.weightsync.relay.scope"):
+        WeightsyncService(nc, config, upstream=StoreTransportConfig(scope="upstream"))
