@@ -1,6 +1,6 @@
 """The documentation holds together: README.md stays short (at most 200 lines), every relative link in
 README.md and docs/*.md reaches an existing file (and heading, for a link with an anchor), every page
-under docs/ is linked from the README, and every TOML example in them is valid TOML."""
+under docs/ is linked from the README, and every TOML example in them is a valid run file."""
 
 from __future__ import annotations
 
@@ -13,9 +13,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 MAX_README_LINES = 200
-#: pages linked before they exist, each with who writes them; the test fails once one exists, so the entry
-#: is removed (and the link checked) as soon as it can be
-PENDING = {"docs/CONFIG.md": "the generated key reference of the run file"}
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
@@ -67,8 +64,6 @@ def broken_links(page: Path) -> list[str]:
         path_part, _, anchor = link.partition("#")
         target = (page.parent / path_part).resolve() if path_part else page
         rel = target.relative_to(REPO).as_posix() if target.is_relative_to(REPO) else str(target)
-        if rel in PENDING:
-            continue
         if not target.exists():
             out.append(f"{page.relative_to(REPO)}: {link} -> {rel} does not exist")
         elif anchor and target.suffix == ".md" and anchor.lower() not in anchors(target):
@@ -93,20 +88,24 @@ def test_every_docs_page_is_linked_from_the_readme():
     assert unlinked == [], f"docs pages the README does not link: {unlinked}"
 
 
-def test_pending_pages_do_not_exist_yet():
-    landed = [rel for rel in PENDING if (REPO / rel).exists()]
-    assert landed == [], f"{landed} exist now: remove them from PENDING so their links are checked"
-    for rel in PENDING:  # and the README does link them, so they are reached once they land
-        assert any((REPO / link).resolve() == (REPO / rel).resolve() for link in relative_links(README)), rel
-
-
 @pytest.mark.parametrize("page", pages(), ids=lambda p: p.relative_to(REPO).as_posix())
-def test_toml_examples_parse(page):
+def test_toml_examples_are_valid_run_files(page):
+    """Every TOML example is TOML, and (but for a package's pyproject.toml) a run file rlbus accepts: each
+    key spelled as the typed run file has it, with a value of its type."""
+    from services.launcher.runfile import RunFile
+    from services.runtime.config import ConfigError
+
     for block in re.findall(r"^```toml\n(.*?)^```", page.read_text(encoding="utf-8"), re.S | re.M):
         try:
-            tomllib.loads(block)
+            tree = tomllib.loads(block)
         except tomllib.TOMLDecodeError as exc:
             pytest.fail(f"{page.relative_to(REPO)}: a TOML example does not parse ({exc}):\n{block}")
+        if "project" in tree:  # a package's pyproject.toml (entry points), not a run file
+            continue
+        try:
+            RunFile.from_tree(tree)
+        except ConfigError as exc:
+            pytest.fail(f"{page.relative_to(REPO)}: a TOML example is not a valid run file ({exc}):\n{block}")
 
 
 def test_the_checker_finds_a_broken_link(tmp_path, monkeypatch):
