@@ -67,17 +67,17 @@ def loop_run(out: Path, name: str, steps: int, lr: float, lora: dict | None, cac
 
     run_id = f"lorabench-{name}"
     run_dir = out / name
-    trainer = (f'model = "tiny-addition"\ncache_dir = "{cache_dir}"\ntask = "addition"\ngroups_per_step = 16\n'
+    trainer = ('groups_per_step = 16\n'
                f'group_size = 8\nmax_new_tokens = 6\nlr = {lr}\ntotal_steps = {steps}\nmax_staleness = 1\n'
-               'eval_every = 0\neval_prompts = 200\neval_samples = 2\ncheckpoint_every = 0\nnum_threads = 1\n'
-               'transport = { type = "store", encoding = { anchor_every = 10 } }\n')
+               'eval_every = 0\neval_prompts = 200\neval_samples = 2\ncheckpoint_every = 0\nnum_threads = 1\n')
     if lora is not None:
         trainer += "lora = { " + ", ".join(f"{k} = {v}" for k, v in lora.items()) + " }\n"
     cfg = out / f"{name}.toml"
     cfg.write_text(f'[run]\nid = "{run_id}"\ndir = "{run_dir}"\n[launcher]\n'
                    'services = { trainer = 1, rollout = 1, judge = 1 }\n'
-                   f'[services.trainer]\n{trainer}[services.rollout]\nmodel = "tiny-addition"\n'
-                   f'cache_dir = "{cache_dir}"\nmax_tickets = 32\n'
+                   f'[model]\nname = "tiny-addition"\ncache_dir = "{cache_dir}"\n[task]\nname = "addition"\n'
+                   '[weights]\ntype = "store"\nencoding = { anchor_every = 10 }\n'
+                   f'[services.trainer]\n{trainer}[services.rollout]\nmax_tickets = 32\n'
                    'engine = { type = "torch", max_batch_size = 128, num_threads = 1 }\n')
     t0 = time.perf_counter()
     reused = reuse and (run_dir / "summary.json").is_file()

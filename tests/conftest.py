@@ -123,15 +123,23 @@ def last_step(metrics: Path) -> int:
 def run_file(tmp_path: Path, model: Path | str, *, run_id: str, trainer: dict[str, Any],
              rollout: dict[str, Any] | None = None, services: dict[str, int] | None = None,
              nats_url: str | None = None, launcher: dict[str, Any] | None = None,
-             common: dict[str, Any] | None = None, extra: str = "") -> Path:
+             common: dict[str, Any] | None = None, task: str | None = None,
+             task_options: dict[str, Any] | None = None, weights: dict[str, Any] | None = None,
+             extra: str = "") -> Path:
     """Write ``tmp_path/run.toml`` for a tiny-model run in ``tmp_path/run`` and return its path.
 
-    ``services`` (the launcher's layout, with a free NATS port) is for ``rlbus run`` and the
-    supervisor; ``nats_url`` for a service run by the test against the ``nats_url`` fixture.
-    ``trainer`` and ``rollout`` override the shared defaults below (``rollout=None``: no rollout
+    ``model`` is the run's ``[model] name``; ``task``/``task_options`` its ``[task]``; ``weights`` its
+    ``[weights]`` (the transport). ``services`` (the launcher's layout, with a free NATS port) is for
+    ``rlbus run`` and the supervisor; ``nats_url`` for a service run by the test against the ``nats_url``
+    fixture. ``trainer`` and ``rollout`` override the shared defaults below (``rollout=None``: no rollout
     section); ``launcher``/``common`` add keys to those sections; ``extra`` is TOML appended as is.
     """
-    parts = [_toml_table("run", {"id": run_id, "dir": tmp_path / "run"})]
+    parts = [_toml_table("run", {"id": run_id, "dir": tmp_path / "run"}), _toml_table("model", {"name": model})]
+    if task is not None or task_options:
+        parts.append(_toml_table("task", {**({"name": task} if task else {}),
+                                          **({"options": task_options} if task_options else {})}))
+    if weights is not None:
+        parts.append(_toml_table("weights", weights))
     if nats_url is not None:
         parts.append(_toml_table("nats", {"url": nats_url}))
     if services is not None:
@@ -139,12 +147,14 @@ def run_file(tmp_path: Path, model: Path | str, *, run_id: str, trainer: dict[st
         parts.append(_toml_table("launcher", launcher_keys))
     if common:
         parts.append(_toml_table("common", common))
-    parts.append(_toml_table("services.trainer", {
-        "model": model, "group_size": 4, "max_new_tokens": 6, "eval_every": 0, "checkpoint_every": 0,
-        "num_threads": 1, **trainer}))
+    trainer_keys: dict[str, Any] = {"group_size": 4, "checkpoint_every": 0, "sampling": {"max_new_tokens": 6},
+                                    "eval": {"every": 0}, "devices": {"num_threads": 1}}
+    for key, value in trainer.items():  # a group's keys (sampling = {...}) are added to its defaults
+        shared = isinstance(value, dict) and isinstance(trainer_keys.get(key), dict)
+        trainer_keys[key] = {**trainer_keys[key], **value} if shared else value
+    parts.append(_toml_table("services.trainer", trainer_keys))
     if rollout is not None:
-        parts.append(_toml_table("services.rollout", {
-            "model": model, "engine": {"type": "torch", "num_threads": 1}, **rollout}))
+        parts.append(_toml_table("services.rollout", {"engine": {"type": "torch", "num_threads": 1}, **rollout}))
     if extra:
         parts.append(extra.strip() + "\n")
     path = tmp_path / "run.toml"

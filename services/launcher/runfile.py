@@ -39,6 +39,7 @@ from services.runtime.config import (
     convert,
     load_tree,
     tag_of,
+    weights_tree,
 )
 from services.runtime.gang import GangSection
 from services.runtime.weights_config import (
@@ -147,6 +148,8 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Decode a merged raw tree; errors name the key and the expected type. Sections of services that
         only an entry point knows are left to that service (typed when it starts)."""
         tree = dict(tree)
+        if "weights" in tree:
+            tree["weights"] = weights_tree(tree["weights"])
         services = tree.get("services")
         if isinstance(services, dict):
             from services.launcher import registry

@@ -172,15 +172,11 @@ MOVED_KEYS: dict[str, str] = {
     "services.weightsync.upstream_scope": "weights.scope (the trainer's transport, [weights])",
     "services.weightsync.upstream_store": "weights.store (the trainer's transport, [weights])",
     "services.weightsync.hmac_key_env": "weights.hmac_key_env (the trainer's transport, [weights])",
-    "services.trainer.store":
-        'services.trainer.transport.store (transport = { type = "store", store = {...} })',
-    "services.trainer.weights":
-        'services.trainer.transport.encoding (transport = { type = "store", encoding = { anchor_every = ..., '
-        'dtype = ... } })',
-    "services.rollout.store":
-        'services.rollout.transport.store (transport = { type = "store", store = {...} })',
-    "services.rollout.weights_recheck_s":
-        'services.rollout.transport.recheck_s (transport = { type = "store", recheck_s = ... })',
+    # older names of the weight transport's keys
+    "services.trainer.store": 'weights.store ([weights] type = "store", store = {...})',
+    "services.trainer.weights": 'weights.encoding ([weights] type = "store", encoding = { anchor_every = ..., dtype = ... })',
+    "services.rollout.store": 'weights.store ([weights] type = "store", store = {...})',
+    "services.rollout.weights_recheck_s": 'weights.recheck_s ([weights] type = "store", recheck_s = ...)',
 }
 
 
@@ -269,6 +265,15 @@ def convert(section: Any, cls: type[T], key: str) -> T:
         raise ConfigError(f"config key {full}: {reason.replace('Expected', 'expected')}") from None
 
 
+def weights_tree(section: Any) -> Any:
+    """The raw ``[weights]`` section with its ``type`` defaulted to ``"store"`` (absent: the default store)."""
+    if section is None:
+        return {"type": "store"}
+    if isinstance(section, dict) and "type" not in section:
+        return {"type": "store", **section}
+    return section
+
+
 class Loaded(msgspec.Struct, kw_only=True):
     """What a service sees of the run file once it is resolved: the shared sections, typed, and its own
     section (``service``, typed by the service's config class). A service never sees another's section."""
@@ -303,7 +308,7 @@ def load_service_config(
         common=convert(tree.get("common"), CommonSection, "common"),
         model=convert(tree.get("model"), ModelSection, "model"),
         task=convert(tree.get("task"), TaskSection, "task"),
-        weights=convert(tree.get("weights"), TransportConfig, "weights"),  # type: ignore[arg-type]
+        weights=convert(weights_tree(tree.get("weights")), TransportConfig, "weights"),  # type: ignore[arg-type]
         service=convert(services.get(service), cls, f"services.{service}"),
         gang=convert(tree.get("gang"), GangSection, "gang"),
     )

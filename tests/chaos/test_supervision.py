@@ -80,7 +80,7 @@ def test_a_crash_loop_is_reported_with_its_count_and_last_log_lines(tmp_path):
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
     cfg = write_run(tmp_path, "services = { rollout = 1 }\nmax_restarts = 2\nrestart_window_s = 600",
-                    extra=f'[services.rollout]\nmodel = "{broken}"\n')
+                    extra=f'[model]\nname = "{broken}"\n')
     sup, report = first_event(cfg, "crash_loop", 180)
     assert report["child"] == "rollout-0" and report["crashes"] == 3 and report["code"] != 0
     exits = [e for e in sup.events if e["event"] == "exit" and e["child"] == "rollout-0"]

@@ -40,7 +40,7 @@ def test_a_run_with_a_misbehaving_reward_trains_on_the_rest(tmp_path, loop_model
     cfg = run_file(tmp_path, loop_model_dir, run_id="flaky",
                    services={"trainer": 1, "rollout": 1, "judge": 1},
                    launcher={"heartbeat_timeout_s": 20.0},
-                   trainer={"task": "flaky-addition", "groups_per_step": 4, "total_steps": 4, "max_staleness": 1},
+                   task="flaky-addition", trainer={"groups_per_step": 4, "total_steps": 4, "max_staleness": 1},
                    rollout={"max_tickets": 8},
                    extra='[services.judge]\nuser_code = { workers = 2, timeout_s = 2.0 }\n')
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(REPO)])}

@@ -36,7 +36,7 @@ async def test_a_task_that_fails_to_build_poisons_its_rollouts_and_the_judge_kee
 
     cfg = tmp_path / "run.toml"
     cfg.write_text(f'[run]\nid = "{RUN}"\ndir = "{tmp_path / "run"}"\n[nats]\nurl = "{nats_url}"\n'
-                   '[services.judge.task_options.addition]\nlow = 50\nhigh = 10\n')
+                   '[task]\nname = "addition"\noptions = { low = 50, high = 10 }\n')
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     await bus.provision_all(js)
@@ -66,7 +66,7 @@ async def test_a_task_that_fails_to_build_poisons_its_rollouts_and_the_judge_kee
         error = by_id[msg_id].rollout.error or ""
         assert by_id[msg_id].reward == 0.0
         assert error.startswith("grading failed: task 'addition' cannot be built from "
-                                "[services.judge.task_options.addition]: TaskOptionError:"), error
+                                "[task.options]: TaskOptionError:"), error
         assert "low=50, high=10" in error
     assert by_id["good"].rollout.error is None  # another task of the same judge is unaffected
     assert sorted(codec.decode(letter.payload, Rollout).msg_id for letter in letters) == ["bad-1", "bad-2"]

@@ -23,7 +23,7 @@ def test_dataset_example_trains_and_scores_with_named_rewards(tmp_path, loop_mod
     run_dir = tmp_path / "run"
     short = {  # the example as shipped, but for the test model and a few steps
         "run.dir": run_dir, "launcher.nats_port": free_port(),
-        "services.trainer.model": loop_model_dir, "services.rollout.model": loop_model_dir,
+        "model.name": loop_model_dir,
         "services.trainer.total_steps": STEPS, "services.trainer.max_wall_s": 0,
         "services.trainer.groups_per_step": GROUPS, "services.trainer.group_size": GROUP_SIZE,
         "services.trainer.eval_every": 3, "services.trainer.eval_prompts": EVAL_PROMPTS,

@@ -51,9 +51,8 @@ def test_a_lora_run_learns_and_sends_only_adapters(tmp_path, warm_model_dir):
     cfg = run_file(tmp_path, warm_model_dir, run_id=RUN, services={"trainer": 1, "rollout": 1, "judge": 1},
                    trainer={"groups_per_step": 16, "group_size": 8, "total_steps": 60, "lr": 1e-3,
                             "max_staleness": 1, "eval_prompts": 200, "eval_samples": 2,
-                            "lora": {"r": 8, "alpha": 16.0},
-                            "transport": {"type": "store", "encoding": {"anchor_every": 10}}},
-                   rollout={"max_tickets": 32})
+                            "lora": {"r": 8, "alpha": 16.0}},
+                   rollout={"max_tickets": 32}, weights={"type": "store", "encoding": {"anchor_every": 10}})
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]

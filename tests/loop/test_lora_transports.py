@@ -18,7 +18,7 @@ from tests.loop.test_transports_in_loop import _run_three_steps
 
 LAYOUTS = {
     "broadcast": ({"trainer": 1, "rollout": 1, "judge": 1},
-                  {"type": "broadcast", "world_size": 2, "backend": "gloo", "timeout_s": 120}),
+                  {"type": "broadcast", "backend": "gloo", "timeout_s": 120}),
     "inproc": ({"trainer+rollout": 1, "judge": 1}, {"type": "inproc"}),
 }
 
@@ -28,9 +28,8 @@ LAYOUTS = {
 def test_lora_versions_through_a_direct_transport(tmp_path, loop_model_dir, kind):
     services, transport = LAYOUTS[kind]
     run_id = f"lora-{kind}"
-    logs = _run_three_steps(tmp_path, loop_model_dir, run_id, services,
-                            trainer_extra={"transport": transport, "lora": {"r": 4, "alpha": 8.0}, "lr": 1e-2},
-                            rollout_extra={"transport": transport})
+    logs = _run_three_steps(tmp_path, loop_model_dir, run_id, services, weights=transport,
+                            trainer_extra={"lora": {"r": 4, "alpha": 8.0}, "lr": 1e-2})
     run_dir = tmp_path / "run"
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 3
     engine_log = logs["rollout-0.log" if kind == "broadcast" else "trainer+rollout-0.log"]

@@ -20,7 +20,7 @@ import pytest
 from proto import catalog
 from services.launcher.accounting import read_channel
 from services.launcher.status import collect
-from services.launcher.supervisor import check_weight_transport
+from services.launcher.runfile import RunFile
 from services.runtime.config import ConfigError
 from services.runtime.natsd import EmbeddedNats
 from tests.conftest import run_file
@@ -28,7 +28,7 @@ from tests.conftest import run_file
 LAYOUTS = {
     "broadcast": (
         {"trainer": 1, "rollout": 2, "judge": 1},
-        {"type": "broadcast", "world_size": 3, "backend": "gloo", "timeout_s": 120},
+        {"type": "broadcast", "backend": "gloo", "timeout_s": 120},  # world_size: the launcher's (1 + 2)
     ),
     "inproc": ({"trainer+rollout": 1, "judge": 1}, {"type": "inproc"}),
     # colocated, the engine asleep (its KV cache released) during every learner step
@@ -38,10 +38,10 @@ LAYOUTS = {
 
 def _run_three_steps(tmp_path, model_dir, run_id: str, services: dict[str, int],
                      trainer_extra: dict | None = None, rollout_extra: dict | None = None,
-                     extra: str = "") -> dict[str, str]:
+                     extra: str = "", weights: dict | None = None) -> dict[str, str]:
     """`rlbus run` of 3 synchronous steps of the tiny model; returns the service logs by file name."""
     run_dir = tmp_path / "run"
-    cfg = run_file(tmp_path, model_dir, run_id=run_id, services=services, extra=extra,
+    cfg = run_file(tmp_path, model_dir, run_id=run_id, services=services, extra=extra, weights=weights,
                    trainer={"groups_per_step": 2, "total_steps": 3, "max_staleness": 0, "eval_prompts": 4,
                             **(trainer_extra or {})},
                    rollout={"max_tickets": 8, **(rollout_extra or {})})
@@ -60,8 +60,7 @@ def test_loop_runs_with_direct_transport(tmp_path, loop_model_dir, kind):
     run_dir = tmp_path / "run"
     run_id = f"tr-{kind}"
     engine = {"engine": {"type": "torch", "enable_sleep_mode": True}} if kind == "inproc-sleep" else {}
-    logs = _run_three_steps(tmp_path, loop_model_dir, run_id, services, trainer_extra={"transport": transport},
-                            rollout_extra={"transport": transport, **engine})
+    logs = _run_three_steps(tmp_path, loop_model_dir, run_id, services, weights=transport, rollout_extra=engine)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == 3 and summary["version"] == 3
     if kind == "broadcast":
@@ -93,25 +92,34 @@ def test_loop_runs_with_direct_transport(tmp_path, loop_model_dir, kind):
     assert not [s for s in streams if s.startswith("OBJ_")], f"a weight store was used: {streams}"
 
 
-def _tree(trainer: dict | None, rollout: dict | None) -> dict:
-    return {"services": {"trainer": {"transport": trainer} if trainer else {},
-                         "rollout": {"transport": rollout} if rollout else {}}}
+def _check(weights: dict, services: dict[str, int], **sections: dict) -> list[str]:
+    """The typed run file's cross-section check for a [weights] section and a launcher layout."""
+    return RunFile.from_tree({"weights": weights, "launcher": {"services": services},
+                              "services": sections}).check()
 
 
 def test_launcher_refuses_layouts_the_transport_cannot_serve():
-    bc = {"type": "broadcast", "world_size": 3}
-    check_weight_transport(_tree(bc, bc), {"trainer": 1, "rollout": 2, "judge": 1})  # consistent: accepted
-    check_weight_transport(_tree(None, None), {"trainer": 1, "rollout": 5})  # the store serves any layout
+    bc = {"type": "broadcast"}
+    # the group's size follows the layout: the launcher derives it for every service it starts
+    assert _check(bc, {"trainer": 1, "rollout": 2, "judge": 1}) == ["weights.world_size=3"]
+    assert _check({**bc, "world_size": 3}, {"trainer": 1, "rollout": 2}) == []  # set and consistent: accepted
+    assert _check({"type": "store"}, {"trainer": 1, "rollout": 5}) == []  # the store serves any layout
     with pytest.raises(ConfigError, match="set it to 4"):
-        check_weight_transport(_tree(bc, bc), {"trainer": 1, "rollout": 3})
-    with pytest.raises(ConfigError, match="same weight transport"):
-        check_weight_transport(_tree(bc, None), {"trainer": 1, "rollout": 2})
+        _check({**bc, "world_size": 3}, {"trainer": 1, "rollout": 3})
     inproc = {"type": "inproc"}
     with pytest.raises(ConfigError, match="colocated"):
-        check_weight_transport(_tree(inproc, inproc), {"trainer": 1, "rollout": 1})
-    check_weight_transport(_tree(inproc, inproc), {"trainer+rollout": 1, "judge": 2})
+        _check(inproc, {"trainer": 1, "rollout": 1})
+    assert _check(inproc, {"trainer+rollout": 1, "judge": 2}) == []
     with pytest.raises(ConfigError, match="count to 1"):
-        check_weight_transport(_tree(inproc, inproc), {"trainer+rollout": 2})
+        _check(inproc, {"trainer+rollout": 2})
+    # a relay serves the store transport only, and needs a scope of its own
+    with pytest.raises(ConfigError, match="services.rollout.weights_from"):
+        _check(bc, {"trainer": 1, "rollout": 1}, rollout={"weights_from": {"scope": "node1"}})
+    with pytest.raises(ConfigError, match="leave weightsync out"):
+        _check(inproc, {"trainer+rollout": 1, "weightsync": 1})
+    with pytest.raises(ConfigError, match="relay needs its own scope"):
+        _check({"type": "store", "scope": "main"}, {"trainer": 1, "weightsync": 1},
+               weightsync={"relay": {"scope": "main"}})
 
 
 @pytest.mark.slow
@@ -120,7 +128,7 @@ def test_loop_reads_weights_through_a_relay(tmp_path, loop_model_dir):
     read it once upstream), not from the trainer's scope: a config change only."""
     logs = _run_three_steps(tmp_path, loop_model_dir, "tr-relay",
                             {"trainer": 1, "rollout": 1, "judge": 1, "weightsync": 1},
-                            rollout_extra={"transport": {"type": "store", "scope": "node1"}},
+                            rollout_extra={"weights_from": {"scope": "node1"}},
                             extra='[services.weightsync]\nrelay = { scope = "node1" }')
     for v in (0, 1, 2):
         assert f"relayed v{v} into scope node1" in logs["weightsync-0.log"]

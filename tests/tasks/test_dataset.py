@@ -55,7 +55,7 @@ def test_every_format_gives_the_same_prompts(tmp_path):
     assert json.loads(reference.eval_prompts()[0].metadata["fields"])["level"] in (0, 1, 2)
     split = DatasetTask(path=str(tmp_path / "dict"), eval_split="test")
     assert texts(split.eval_prompts()) == [(r["prompt"], r["answer"]) for r in ROWS[:5]]
-    with pytest.raises(DatasetError, match="task_options.split: 'validation' is not a split"):
+    with pytest.raises(DatasetError, match="task.options.split: 'validation' is not a split"):
         DatasetTask(path=str(tmp_path / "dict"), split="validation").eval_prompts()
 
 
@@ -117,15 +117,15 @@ def test_unusable_files_stop_start_up_naming_the_key_and_path(tmp_path):
     (tmp_path / "d.txt").write_text("1+1=\n")
     good = str(write_jsonl(tmp_path / "good.jsonl", ROWS))
     cases = [
-        (DatasetTask(), "task_options.path: the dataset task needs the path"),
-        (DatasetTask(path=str(tmp_path / "missing.jsonl")), "task_options.path: cannot read .*missing.jsonl"),
+        (DatasetTask(), "task.options.path: the dataset task needs the path"),
+        (DatasetTask(path=str(tmp_path / "missing.jsonl")), "task.options.path: cannot read .*missing.jsonl"),
         (DatasetTask(path=str(tmp_path / "empty.jsonl")), "has no usable rows \\(it is empty\\)"),
         (DatasetTask(path=str(tmp_path / "bad.jsonl")), "has no usable rows \\(1 skipped"),
-        (DatasetTask(path=str(tmp_path / "binary.parquet")), "task_options.path: cannot read .*binary.parquet"),
+        (DatasetTask(path=str(tmp_path / "binary.parquet")), "task.options.path: cannot read .*binary.parquet"),
         (DatasetTask(path=str(tmp_path / "d.txt")), "cannot tell the format"),
         (DatasetTask(path=str(tmp_path)), "not one written by datasets' save_to_disk"),
-        (DatasetTask(path=good, eval_path=str(tmp_path / "nope.jsonl")), "task_options.eval_path: cannot read"),
-        (DatasetTask(path=good, reward="nowhere_xyz:f"), "task_options.reward: .*nowhere_xyz"),
+        (DatasetTask(path=good, eval_path=str(tmp_path / "nope.jsonl")), "task.options.eval_path: cannot read"),
+        (DatasetTask(path=good, reward="nowhere_xyz:f"), "task.options.reward: .*nowhere_xyz"),
     ]
     for task, message in cases:
         with pytest.raises(DatasetError, match=message):
@@ -134,8 +134,8 @@ def test_unusable_files_stop_start_up_naming_the_key_and_path(tmp_path):
                              ({"reward_weights": "x"}, "are not numbers"),
                              ({"reward": ""}, "name at least one"),
                              ({"eval_fraction": 1.0}, "eval_fraction"),
-                             ({"format": "xlsx"}, "task_options.format"),
-                             ({"pth": "x.jsonl"}, "task_options.pth: unknown option .*known: .*path")]:
+                             ({"format": "xlsx"}, "task.options.format"),
+                             ({"pth": "x.jsonl"}, "task.options.pth: unknown option .*known: .*path")]:
         with pytest.raises(DatasetError, match=message):
             DatasetTask(**options)
 

@@ -52,4 +52,4 @@ async def test_rewards_run_in_the_judges_worker_processes_bounded(tmp_path, rewa
     assert results["ok"].value == pytest.approx(0.75) and "exact_match=1" in results["ok"].explanation
     assert isinstance(results["hangs"], UserCodeError) and results["hangs"].kind == "timeout"
     assert isinstance(results["missing"], UserCodeError) and results["missing"].kind == "exception"
-    assert "task_options.reward" in str(results["missing"]) and "has no 'nope'" in str(results["missing"])
+    assert "task.options.reward" in str(results["missing"]) and "has no 'nope'" in str(results["missing"])
