@@ -17,6 +17,11 @@ restarted trainer builds the base model from ``model`` again and loads the adapt
 The directory is written under a temporary name and renamed into place by rank 0 once every rank
 has written its shard; ``latest`` then points at it, and the two newest are kept. DCP needs a
 filesystem every rank sees (one host here; a shared filesystem across nodes).
+
+Rank 0 drives a checkpoint (:meth:`~services.trainer.learner.Learner.save_checkpoint`): :func:`staging`, then
+every rank's :func:`write` (the operation ``WRITE_CHECKPOINT`` of :mod:`services.trainer.rank_ops`), then
+:func:`commit`. The functions here take any object with the attributes of :class:`RankState` (a learner), so
+that this module does not import the learner, which uses it.
 """
 
 from __future__ import annotations
@@ -29,24 +34,42 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from services.lib.model_io import save_policy
-
-if TYPE_CHECKING:
-    from services.trainer.learner import Learner
+from services.trainer.config import LoraConfig
 
 
-def save(learner: Learner, root: Path, step: int, trainer_state: dict[str, Any]) -> Path:
-    """Atomically write ``root/step-<N>`` with every rank and point ``latest`` at it (rank 0 calls this)."""
+class RankState(Protocol):
+    """What a checkpoint reads and writes of one rank's learner."""
+
+    rank: int
+    world_size: int
+    lora: LoraConfig | None
+    model: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    tokenizer: Any
+
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+
+def staging(root: Path, step: int) -> Path:
+    """The empty directory every rank writes step ``step``'s checkpoint into (rank 0 calls this first)."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    learner._all("write_checkpoint", str(tmp))
+    return tmp
+
+
+def commit(learner: RankState, tmp: Path, trainer_state: dict[str, Any]) -> Path:
+    """After every rank's :func:`write` into ``tmp`` (from :func:`staging`): add rank 0's state, rename it to
+    ``<root>/step-<N>`` atomically, point ``latest`` at it and keep the two newest (rank 0 calls this)."""
+    root = tmp.parent
+    final = root / tmp.name.removeprefix(".tmp-")
     torch.save({"scheduler": learner.scheduler.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}, tmp / "extra.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
@@ -60,7 +83,7 @@ def save(learner: Learner, root: Path, step: int, trainer_state: dict[str, Any])
     return final
 
 
-def write(learner: Learner, path: str) -> None:
+def write(learner: RankState, path: str) -> None:
     """This rank's part of a checkpoint: the HF directory (rank 0, gathered), then its DCP shard."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -68,7 +91,7 @@ def write(learner: Learner, path: str) -> None:
     out = Path(path)
     if learner.lora is not None:  # the adapters, not the frozen base
         out.mkdir(parents=True, exist_ok=True)
-        learner.save_adapter_local(str(out / "adapter"))  # every rank takes part in the gather
+        save_adapter_local(learner, str(out / "adapter"))  # every rank takes part in the gather
     else:
         save_hf_local(learner, out)  # first: it writes the directory as a whole
     model_sd, optim_sd = get_state_dict(learner.model, learner.optimizer)
@@ -78,17 +101,22 @@ def write(learner: Learner, path: str) -> None:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out / "dcp"))
 
 
-def save_hf(learner: Learner, out: Path) -> Path:
-    """The model as a Hugging Face directory (rank 0 calls this; every rank takes part in the gather)."""
-    learner._all("save_hf_local", str(out))
-    return out
-
-
 def _adapters_only(model_sd: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in model_sd.items() if "lora_" in k}
 
 
-def save_hf_local(learner: Learner, out: str | Path) -> None:
+def save_adapter_local(learner: RankState, path: str) -> None:
+    """LoRA: the adapters as a peft directory, written by rank 0 (every rank takes part in the gather)."""
+    from services.trainer.lora import save_adapter
+
+    full = learner.gathered_state_dict() if learner.world_size > 1 else None
+    if learner.rank == 0:
+        save_adapter(learner.model, path, state_dict=full)
+
+
+def save_hf_local(learner: RankState, out: str | Path) -> None:
+    """The model as a Hugging Face directory (float32 master weights; with LoRA the adapters merged in), written
+    by rank 0 (every rank takes part in the gather)."""
     if learner.lora is not None:  # the adapters merged into a plain model directory
         from services.trainer.lora import merged_from_state_dict
 
@@ -107,13 +135,12 @@ def save_hf_local(learner: Learner, out: str | Path) -> None:
         save_policy(learner.model, learner.tokenizer, out, state_dict=full)
 
 
-def load(learner: Learner, ckpt: Path) -> dict[str, Any]:
-    """Model and optimiser state from ``ckpt`` on every rank (any world size); returns the trainer state."""
-    learner._all("read_checkpoint", str(ckpt))
+def trainer_state(ckpt: Path) -> dict[str, Any]:
+    """The trainer's bookkeeping saved with ``ckpt``."""
     return json.loads((ckpt / "trainer_state.json").read_text())
 
 
-def read(learner: Learner, path: str) -> None:
+def read(learner: RankState, path: str) -> None:
     """This rank's part of loading a checkpoint (DCP reshards to this world size)."""
     ckpt = Path(path)
     if (ckpt / "dcp").is_dir():

@@ -9,11 +9,12 @@ and the forward/backward runs under ``torch.autocast`` in bf16.
 
 Many ranks: every rank holds a :class:`Learner` whose model is sharded with FSDP2
 (``fully_shard`` per decoder layer and on the root; bf16 mixed precision through FSDP's own
-``MixedPrecisionPolicy``, gradients reduced in float32). Rank 0 alone talks to the bus; each
-collective operation (a step, gathering the weights, a checkpoint) is sent by rank 0 to the other
-ranks as a command (:mod:`services.trainer.ranks`) and then run by all of them together, so every
-rank issues the same collectives in the same order. A step sends the whole batch to every rank;
-each takes its share (:mod:`services.trainer.batching`).
+``MixedPrecisionPolicy``, gradients reduced in float32). Rank 0 alone talks to the bus. A Learner's
+methods are this rank's work; each collective operation (a step, gathering the weights, a checkpoint) is
+an :class:`~services.trainer.rank_ops.Op`, which :meth:`Learner.run_on_all_ranks` sends to the other
+ranks (:mod:`services.trainer.ranks`) and then runs on this one, so every rank issues the same
+collectives in the same order. A step sends the whole batch to every rank; each takes its share
+(:mod:`services.trainer.batching`).
 
 LoRA (``lora`` set): the model is wrapped with peft adapters (:mod:`services.trainer.lora`) before it is
 sharded, only they train, :meth:`Learner.state_dict` is the adapter version engines merge (gathered onto
@@ -35,11 +36,12 @@ import torch.distributed as dist
 
 from proto.trajectories import ScoredTrajectory
 from services.lib.model_io import load_policy, sequence_logprobs
-from services.trainer import batching
+from services.trainer import batching, checkpoint
 from services.trainer.config import TrainerConfig
 from services.trainer.devices import Placement
 from services.trainer.loss import grpo_loss
 from services.trainer.optim import build_lr_schedule, build_optimizer, optimizer_step
+from services.trainer.rank_ops import OPS, Op
 from services.trainer.step_input import StepInput, loss_total
 
 log = logging.getLogger("rlbus.trainer")
@@ -74,7 +76,7 @@ class Learner:
     """Owns the model (this rank's shard of it), the optimiser and the schedule.
 
     ``group`` (rank 0 of many ranks only) is the :class:`~services.trainer.ranks.RankGroup` that
-    forwards every collective call to the other ranks.
+    :meth:`run_on_all_ranks` sends every collective operation to.
     """
 
     def __init__(self, cfg: TrainerConfig, model_dir: Path, placement: Placement | None = None, *,
@@ -140,12 +142,14 @@ class Learner:
             return torch.autocast(self.placement.device_type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _all(self, name: str, *args: Any) -> Any:
-        """Run method ``name`` on every rank (rank 0 sends it to the others first); rank 0's result."""
+    def run_on_all_ranks(self, op: Op, *args: Any, others: tuple[Any, ...] | None = None) -> Any:
+        """Run ``op`` (:mod:`services.trainer.rank_ops`) on every rank: rank 0 sends it to the others first, with
+        ``args`` or ``others`` (what they get instead: tensors only rank 0 holds); returns rank 0's result."""
+        fn = OPS[op]
         if self.group is None:
-            return getattr(self, name)(*args)
-        self.group.send(name, *args)
-        return self.group.guarded(self._on_device, getattr(self, name), *args)
+            return fn(self, *args)
+        self.group.send(op, *(args if others is None else others))
+        return self.group.guarded(self._on_device, fn, self, *args)
 
     def _on_device(self, fn: Any, *args: Any) -> Any:
         if self.placement.device.startswith("cuda"):
@@ -156,7 +160,7 @@ class Learner:
 
     def step(self, batch: list[ScoredTrajectory]) -> dict[str, float]:
         """One optimiser step on whole groups; returns metrics named by path."""
-        return self._all("step_input", StepInput.of(batch, self.cfg))
+        return self.run_on_all_ranks(Op.STEP, StepInput.of(batch, self.cfg))
 
     def step_input(self, inp: StepInput) -> dict[str, float]:
         """This rank's part of one step (every rank calls it with the same input).
@@ -312,7 +316,7 @@ class Learner:
 
         Many ranks: gathered parameter by parameter onto rank 0's host memory (the whole model
         exists once there; the other ranks hold nothing more than their shards)."""
-        return self._all("full_state_dict")
+        return self.run_on_all_ranks(Op.STATE_DICT)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """:meth:`state_dict` with no tensor sharing memory with the model: what the next step (updating the
@@ -323,17 +327,6 @@ class Learner:
             return sd
         live = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
         return {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in sd.items()}
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        if self.lora is not None:  # the adapters only (services/lib/weights/lora_merge.py)
-            from services.trainer.lora import adapter_state, targets_of, wire_from_state_dict
-
-            sd = adapter_state(self.model) if self.world_size == 1 else self.gathered_state_dict()
-            return wire_from_state_dict(sd, self.lora, targets_of(self.model), torch.bfloat16 if self.bf16 else None)
-        sd = self.gathered_state_dict()
-        if self.bf16:
-            sd = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}
-        return sd
 
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's whole state dict: its own on one rank; on many, gathered onto rank 0's host memory
@@ -356,50 +349,28 @@ class Learner:
                                       "a fresh run")
             check_fits(self.model.state_dict(), state_dict)
             state_dict = peft_keys(state_dict, "default")  # the wrapped model's own names
-        if self.group is None:
-            self.load_full_weights(state_dict)
-            return
-        self.group.send("load_full_weights", {})
-        self.group.guarded(self._on_device, self.load_full_weights, state_dict)
-
-    def load_full_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        if self.world_size == 1:
-            self.model.load_state_dict(state_dict, strict=False)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        if self.rank == 0:
-            state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
-        set_model_state_dict(self.model, state_dict, options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=True, strict=False))
+        self.run_on_all_ranks(Op.LOAD_WEIGHTS, state_dict, others=({},))
 
     def save_pretrained(self, out: Path) -> Path:
         """The model as a Hugging Face directory (float32 master weights), written by rank 0; with LoRA the
         adapters merged in."""
-        from services.trainer import checkpoint
-
-        return checkpoint.save_hf(self, out)
+        self.run_on_all_ranks(Op.SAVE_HF, str(out))
+        return out
 
     def save_adapter(self, out: Path) -> Path:
         """LoRA only: the adapters as a peft directory (``adapter_config.json`` + safetensors), by rank 0."""
         if self.lora is None:
             raise CheckpointError("save_adapter needs lora: this learner trains every weight")
-        self._all("save_adapter_local", str(out))
+        self.run_on_all_ranks(Op.SAVE_ADAPTER, str(out))
         return out
-
-    def save_adapter_local(self, path: str) -> None:
-        from services.trainer.lora import save_adapter
-
-        full = self.gathered_state_dict() if self.world_size > 1 else None
-        if self.rank == 0:
-            save_adapter(self.model, path, state_dict=full)
 
     # --- checkpoints (services/trainer/checkpoint.py) --------------------------------------------
 
     def save_checkpoint(self, root: Path, step: int, trainer_state: dict[str, Any]) -> Path:
-        from services.trainer import checkpoint
-
-        return checkpoint.save(self, root, step, trainer_state)
+        """Atomically write ``root/step-<N>`` with every rank and point ``latest`` at it."""
+        tmp = checkpoint.staging(root, step)
+        self.run_on_all_ranks(Op.WRITE_CHECKPOINT, str(tmp))
+        return checkpoint.commit(self, tmp, trainer_state)
 
     @staticmethod
     def latest_checkpoint(root: Path) -> Path | None:
@@ -413,22 +384,5 @@ class Learner:
 
     def load_optimizer(self, ckpt: Path) -> dict[str, Any]:
         """Model and optimiser state of ``ckpt`` (written by any number of ranks); returns the trainer state."""
-        from services.trainer import checkpoint
-
-        return checkpoint.load(self, ckpt)
-
-    # every rank's own part of the collective calls above (rank 0 sends their names to the others)
-    def write_checkpoint(self, path: str) -> None:
-        from services.trainer import checkpoint
-
-        checkpoint.write(self, path)
-
-    def read_checkpoint(self, path: str) -> None:
-        from services.trainer import checkpoint
-
-        checkpoint.read(self, path)
-
-    def save_hf_local(self, path: str) -> None:
-        from services.trainer import checkpoint
-
-        checkpoint.save_hf_local(self, path)
+        self.run_on_all_ranks(Op.READ_CHECKPOINT, str(ckpt))
+        return checkpoint.trainer_state(ckpt)

@@ -3,10 +3,11 @@
 One service instance is one rank group. The service process is rank 0: it alone talks to the bus.
 It starts the other ranks as child processes (``python -m services.trainer.ranks``) and sends
 them commands over their stdin: ``init`` (config, model directory, rendezvous address), then the
-name of each collective :class:`~services.trainer.learner.Learner` method with its arguments (a
-step's batch, a checkpoint path), then ``stop``. Every rank runs that method, so all of them issue
-the same torch.distributed collectives in the same order; tensors move only through
-torch.distributed (gloo on CPU, NCCL on GPUs), never through the pipes.
+name of each collective operation (an :class:`~services.trainer.rank_ops.Op`) with its arguments (a
+step's batch, a checkpoint path), then ``stop``. Every rank runs that operation's function from the
+table :data:`services.trainer.rank_ops.OPS`, so all of them issue the same torch.distributed
+collectives in the same order; tensors move only through torch.distributed (gloo on CPU, NCCL on
+GPUs), never through the pipes. A name not in the table stops the rank with an error.
 
 Failure is all-or-nothing, bounded in time:
 
@@ -39,12 +40,15 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
 from services.runtime.natsd import die_with_parent
 from services.trainer.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from services.trainer.rank_ops import Op
 
 log = logging.getLogger("rlbus.trainer.ranks")
 
@@ -123,11 +127,16 @@ class RankGroup:
 
     def init(self, model_dir: Path, ref_dir: Path | None = None) -> None:
         """Ranks 1..N-1 build their learners (and join the process group) from ``model_dir``."""
-        self.send("init", msgspec.json.encode(self.cfg), str(model_dir), self.init_method,
-                  str(ref_dir) if ref_dir else "")
+        self._command("init", msgspec.json.encode(self.cfg), str(model_dir), self.init_method,
+                      str(ref_dir) if ref_dir else "")
 
-    def send(self, name: str, *args: Any) -> None:
-        """Tell every other rank to run learner method ``name(*args)``."""
+    def send(self, op: Op, *args: Any) -> None:
+        """Tell every other rank to run operation ``op`` with ``args`` on its learner."""
+        from services.trainer.rank_ops import op_named
+
+        self._command(op_named(op).value, *args)
+
+    def _command(self, name: str, *args: Any) -> None:
         data = pickle.dumps((name, args), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, proc in self.procs.items():
             if self.reason:
@@ -209,7 +218,7 @@ class RankGroup:
         clean = not self.reason
         if clean:
             try:
-                self.send("stop")
+                self._command("stop")
             except RankGroupFailed:
                 clean = False
         for rank, proc in self.procs.items():
@@ -259,7 +268,7 @@ def worker(rank: int, commands: IO[bytes]) -> int:
     """Rank ``rank`` (1..N-1): build the learner, then run the commands rank 0 sends until ``stop``."""
     import torch.distributed as dist
 
-    from services.trainer import devices
+    from services.trainer import devices, rank_ops
     from services.trainer.learner import Learner
 
     name, (cfg_json, model_dir, init_method, ref_dir) = pickle.load(commands)
@@ -277,7 +286,7 @@ def worker(rank: int, commands: IO[bytes]) -> int:
             return 1
         if name == "stop":
             break
-        getattr(learner, name)(*args)
+        rank_ops.lookup(name)(learner, *args)
     dist.destroy_process_group()
     log.info("rank %d stopped", rank)
     return 0

@@ -2,7 +2,8 @@
 
 proto ← services/runtime ← services/lib ← services/tasks ← each service (trainer, rollout, judge,
 sandbox, weightsync, echo, tracker) ← services/launcher. A layer imports only from itself and the layers to
-its left; services do not import one another; there are no cycles between packages.
+its left; services do not import one another; there are no cycles between packages, nor between the
+modules of the packages in ``NO_MODULE_CYCLES``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("trainer", "rollout", "judge", "sandbox", "weightsync", "echo", "tracker")
 LAYERS = ("proto", "runtime", "lib", "tasks")
 NODES = (*LAYERS, *SERVICES, "launcher")
+NO_MODULE_CYCLES = ("services/trainer",)  # packages whose modules import one another without a cycle
 
 # what each node may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
@@ -62,12 +64,7 @@ def imported_modules(path: Path, source: str | None = None) -> list[tuple[int, s
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against this file's package
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, package)
             # `from services import trainer` imports the package services.trainer
             found += [(node.lineno, f"{mod}.{alias.name}" if mod in ("services", "proto") else mod)
                       for alias in node.names]
@@ -75,6 +72,34 @@ def imported_modules(path: Path, source: str | None = None) -> list[tuple[int, s
             arg = node.args[0]
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                 found.append((node.lineno, arg.value))
+    return found
+
+
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute name of the module ``from <module> import ...`` reads from."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")  # relative: resolve against this file's package
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _is_module(name: str) -> bool:
+    path = REPO.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def module_imports(path: Path, source: str | None = None) -> set[str]:
+    """The modules the file imports, at any depth; unlike :func:`imported_modules` (which names the package),
+    ``from services.trainer import checkpoint`` counts as importing ``services.trainer.checkpoint``."""
+    tree = ast.parse(path.read_text() if source is None else source, filename=str(path))
+    this = module_name(path)
+    package = this if path.name == "__init__.py" else this.rpartition(".")[0]
+    found = {mod for _, mod in imported_modules(path, source)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = _from_module(node, package)
+            found |= {f"{mod}.{a.name}" for a in node.names if _is_module(f"{mod}.{a.name}")}
     return found
 
 
@@ -127,14 +152,8 @@ def test_the_checker_sees_function_level_relative_and_dynamic_imports():
             (6, "services.rollout")} <= set(got), got
 
 
-def test_no_cycles_between_packages():
-    graph: dict[str, set[str]] = {n: set() for n in NODES}
-    where: dict[tuple[str, str], str] = {}
-    for src, dst, loc in import_edges():
-        if src in graph and dst in graph and src != dst:
-            graph[src].add(dst)
-            where.setdefault((src, dst), loc)
-    # depth-first search for a back edge; report the cycle with one import site per edge
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (its first node repeated at the end), found by a depth-first search; None: none."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -150,10 +169,41 @@ def test_no_cycles_between_packages():
         stack.pop()
         return None
 
-    for n in NODES:
+    for n in sorted(graph):
         if n not in state and (cycle := visit(n)):
-            sites = [where[(a, b)] for a, b in itertools.pairwise(cycle)]
-            pytest.fail("import cycle " + " -> ".join(cycle) + ":\n" + "\n".join(sites))
+            return cycle
+    return None
+
+
+def test_no_cycles_between_packages():
+    graph: dict[str, set[str]] = {n: set() for n in NODES}
+    where: dict[tuple[str, str], str] = {}
+    for src, dst, loc in import_edges():
+        if src in graph and dst in graph and src != dst:
+            graph[src].add(dst)
+            where.setdefault((src, dst), loc)
+    if cycle := find_cycle(graph):  # reported with one import site per edge
+        sites = [where[(a, b)] for a, b in itertools.pairwise(cycle)]
+        pytest.fail("import cycle " + " -> ".join(cycle) + ":\n" + "\n".join(sites))
+
+
+@pytest.mark.parametrize("package", NO_MODULE_CYCLES)
+def test_no_cycles_between_the_modules_of(package):
+    """Counting every import (function-level and ``TYPE_CHECKING`` ones too): a module that needs another's
+    type only must not close a circle with it either."""
+    files = sorted(p for p in (REPO / package).glob("*.py"))
+    modules = {module_name(p): p for p in files}
+    graph = {m: {d for d in module_imports(p) if d in modules and d != m} for m, p in modules.items()}
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle between the modules of {package}: " + " -> ".join(cycle)
+
+
+def test_the_module_checker_sees_a_module_imported_from_its_package():
+    src = "def f():\n    from services.trainer import checkpoint, learner\nfrom . import loss\n"
+    got = module_imports(REPO / "services" / "trainer" / "probe.py", src)
+    assert {"services.trainer.checkpoint", "services.trainer.learner", "services.trainer.loss"} <= got, got
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
 def test_importing_tasks_loads_no_service_module():
