@@ -7,13 +7,15 @@ TRAJECTORIES stream this gives the accounting identity: every trajectory ever
 published is trained, dropped with a recorded reason, or still pending.
 
 The trainer records the outcomes it decides together (a step's trained batch, a
-dropped group) as one :class:`OutcomeBatch`; a bare :class:`TrajectoryOutcome` stays valid.
+dropped group) as one :class:`OutcomeBatch`, the channel's only message; a bare
+:class:`TrajectoryOutcome` (what older writers published) decodes as a batch of one.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+from proto import codec
 from proto.envelope import Envelope
 
 FAMILY = "outcomes"
@@ -39,4 +41,11 @@ class OutcomeBatch(Envelope, kw_only=True, tag="outcome_batch"):
     """Outcomes decided together: a step's trained batch, a dropped group, an eval group."""
 
     outcomes: list[TrajectoryOutcome]
+
+    def records(self) -> list[TrajectoryOutcome]:
+        return list(self.outcomes)
+
+
+codec.reads_old(OutcomeBatch, TrajectoryOutcome, lambda old: OutcomeBatch(
+    run_id=old.run_id, msg_id=old.msg_id, created_at=old.created_at, outcomes=[old]))
 

@@ -258,20 +258,20 @@ PROMPTS = Channel(
 )
 ROLLOUTS = Channel(
     name="rollouts", family=rollouts.FAMILY, pattern="rlbus.{run}.rollouts",
-    msg_type=rollouts.RolloutGroup | rollouts.Rollout,
+    msg_type=rollouts.RolloutGroup,
     stream=ROLLOUTS_STREAM, consumer=JUDGE_ROLLOUTS, publishers=("rollout",), subscribers=("judge",),
     description="finished rollouts from rollout workers, a prompt group per message; judges share one consumer",
 )
 TRAJECTORIES = Channel(
     name="trajectories", family=trajectories.FAMILY, pattern="rlbus.{run}.trajectories",
-    msg_type=trajectories.ScoredGroup | trajectories.ScoredTrajectory, stream=TRAJECTORIES_STREAM,
+    msg_type=trajectories.ScoredGroup, stream=TRAJECTORIES_STREAM,
     consumer=TRAINER_TRAJECTORIES, publishers=("judge",), subscribers=("trainer",),
     description="scored trajectories from the judges (their only publisher), a group per message, consumed by "
                 "the trainer",
 )
 OUTCOMES = Channel(
     name="outcomes", family=accounting.FAMILY, pattern="rlbus.{run}.outcomes",
-    msg_type=accounting.OutcomeBatch | accounting.TrajectoryOutcome, stream=OUTCOMES_STREAM, publishers=("trainer",),
+    msg_type=accounting.OutcomeBatch, stream=OUTCOMES_STREAM, publishers=("trainer",),
     subscribers=("launcher",),
     description="the trainer records what became of every trajectory; the launcher's accounting reads the stream",
 )
@@ -360,14 +360,10 @@ for _c in CHANNELS.values():
 
 
 def members(msg: Any) -> list[Any]:
-    """What one message carries, one record each: a group's rollouts or scored trajectories, a batch's
-    outcomes; any other message is its own single record (see ``proto.rollouts.RolloutGroup``)."""
-    if isinstance(msg, rollouts.RolloutGroup):
-        return list(msg.rollouts)
-    if isinstance(msg, trajectories.ScoredGroup):
-        return list(msg.trajectories)
-    if isinstance(msg, accounting.OutcomeBatch):
-        return list(msg.outcomes)
+    """What one message carries, one record each: a group's rollouts or scored trajectories (each joined with
+    the group's ticket), a batch's outcomes; any other message is its own single record."""
+    if isinstance(msg, rollouts.RolloutGroup | trajectories.ScoredGroup | accounting.OutcomeBatch):
+        return msg.records()
     return [msg]
 
 # --- KV and object stores -----------------------------------------------------------------------

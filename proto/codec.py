@@ -46,14 +46,32 @@ def encode(msg: Any) -> bytes:
     return _encoder.encode(msg)
 
 
+#: layouts older writers published that are still read as a current type: type -> (old type(s), upgrade)
+_OLD: dict[Any, tuple[Any, Callable[[Any], Any]]] = {}
+
+
+def reads_old(current: type, old: Any, upgrade: Callable[[Any], Any]) -> None:
+    """Let :func:`decode` read payloads of ``old`` (a type or a union of tagged types) where ``current`` is
+    asked for, turned into a ``current`` by ``upgrade``: a channel's older messages (a bare record where a
+    group travels now, an older group layout) keep decoding, and every reader sees the current shape."""
+    _OLD[current] = (old, upgrade)
+
+
 def decode(data: bytes, type: type[T], *, max_bytes: int | None = MAX_MESSAGE_BYTES) -> T:
-    """Strictly decode ``data`` as ``type``; raise :class:`DecodeError` naming the field."""
+    """Strictly decode ``data`` as ``type`` (or as a layout it reads, :func:`reads_old`, upgraded); raise
+    :class:`DecodeError` naming the field."""
     name = getattr(type, "__name__", str(type))
     if max_bytes is not None and len(data) > max_bytes:
         raise DecodeError(name, f"message of {len(data)} bytes exceeds the {max_bytes}-byte limit")
     try:
         return msgspec.msgpack.decode(data, type=type)
     except msgspec.ValidationError as e:
+        if type in _OLD:  # an older layout? (only tried when the current one does not fit)
+            old, upgrade = _OLD[type]
+            try:
+                return upgrade(msgspec.msgpack.decode(data, type=old))
+            except (msgspec.ValidationError, ValueError, RecursionError):
+                pass  # neither: the error names the current layout's problem
         text = str(e)
         field = None
         if " - at `" in text:

@@ -5,7 +5,10 @@ also sent as the ``Nats-Msg-Id`` header so JetStream de-duplicates retried
 publishes, ``created_at`` is wall-clock seconds since the epoch, and
 ``schema`` is the version of the message's layout. New fields are only ever
 added with defaults, so an older reader keeps decoding newer messages of the
-same schema major version.
+same schema major version. A layout that changes otherwise takes the next
+version (its class sets ``schema``; ``RolloutGroup`` and ``ScoredGroup`` are at 2,
+the ticket once per group), and proto goes on reading the older layout as the
+new one (:func:`proto.codec.reads_old`).
 """
 
 from __future__ import annotations

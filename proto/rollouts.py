@@ -1,12 +1,15 @@
-"""Finished rollouts: one completion (single- or multi-turn) of one prompt.
+"""Finished rollouts: the completions (single- or multi-turn) of one prompt group.
 
 Subject ``rlbus.<run>.rollouts`` — published by rollout workers, consumed by
 judges through the durable ``judge`` consumer of stream ROLLOUTS (queue group).
 
-A prompt group's rollouts travel together as one :class:`RolloutGroup` (split into
-as few parts as fit the message size limit), so the per-message work on the way
-to the trainer is paid per group, not per sample; a bare :class:`Rollout` is a
-group of one and stays valid on the channel.
+The channel carries :class:`RolloutGroup` messages only: a group's ticket once and one
+:class:`RolloutSample` per completion (split into as few parts as fit the message size
+limit), so the per-message work on the way to the trainer is paid per group, not per sample.
+Readers take :meth:`RolloutGroup.records`: one :class:`Rollout` per sample, the ticket's
+fields joined in. A bare ``Rollout`` is what older writers published, one per message, and
+an older ``RolloutGroup`` (schema 1) repeated the ticket in every record: decoding turns
+either into today's group (:func:`proto.codec.reads_old`), so every reader sees one shape.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from typing import Literal
 
 import msgspec
 
+from proto import codec
 from proto.envelope import Envelope
+from proto.prompts import PromptTicket
 
 FAMILY = "rollouts"
 
@@ -37,7 +42,26 @@ class Turn(msgspec.Struct, kw_only=True):
     text: str = ""
 
 
+class RolloutSample(msgspec.Struct, kw_only=True):
+    """What is per sample of a group's completions (the group carries its ticket once)."""
+
+    #: the sample's id (``<run>-<group>-s<i>``); its scored trajectory and its outcome keep it
+    id: str
+    #: index of this completion inside its group (0 .. group_size-1)
+    sample_index: int
+    turns: list[Turn]
+    finish_reason: FinishReason
+    error: str | None = None
+    sandbox_id: str | None = None
+    worker: str = ""
+    #: what this sample adds to the ticket's metadata (e.g. ``sandbox_retries``)
+    metadata: dict[str, str] = {}
+
+
 class Rollout(Envelope, kw_only=True, tag="rollout"):
+    """One sample with its ticket's fields: what readers get from :meth:`RolloutGroup.records`
+    (``msg_id`` is the sample's id), and the bare record older writers published."""
+
     task: str
     group_id: str
     prompt_id: str
@@ -69,9 +93,65 @@ class Rollout(Envelope, kw_only=True, tag="rollout"):
         return min(versions) if versions else self.policy_version
 
 
+def joined(group: Envelope, ticket: PromptTicket, s: RolloutSample) -> Rollout:
+    """Sample ``s`` of ``group`` with its ticket's fields (no list is copied)."""
+    return Rollout(run_id=group.run_id, msg_id=s.id, created_at=group.created_at, task=ticket.task,
+                   group_id=ticket.group_id, prompt_id=ticket.prompt_id, sample_index=s.sample_index,
+                   group_size=ticket.group_size, prompt_ids=ticket.prompt_ids, turns=s.turns,
+                   finish_reason=s.finish_reason, policy_version=ticket.policy_version,
+                   metadata={**ticket.metadata, **s.metadata},
+                   is_eval=ticket.is_eval, sandbox_id=s.sandbox_id, error=s.error, worker=s.worker,
+                   prompt_text=ticket.prompt_text)
+
+
+def split(r: Rollout, ticket: PromptTicket) -> RolloutSample:
+    """The per-sample part of ``r`` (its metadata beyond the ticket's)."""
+    extra = {k: v for k, v in r.metadata.items() if ticket.metadata.get(k) != v}
+    return RolloutSample(id=r.msg_id, sample_index=r.sample_index, turns=r.turns, finish_reason=r.finish_reason,
+                         error=r.error, sandbox_id=r.sandbox_id, worker=r.worker, metadata=extra)
+
+
+def ticket_of(r: Rollout, msg_id: str) -> PromptTicket:
+    """The ticket fields ``r`` carries (the sampling it was generated with is not among them)."""
+    return PromptTicket(run_id=r.run_id, msg_id=msg_id, created_at=r.created_at, task=r.task, group_id=r.group_id,
+                        prompt_id=r.prompt_id, prompt_ids=r.prompt_ids, prompt_text=r.prompt_text,
+                        group_size=r.group_size, policy_version=r.policy_version, metadata=r.metadata,
+                        is_eval=r.is_eval)
+
+
 class RolloutGroup(Envelope, kw_only=True, tag="rollout_group"):
-    """Rollouts of one prompt group (all of them, or one part when the whole group exceeds the size limit)."""
+    """Rollouts of one prompt group (all of them, or one part when the whole group exceeds the size limit):
+    the ticket they were generated for, once, and what is per sample."""
+
+    schema: int = 2
+    ticket: PromptTicket
+    rollouts: list[RolloutSample]
+
+    @property
+    def group_id(self) -> str:
+        return self.ticket.group_id
+
+    def records(self) -> list[Rollout]:
+        """One :class:`Rollout` per sample, the ticket's fields joined in."""
+        return [joined(self, self.ticket, s) for s in self.rollouts]
+
+    @classmethod
+    def of(cls, rollouts: list[Rollout], msg_id: str | None = None) -> RolloutGroup:
+        """The group message of ``rollouts`` (samples of one ticket; the first one's ticket fields are kept)."""
+        if not rollouts:
+            raise ValueError("a rollout group holds at least one rollout")
+        first = rollouts[0]
+        ticket = ticket_of(first, f"{msg_id or first.msg_id}-ticket")
+        return cls(run_id=first.run_id, msg_id=msg_id or first.msg_id, created_at=first.created_at, ticket=ticket,
+                   rollouts=[split(r, ticket) for r in rollouts])
+
+
+class RolloutGroupV1(Envelope, kw_only=True, tag="rollout_group"):
+    """The group layout of schema 1 (every rollout repeating its ticket's fields): read, never written."""
 
     group_id: str
     rollouts: list[Rollout]
 
+
+codec.reads_old(RolloutGroup, Rollout | RolloutGroupV1, lambda old: RolloutGroup.of(
+    [old] if isinstance(old, Rollout) else old.rollouts, msg_id=old.msg_id))

@@ -1,20 +1,25 @@
-"""Scored trajectories: a rollout plus its reward.
+"""Scored trajectories: rollouts plus their rewards.
 
 Subject ``rlbus.<run>.trajectories`` — published by judges, consumed by the
 trainer through its durable ``trainer`` consumer of stream TRAJECTORIES (the
 staleness filter runs on this side).
 
 A judge publishes what it scored of one :class:`~proto.rollouts.RolloutGroup` as one
-:class:`ScoredGroup`; a bare :class:`ScoredTrajectory` is a group of one and stays
-valid. Each trajectory keeps its own ``msg_id``: outcomes name trajectories, not messages.
+:class:`ScoredGroup`: the group's ticket once and a :class:`ScoredSample` per sample (its
+rollout's per-sample fields and its reward). Readers take :meth:`ScoredGroup.records`: one
+:class:`ScoredTrajectory` per sample, its rollout joined with the ticket. Each keeps its sample's
+id (``<run>-<group>-s<i>``): outcomes name trajectories, not messages. A bare ``ScoredTrajectory``
+(what older writers published) and a schema-1 group decode as today's group.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from proto import codec
 from proto.envelope import Envelope
-from proto.rollouts import Rollout
+from proto.prompts import PromptTicket
+from proto.rollouts import Rollout, RolloutSample, joined, split, ticket_of
 
 FAMILY = "trajectories"
 
@@ -29,16 +34,66 @@ class GraderScore(msgspec.Struct, kw_only=True):
     error: str | None = None
 
 
+class ScoredSample(RolloutSample, kw_only=True):
+    """One sample of a scored group: its rollout's per-sample fields and what the judge made of it."""
+
+    reward: float
+    scores: list[GraderScore] = []
+    judge: str = ""
+
+
 class ScoredTrajectory(Envelope, kw_only=True, tag="scored_trajectory"):
+    """One scored sample with its ticket's fields: what readers get from :meth:`ScoredGroup.records`
+    (``msg_id`` is the sample's id), and the bare record older writers published."""
+
     rollout: Rollout
     reward: float
     scores: list[GraderScore] = []
     judge: str = ""
 
 
+def scored(s: RolloutSample, reward: float, scores: list[GraderScore], judge: str) -> ScoredSample:
+    """Sample ``s`` with its reward and the graders' scores."""
+    return ScoredSample(**msgspec.structs.asdict(s), reward=reward, scores=scores, judge=judge)
+
+
 class ScoredGroup(Envelope, kw_only=True, tag="scored_group"):
-    """Scored trajectories of one prompt group (or of one part of it), published by one judge."""
+    """Scored trajectories of one prompt group (or of one part of it), published by one judge: the ticket
+    once, and what is per sample."""
+
+    schema: int = 2
+    ticket: PromptTicket
+    trajectories: list[ScoredSample]
+
+    @property
+    def group_id(self) -> str:
+        return self.ticket.group_id
+
+    def records(self) -> list[ScoredTrajectory]:
+        """One :class:`ScoredTrajectory` per sample, its rollout joined with the ticket."""
+        return [ScoredTrajectory(run_id=self.run_id, msg_id=s.id, created_at=self.created_at,
+                                 rollout=joined(self, self.ticket, s), reward=s.reward, scores=s.scores,
+                                 judge=s.judge) for s in self.trajectories]
+
+    @classmethod
+    def of(cls, trajectories: list[ScoredTrajectory], msg_id: str | None = None) -> ScoredGroup:
+        """The group message of ``trajectories`` (samples of one ticket; the first one's ticket fields are
+        kept; each sample keeps its trajectory's id)."""
+        if not trajectories:
+            raise ValueError("a scored group holds at least one trajectory")
+        first = trajectories[0]
+        ticket = ticket_of(first.rollout, f"{msg_id or first.msg_id}-ticket")
+        return cls(run_id=first.run_id, msg_id=msg_id or first.msg_id, created_at=first.created_at, ticket=ticket,
+                   trajectories=[scored(msgspec.structs.replace(split(t.rollout, ticket), id=t.msg_id), t.reward,
+                                        t.scores, t.judge) for t in trajectories])
+
+
+class ScoredGroupV1(Envelope, kw_only=True, tag="scored_group"):
+    """The group layout of schema 1 (every trajectory repeating its ticket's fields): read, never written."""
 
     group_id: str
     trajectories: list[ScoredTrajectory]
 
+
+codec.reads_old(ScoredGroup, ScoredTrajectory | ScoredGroupV1, lambda old: ScoredGroup.of(
+    [old] if isinstance(old, ScoredTrajectory) else old.trajectories, msg_id=old.msg_id))

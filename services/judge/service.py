@@ -30,7 +30,7 @@ import msgspec
 
 from proto import catalog
 from proto.rollouts import Rollout, RolloutGroup
-from proto.trajectories import GraderScore, ScoredGroup, ScoredTrajectory
+from proto.trajectories import GraderScore, ScoredGroup, scored
 from services.judge.config import JudgeConfig
 from services.judge.user_code import ProcessUserCode
 from services.lib.sandbox_client import SandboxClient, SandboxClientError
@@ -97,49 +97,45 @@ class JudgeService:
         task = self.task(rollout.task)
         return await grade_all(self.graders_for(rollout.task), rollout, task)
 
-    async def handle(self, ctx: ServiceContext, msg: RolloutGroup | Rollout, d: Delivery[Any]) -> None:
+    async def handle(self, ctx: ServiceContext, msg: RolloutGroup, d: Delivery[Any]) -> None:
         """Score a group's rollouts concurrently and publish them as one scored group (one message in, one out)."""
-        rollouts: list[Rollout] = catalog.members(msg)
+        rollouts = msg.records()  # each with the ticket's fields, as graders read them
         if d.num_delivered > self.cfg.poison_after_deliveries:
             reason = (f"delivered {d.num_delivered} times without being settled (it killed or hung a judge each "
                       f"time; poison_after_deliveries = {self.cfg.poison_after_deliveries})")
-            await self._publish(ctx, msg, [(r, Grading(0.0, [], reason, None), "poison") for r in rollouts])
+            await self._publish(ctx, msg, [(Grading(0.0, [], reason, None), "poison") for _ in rollouts])
             raise Poison(f"rollouts {msg.msg_id} {reason}; published as failed")
         gradings = await asyncio.gather(*(self.score(r) for r in rollouts), return_exceptions=True)
         unavailable = next((g for g in gradings if isinstance(g, TaskUnavailable)), None)
         if unavailable is not None:  # the trainer drops the samples with the reason; the message is dead-lettered
-            await self._publish(ctx, msg, [(r, Grading(0.0, [], str(unavailable), None), "task") for r in rollouts])
+            await self._publish(ctx, msg, [(Grading(0.0, [], str(unavailable), None), "task") for _ in rollouts])
             raise Poison(f"rollouts {msg.msg_id}: {unavailable}; published as failed") from unavailable
         for g in gradings:
             if isinstance(g, BaseException):  # not the task's verdict (e.g. a sandbox request failed): retried
                 raise g
-        await self._publish(ctx, msg, [(r, g, g.failure_kind) for r, g in zip(rollouts, gradings, strict=True)])
+        await self._publish(ctx, msg, [(g, g.failure_kind) for g in gradings])
         if self.cfg.destroy_sandboxes and self.sandboxes is not None:
             await asyncio.gather(*(self._destroy(r.sandbox_id) for r in rollouts if r.sandbox_id is not None))
         ctx.gauges["judge/llm_cache_hits"] = float(self.cache.hits)
         ctx.gauges["judge/llm_cache_misses"] = float(self.cache.misses)
 
-    async def _publish(self, ctx: ServiceContext, msg: RolloutGroup | Rollout,
-                       graded: list[tuple[Rollout, Grading, str | None]]) -> None:
-        """The scored group (a bare rollout in, a bare trajectory out); a sample that could not be scored
-        carries the reason as its rollout's error (the trainer records it as dropped with it) and is counted
-        in ``judge/failed/<kind>``."""
+    async def _publish(self, ctx: ServiceContext, msg: RolloutGroup,
+                       graded: list[tuple[Grading, str | None]]) -> None:
+        """The scored group, the rollout group's ticket passed on once (``graded``: one grading per sample, in
+        order); a sample that could not be scored carries the reason as its error (the trainer records it as
+        dropped with it) and is counted in ``judge/failed/<kind>``."""
         trajs = []
-        for rollout, grading, failure_kind in graded:
+        for sample, (grading, failure_kind) in zip(msg.rollouts, graded, strict=True):
             if grading.failure is not None:
-                rollout = msgspec.structs.replace(rollout, error=f"grading failed: {grading.failure}")
+                sample = msgspec.structs.replace(sample, error=f"grading failed: {grading.failure}")
                 kind = failure_kind or "other"
                 self.failed[kind] = self.failed.get(kind, 0) + 1
-                log.warning("rollout %s scored failed: %s", rollout.msg_id, grading.failure)
-            trajs.append(ScoredTrajectory(run_id=ctx.run_id, rollout=rollout, reward=grading.reward,
-                                          scores=grading.scores, judge=ctx.instance, msg_id=f"{rollout.msg_id}-scored"))
-        if isinstance(msg, Rollout):
-            await ctx.publish(catalog.TRAJECTORIES, trajs[0])
-        else:
-            await ctx.publish_parts(catalog.TRAJECTORIES, trajs, lambda part: ScoredGroup(
-                run_id=ctx.run_id, group_id=msg.group_id, trajectories=part,
-                msg_id=f"{msg.msg_id}-{part[0].rollout.sample_index}-scored"))
-        if any(g.failure is not None for _, g, _ in graded):
+                log.warning("rollout %s scored failed: %s", sample.id, grading.failure)
+            trajs.append(scored(sample, grading.reward, grading.scores, ctx.instance))
+        await ctx.publish_parts(catalog.TRAJECTORIES, trajs, lambda part: ScoredGroup(
+            run_id=ctx.run_id, ticket=msg.ticket, trajectories=part,
+            msg_id=f"{msg.msg_id}-{part[0].sample_index}-scored"))
+        if any(g.failure is not None for g, _ in graded):
             await ctx.report({"judge/failed_total": float(sum(self.failed.values())),
                               **{f"judge/failed/{k}": float(v) for k, v in self.failed.items()},
                               "judge/user_code_restarts": float(self.user_code.restarts)})

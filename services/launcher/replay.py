@@ -200,7 +200,8 @@ async def dead_letters(nc: Any, run_id: str, family: str) -> list[Letter]:
 
 def fix_payload(subject: str, payload: bytes, fixes: list[str]) -> bytes:
     """The payload with each ``PATH=VALUE`` of ``fixes`` applied (``PATH``: dotted field names, list indices as
-    numbers, e.g. ``rollouts.0.metadata.answer``; ``VALUE``: a JSON literal, else the text as a string).
+    numbers, e.g. ``ticket.metadata.answer`` or ``rollouts.0.turns.0.text`` of a rollout group; ``VALUE``: a
+    JSON literal, else the text as a string). An older bare record is fixed as it was stored (its own fields).
 
     Raises ReplayError naming the fix when a path does not exist or the fixed message no longer decodes as
     its channel's type: nothing malformed is sent again."""
@@ -217,7 +218,7 @@ def fix_payload(subject: str, payload: bytes, fixes: list[str]) -> bytes:
     for fix in fixes:
         path, sep, text = fix.partition("=")
         if not sep or not path:
-            raise ReplayError(f"--fix {fix!r}: expected PATH=VALUE, e.g. metadata.answer=\"5\"")
+            raise ReplayError(f"--fix {fix!r}: expected PATH=VALUE, e.g. ticket.metadata.answer=\"5\"")
         try:
             value = json.loads(text)
         except ValueError:

@@ -36,7 +36,8 @@ def add_parser(sub: Any) -> None:
     rdlq.add_argument("--publish", action="store_true", help="re-publish them (default: only list)")
     rdlq.add_argument("--fix", action="append", default=[], metavar="PATH=VALUE",
                       help="change a field before re-publishing (implies --publish; repeatable): dotted path, "
-                           "list indices as numbers, VALUE a JSON literal (else text), e.g. --fix metadata.answer='\"5\"';"
+                           "list indices as numbers, VALUE a JSON literal (else text), e.g. "
+                           "--fix ticket.metadata.answer='\"5\"';"
                            " a fix that names no field, or leaves an invalid message, sends nothing")
     rdlq.add_argument("--seq", type=int, action="append", metavar="N",
                       help="only the dead letter with this DLQ sequence number (repeatable)")

@@ -3,7 +3,9 @@
 Each ticket runs ``group_size`` agent loops concurrently; every loop's requests
 go to one shared engine that batches them dynamically, so hundreds of loops
 share one forward pass per decode step. Tasks with tools (:func:`services.tasks.tools.is_agent_task`)
-run multi-turn loops in sandboxes (:class:`services.rollout.agent.AgentLoop`); others one generation each.
+run multi-turn loops in sandboxes (:class:`services.rollout.agent.AgentLoop`); others one generation each,
+an episode of one turn and no tools. :meth:`RolloutService.episode` runs either, :func:`rollout_sample` makes
+the sample of either, and the group goes out as one message carrying its ticket once (:func:`publish_group`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from proto import catalog
 from proto.prompts import PromptTicket
-from proto.rollouts import Rollout, RolloutGroup, Turn
+from proto.rollouts import RolloutGroup, RolloutSample, Turn
 from services.lib.colocation import DEVICE_SHARE
 from services.lib.engine.base import (
     Engine,
@@ -27,7 +29,7 @@ from services.lib.engine.base import (
 )
 from services.lib.sandbox_client import SandboxClient
 from services.lib.weights.transport import WeightReceiver, make_receiver
-from services.rollout.agent import AgentLoop
+from services.rollout.agent import AgentLoop, AgentOutcome
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import build_engine, concrete_engine
 from services.runtime import tracing
@@ -47,26 +49,32 @@ def rollout_msg_id(run_id: str, group_id: str, index: int) -> str:
     return f"{run_id}-{group_id}-s{index}"
 
 
-def _rollout_fields(ctx: ServiceContext, ticket: PromptTicket, index: int) -> dict[str, Any]:
-    """What every rollout of a ticket copies from it."""
-    return dict(run_id=ctx.run_id, task=ticket.task, group_id=ticket.group_id, prompt_id=ticket.prompt_id,
-                sample_index=index, group_size=ticket.group_size, prompt_ids=ticket.prompt_ids,
-                policy_version=ticket.policy_version, metadata=ticket.metadata, is_eval=ticket.is_eval,
-                worker=ctx.instance, msg_id=rollout_msg_id(ctx.run_id, ticket.group_id, index),
-                prompt_text=ticket.prompt_text)
+def rollout_sample(ctx: ServiceContext, ticket: PromptTicket, index: int,
+                   out: AgentOutcome | BaseException) -> RolloutSample:
+    """Sample ``index`` of ``ticket`` from what its episode produced; an exception makes a failed sample
+    with the error (it still reaches the judge, which scores it 0, and the trainer's accounting)."""
+    common = dict(id=rollout_msg_id(ctx.run_id, ticket.group_id, index), sample_index=index, worker=ctx.instance)
+    if isinstance(out, BaseException):
+        log.warning("rollout %s/%d failed: %s", ticket.group_id, index, out)
+        return RolloutSample(**common, turns=[], finish_reason="error", error=f"{type(out).__name__}: {out}")
+    # started again on a new sandbox after losing its instance: said in the sample's metadata
+    extra = {"sandbox_retries": str(out.sandbox_retries)} if out.sandbox_retries else {}
+    return RolloutSample(**common, turns=out.turns, finish_reason=out.finish_reason, sandbox_id=out.sandbox_id,
+                         error=out.error, metadata=extra)
 
 
 async def publish_group(ctx: ServiceContext, ticket: PromptTicket,
-                        rollouts: list[Rollout]) -> list[tuple[RolloutGroup, Any]]:
-    """A ticket's rollouts as one message (parts when over the size limit), each part with its ack.
+                        samples: list[RolloutSample]) -> list[tuple[RolloutGroup, Any]]:
+    """A ticket's samples as one message carrying the ticket once (parts when over the size limit), each
+    part with its ack.
 
     A part's id is deterministic (the group and its first sample), so a redelivered ticket's group is
     de-duplicated by JetStream as its rollouts used to be one by one."""
-    def make(part: list[Rollout]) -> RolloutGroup:
-        return RolloutGroup(run_id=ctx.run_id, group_id=ticket.group_id, rollouts=part,
+    def make(part: list[RolloutSample]) -> RolloutGroup:
+        return RolloutGroup(run_id=ctx.run_id, ticket=ticket, rollouts=part,
                             msg_id=f"{rollout_msg_id(ctx.run_id, ticket.group_id, part[0].sample_index)}-g")
 
-    return await ctx.publish_parts(catalog.ROLLOUTS, rollouts, make)
+    return await ctx.publish_parts(catalog.ROLLOUTS, samples, make)
 
 
 class RolloutService:
@@ -211,60 +219,40 @@ class RolloutService:
                                 stop=list(s.stop))
         task = self.task(ticket.task)
         if task is not None and is_agent_task(task):
-            await self._handle_agent(ctx, ticket, task, params)
-            return
-        try:
-            with tracing.span("generate group", group_id=ticket.group_id, samples=ticket.group_size,
-                              version=self.engine.version):
-                results = await asyncio.gather(*(self.engine.generate(ticket.prompt_ids, params)
-                                                 for _ in range(ticket.group_size)), return_exceptions=True)
-        except EngineOverloadedError as e:
-            raise Retry(str(e), delay_s=2.0) from e
-        for res in results:
-            if isinstance(res, EngineOverloadedError):
-                raise Retry(str(res), delay_s=2.0)
-            if isinstance(res, EngineNotRunningError) and not ctx.stop.is_set():
-                self._engine_died(ctx, res)
-        rollouts = []
-        for i, res in enumerate(results):
-            common = _rollout_fields(ctx, ticket, i)
-            if isinstance(res, BaseException):
-                log.warning("generation failed for %s/%d: %s", ticket.group_id, i, res)
-                rollouts.append(Rollout(**common, turns=[], finish_reason="error", error=f"{type(res).__name__}: {res}"))
-            else:
-                turn = Turn(role="assistant", token_ids=res.token_ids, logprobs=res.logprobs, versions=res.versions,
-                            text=res.text)
-                rollouts.append(Rollout(**common, turns=[turn], finish_reason=res.finish_reason))
-        await publish_group(ctx, ticket, rollouts)
-
-    async def _handle_agent(self, ctx: ServiceContext, ticket: PromptTicket, task: Any, params: Any) -> None:
-        """``group_size`` agent loops in sandboxes; each rollout is published, failed ones with their error."""
-
-        if self.agents is None:
-            raise Poison(f"task {ticket.task!r} runs agent loops, which need a tokenizer; the engine has none")
-        prompt = Prompt(id=ticket.prompt_id, text=ticket.prompt_text, metadata=dict(ticket.metadata))
-        outcomes = await asyncio.gather(*(
-            self.agents.run(task, prompt, ticket.prompt_ids, params, labels={
-                "task": ticket.task, "group": ticket.group_id, "sample": str(i), "prompt": ticket.prompt_id})
-            for i in range(ticket.group_size)), return_exceptions=True)
-        rollouts = []
-        for i, out in enumerate(outcomes):
-            common = _rollout_fields(ctx, ticket, i)
-            if isinstance(out, BaseException):
-                log.warning("agent loop failed for %s/%d: %s", ticket.group_id, i, out)
-                rollouts.append(Rollout(**common, turns=[], finish_reason="error", error=f"{type(out).__name__}: {out}"))
-            else:
-                if out.sandbox_retries:  # started again on a new sandbox after losing its instance
-                    common["metadata"] = {**common["metadata"], "sandbox_retries": str(out.sandbox_retries)}
-                rollouts.append(Rollout(**common, turns=out.turns, finish_reason=out.finish_reason,
-                                        sandbox_id=out.sandbox_id, error=out.error))
-        for part, ack in await publish_group(ctx, ticket, rollouts):
-            if ack is None or not ack.duplicate:
+            if self.agents is None:
+                raise Poison(f"task {ticket.task!r} runs agent loops, which need a tokenizer; the engine has none")
+        else:
+            task = None
+        with tracing.span("generate group", group_id=ticket.group_id, samples=ticket.group_size,
+                          version=self.engine.version):
+            outcomes = await asyncio.gather(*(self.episode(ticket, task, params, i)
+                                              for i in range(ticket.group_size)), return_exceptions=True)
+        for out in outcomes:
+            if isinstance(out, EngineOverloadedError):
+                raise Retry(str(out), delay_s=2.0)
+            if isinstance(out, EngineNotRunningError) and not ctx.stop.is_set():
+                self._engine_died(ctx, out)
+        samples = [rollout_sample(ctx, ticket, i, out) for i, out in enumerate(outcomes)]
+        for part, ack in await publish_group(ctx, ticket, samples):
+            if ack is None or not ack.duplicate or self.agents is None:
                 continue
             for r in part.rollouts:  # a redelivered ticket: the judge has the first copies, not these sandboxes
                 out = outcomes[r.sample_index]
                 if not isinstance(out, BaseException) and out.handed_off and out.sandbox_id:
                     await self.agents.destroy_quietly(out.sandbox_id)
+
+    async def episode(self, ticket: PromptTicket, task: Any, params: SamplingParams, index: int) -> AgentOutcome:
+        """Sample ``index`` of ``ticket``: an agent loop in a sandbox for ``task`` (a task with tools), or with
+        ``task`` None one generation, an episode of one assistant turn and no tools. Raises what the engine
+        raises (the caller decides what becomes of the ticket)."""
+        if task is not None:
+            assert self.agents is not None
+            prompt = Prompt(id=ticket.prompt_id, text=ticket.prompt_text, metadata=dict(ticket.metadata))
+            return await self.agents.run(task, prompt, ticket.prompt_ids, params, labels={
+                "task": ticket.task, "group": ticket.group_id, "sample": str(index), "prompt": ticket.prompt_id})
+        res = await self.engine.generate(ticket.prompt_ids, params)
+        return AgentOutcome(turns=[Turn(role="assistant", token_ids=res.token_ids, logprobs=res.logprobs,
+                                        versions=res.versions, text=res.text)], finish_reason=res.finish_reason)
 
 
 def build(loaded: Loaded) -> RolloutService:

@@ -11,10 +11,10 @@ import msgspec
 import pytest
 
 from proto import catalog, sandbox
-from proto.accounting import TrajectoryOutcome
+from proto.accounting import OutcomeBatch, TrajectoryOutcome
 from proto.metrics import MetricsReport
-from proto.rollouts import Rollout, Turn
-from proto.trajectories import GraderScore, ScoredTrajectory
+from proto.rollouts import Rollout, RolloutGroup, Turn
+from proto.trajectories import GraderScore, ScoredGroup, ScoredTrajectory
 from services.launcher import schema
 
 
@@ -51,10 +51,11 @@ def _trajectory() -> ScoredTrajectory:
 
 
 @pytest.mark.parametrize("channel, msg", [
-    (catalog.TRAJECTORIES, _trajectory()),
+    (catalog.ROLLOUTS, RolloutGroup.of([_trajectory().rollout])),
+    (catalog.TRAJECTORIES, ScoredGroup.of([_trajectory()])),
     (catalog.METRICS, MetricsReport(run_id="r", service="trainer", instance="t-0", step=2, values={"a/b": 0.5})),
-    (catalog.OUTCOMES, TrajectoryOutcome(run_id="r", trajectory_id="x", group_id="g", outcome="trained", step=1,
-                                         version=1, sample_version=0)),
+    (catalog.OUTCOMES, OutcomeBatch(run_id="r", outcomes=[TrajectoryOutcome(
+        run_id="r", trajectory_id="x", group_id="g", outcome="trained", step=1, version=1, sample_version=0)])),
     (catalog.SANDBOX_REQUESTS, sandbox.ExecRequest(run_id="r", sandbox_id="s", command=sandbox.Argv(args=["true"]))),
 ], ids=lambda v: v.name if isinstance(v, catalog.Channel) else type(v).__name__)
 def test_real_messages_validate_and_broken_ones_do_not(channel, msg):
