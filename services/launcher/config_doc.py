@@ -37,23 +37,38 @@ A key that takes one of several shapes chosen by `type` lists each shape's keys 
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """The ``#:`` comment lines above each field of ``cls`` (its source), joined into one sentence."""
+    """The ``#:`` comment lines above each field of ``cls`` or of the struct class that declares it."""
+    out: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if _is_struct(base) and base is not msgspec.Struct:
+            out.update({k: v for k, v in _own_comments(base).items() if v or k not in out})
+    return out
+
+
+def _own_comments(cls: type) -> dict[str, str]:
+    """The ``#:`` comment lines above each field ``cls`` itself declares, joined into one sentence."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
         return {}
     lines = source.splitlines()
     out: dict[str, str] = {}
+    previous: tuple[str, int] | None = None  # (comment, last line) of the field above
     for node in ast.parse(source).body[0].body:  # type: ignore[attr-defined]
         target = node.target if isinstance(node, ast.AnnAssign) else None
         if not isinstance(target, ast.Name):
+            previous = None
             continue
         comment: list[str] = []
         i = node.lineno - 2
         while i >= 0 and lines[i].strip().startswith("#:"):
             comment.insert(0, lines[i].strip()[2:].strip())
             i -= 1
-        out[target.id] = " ".join(comment).replace("``", "`")
+        text = " ".join(comment).replace("``", "`")
+        if not text and previous is not None and previous[1] == node.lineno - 1:
+            text = previous[0]  # a field right below another shares its comment (user / password)
+        out[target.id] = text
+        previous = (text, node.end_lineno or node.lineno)
     return out
 
 

@@ -1,12 +1,18 @@
-"""Configuration of weight stores, encoding and transports (msgspec only).
+"""Configuration of weight stores, encoding and transports (msgspec only): the run file's ``[weights]``.
 
-Every pluggable part is chosen by a ``type`` field, so switching store or
-transport is a config change, never a code change (one key, ``transport``, in
-the trainer's and the rollouts' sections)::
+Every pluggable part is chosen by a ``type`` field, so switching store or transport is a config change,
+never a code change. One section, ``[weights]``, for the whole run (the trainer sends with it, engines and
+weightsync read with it)::
 
-    transport = {type = "store", store = {type = "s3", endpoint_url = "http://127.0.0.1:9000", bucket = "weights"}}
-    transport = {type = "broadcast", world_size = 3}
-    transport = {type = "inproc"}
+    [weights]
+    type = "store"                    # the default: anchors + deltas in a blob store, engines pull
+    store = { type = "s3", endpoint_url = "http://127.0.0.1:9000", bucket = "weights" }
+
+    [weights]
+    type = "broadcast"                # world_size: set by rlbus run/up from the rollouts they start
+
+    [weights]
+    type = "inproc"                   # trainer and rollout colocated ("trainer+rollout")
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class ObjStoreConfig(
 class S3StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="s3"):
     """Any S3-compatible endpoint through aioboto3 (multipart upload, ranged parallel download)."""
 
+    #: the S3 bucket chunks are stored in
     bucket: str
     #: key prefix inside the bucket (chunks land at ``<prefix>/<run>/v<version>/...``)
     prefix: str = "rlbus"
@@ -77,6 +84,7 @@ class S3StoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, ta
 class FsStoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="fs"):
     """A shared filesystem directory (NFS-style); publish is write-to-temp then rename."""
 
+    #: the directory versions are written under (shared by the trainer and every engine that reads them)
     root: str
     #: fsync files and directories before the rename (durable on power loss; slower)
     fsync: bool = True
@@ -108,6 +116,8 @@ class StoreTransportConfig(
 ):
     """Weights through a blob store + announcements on the bus (the default; engines pull on their own clock)."""
 
+    #: where chunks are stored, chosen by ``type``: objstore (the bus's JetStream object store, the default),
+    #: s3 (any S3 API server), fs (a shared filesystem)
     store: StoreConfig = msgspec.field(default_factory=ObjStoreConfig)
     #: scope to publish to (trainer: ``main``) or read from (engines: ``main`` or their relay's scope)
     scope: str = "main"

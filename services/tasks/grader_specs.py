@@ -92,7 +92,10 @@ JudgeModel = TorchJudgeModel | OpenAIJudgeModel | VllmJudgeModel
 class LlmJudgeSpec(_GraderBase, tag_field="type", tag="llm_judge"):
     """A judge model rates the transcript against a rubric; results are cached per (rollout, rubric, judge)."""
 
+    #: what the judge model is asked to rate the transcript on (its answer is read as a score in [0, 1])
     rubric: str
+    #: the judge model, chosen by ``type``: torch (in the judge process), vllm, or openai (any
+    #: OpenAI-compatible server)
     judge: JudgeModel = msgspec.field(default_factory=TorchJudgeModel)
     #: the judge answers on 0..scale ("Score: N"); the grader's score is N / scale
     scale: Annotated[float, msgspec.Meta(gt=0)] = 10.0

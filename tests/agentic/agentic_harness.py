@@ -142,7 +142,7 @@ def ticket_for(task: Any, tokenizer: Any, prompt: Prompt, group_id: str, group_s
 
 def loaded(url: str, service: Any) -> Loaded:
     return Loaded(run=RunSection(id=RUN), nats=NatsSection(url=url), common=CommonSection(drain_timeout_s=5.0),
-                  service=service, tree={})
+                  service=service)
 
 
 class Bus:

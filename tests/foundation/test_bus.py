@@ -80,7 +80,7 @@ class EchoHarness:
         self.js = self.nc.jetstream()
         await bus.provision_all(self.js)
         loaded = Loaded(run=RunSection(id=RUN), nats=NatsSection(url=self.url),
-                        common=CommonSection(drain_timeout_s=5.0), service=EchoConfig(), tree={})
+                        common=CommonSection(drain_timeout_s=5.0), service=EchoConfig())
         self.svc_nc = await nats.connect(self.url)
         self.ctx = ServiceContext("echo", "echo-test", loaded, self.svc_nc)
         self.task = asyncio.create_task(EchoService(EchoConfig(concurrency=self.concurrency)).run(self.ctx))

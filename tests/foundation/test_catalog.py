@@ -128,8 +128,7 @@ async def make_ctx(nats_url: str) -> ServiceContext:
     """A service context on a real nats-server, with the run's streams provisioned."""
     nc = await nats.connect(nats_url)
     await bus.provision_all(nc.jetstream())
-    loaded = Loaded(run=RunSection(id=RUN), nats=NatsSection(url=nats_url), common=CommonSection(), service=None,
-                    tree={})
+    loaded = Loaded(run=RunSection(id=RUN), nats=NatsSection(url=nats_url), common=CommonSection(), service=None)
     return ServiceContext("echo", "e0", loaded, nc)
 
 

@@ -8,16 +8,16 @@ import nats
 import torch
 
 from services.lib.engine.base import SamplingParams
-from services.lib.engine.torch_config import TorchEngineConfig
+from services.lib.engine.config import TorchEngineConfig
 from services.lib.engine.torch_engine import TorchEngine
 from services.lib.model_io import load_policy
 from services.lib.weights.client import WeightPublisher
-from services.runtime.weights_config import EncodingConfig, StoreTransportConfig
 from services.lib.weights.objstore import ObjectStoreBlobs
 from services.lib.weights.transport import make_receiver
 from services.rollout.config import RolloutConfig
 from services.rollout.service import RolloutService
-from services.runtime.config import CommonSection, Loaded, NatsSection, RunSection
+from services.runtime.config import CommonSection, Loaded, ModelSection, NatsSection, RunSection
+from services.runtime.weights_config import EncodingConfig, StoreTransportConfig
 from tests.conftest import wait_for_async
 
 RUN = "wt"
@@ -44,9 +44,9 @@ async def test_publish_pull_apply_changes_outputs_and_refuses_corruption(nats_ur
     await pub.publish({k: v.detach() for k, v in model.state_dict().items()}, version=0)
 
     loaded = Loaded(run=RunSection(id=RUN), nats=NatsSection(url=nats_url), common=CommonSection(),
-                    service=RolloutConfig(model=str(loop_model_dir)), tree={})
+                    model=ModelSection(name=str(loop_model_dir)), service=RolloutConfig())
     svc = RolloutService(loaded)
-    svc.engine = TorchEngine(TorchEngineConfig(model_dir=str(loop_model_dir)))
+    svc.engine = TorchEngine(TorchEngineConfig(), loop_model_dir)
     await svc.engine.start()
     receiver = make_receiver(StoreTransportConfig(recheck_s=0.2), nc, RUN)
     follower = asyncio.create_task(svc.follow_weights(Gauges(), receiver))

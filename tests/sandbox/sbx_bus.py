@@ -63,7 +63,7 @@ class BusHarness:
     async def start(self, drain_timeout_s: float = 5.0, **cfg: Any) -> Instance:
         config = SandboxConfig(root_dir=self.root, **cfg)
         loaded = Loaded(run=RunSection(id=RUN), nats=NatsSection(url=self.url),
-                        common=CommonSection(drain_timeout_s=drain_timeout_s), service=config, tree={})
+                        common=CommonSection(drain_timeout_s=drain_timeout_s), service=config)
         nc = await nats.connect(self.url)
         ctx = ServiceContext("sandbox", f"test-{len(self.instances)}", loaded, nc)
         service = SandboxService.from_loaded(loaded)

@@ -17,12 +17,12 @@ import pytest
 
 from proto import catalog, codec
 from proto import sandbox as sapi
-from proto.accounting import TrajectoryOutcome
+from proto.accounting import OutcomeBatch, TrajectoryOutcome
 from proto.deadletter import DeadLetter
 from proto.membership import Heartbeat
 from proto.prompts import PromptTicket
-from proto.rollouts import Rollout, Turn
-from proto.trajectories import ScoredTrajectory
+from proto.rollouts import Rollout, RolloutGroup, Turn
+from proto.trajectories import ScoredGroup, ScoredTrajectory
 from services.runtime import bus, gang, service
 from services.runtime.config import CommonSection, Loaded, NatsSection, RunSection
 from services.runtime.gang import GangSection
@@ -43,7 +43,7 @@ class Harness:
 
     def __init__(self, c: Login, role: str, instance: str, service_cfg: object = None) -> None:
         loaded = Loaded(run=RunSection(id=RUN), nats=NatsSection(),
-                        common=CommonSection(heartbeat_s=0.2, drain_timeout_s=5.0), service=service_cfg, tree={})
+                        common=CommonSection(heartbeat_s=0.2, drain_timeout_s=5.0), service=service_cfg)
         self.ctx = ServiceContext(role, instance, loaded, c.nc)
         self._hb: asyncio.Task[None] | None = None
 
@@ -85,19 +85,20 @@ async def test_the_work_loop_runs_under_its_permissions(login, server):
                 Harness(jc, "judge", "j0") as jctx:
 
             async def on_prompt(t: PromptTicket, d) -> None:
-                await rctx.publish(catalog.ROLLOUTS, Rollout(
+                await rctx.publish(catalog.ROLLOUTS, RolloutGroup.of([Rollout(
                     run_id=RUN, task=t.task, group_id=t.group_id, prompt_id=t.prompt_id, sample_index=0,
                     group_size=1, prompt_ids=t.prompt_ids, turns=[Turn(role="assistant", token_ids=[5])],
-                    finish_reason="stop", policy_version=t.policy_version))
+                    finish_reason="stop", policy_version=t.policy_version)]))
                 await rctx.report({"rollout/tickets": 1.0})
 
-            async def on_rollout(r: Rollout, d) -> None:
-                await jctx.publish(catalog.TRAJECTORIES, ScoredTrajectory(run_id=RUN, rollout=r, reward=1.0))
+            async def on_rollout(g: RolloutGroup, d) -> None:
+                await jctx.publish(catalog.TRAJECTORIES, ScoredGroup.of(
+                    [ScoredTrajectory(run_id=RUN, rollout=r, reward=1.0) for r in g.records()]))
 
-            async def on_trajectory(t: ScoredTrajectory, d) -> None:
-                await tctx.publish(catalog.OUTCOMES, TrajectoryOutcome(
+            async def on_trajectory(g: ScoredGroup, d) -> None:
+                await tctx.publish(catalog.OUTCOMES, OutcomeBatch(run_id=RUN, outcomes=[TrajectoryOutcome(
                     run_id=RUN, trajectory_id=t.msg_id, group_id=t.rollout.group_id, outcome="trained", step=1,
-                    version=0, sample_version=0))
+                    version=0, sample_version=0) for t in g.records()]))
                 trained.set()
 
             consumers = [
@@ -137,8 +138,8 @@ async def test_weights_flow_under_permissions(login, server, caplog):
     rollouts read from both scopes and claim a broadcast rank."""
     torch = pytest.importorskip("torch")
     from services.lib.weights.client import WeightPublisher, WeightSubscriber
-    from services.runtime.weights_config import EncodingConfig, ObjStoreConfig
     from services.lib.weights.objstore import ObjectStoreBlobs
+    from services.runtime.weights_config import EncodingConfig, ObjStoreConfig
     from services.weightsync.config import RelayConfig, WeightsyncConfig
     from services.weightsync.service import WeightsyncService
 
