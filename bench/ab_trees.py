@@ -4,6 +4,13 @@
         --set services.trainer.total_steps=200 --set services.trainer.max_wall_s=0.0 \\
         --set services.trainer.eval_every=0 --set services.trainer.checkpoint_every=0
 
+When a change renames run-file keys, ``--before-set KEY=VALUE`` (repeatable) gives the before side its own
+spelling of the overrides, replacing the ``--set`` arguments after ``--`` on that side only::
+
+    .venv/bin/python bench/ab_trees.py --before 468a3fe --rounds 2 \\
+        --before-set services.trainer.total_steps=200 --before-set services.trainer.eval_every=0 ... \\
+        -- addition --set services.trainer.total_steps=200 --set services.trainer.eval.every=0 ...
+
 ``--before`` is a git revision, checked out once into a temporary worktree; ``--after`` is this
 working tree (default) or another revision. Both run with this checkout's ``.venv``; each run gets
 its own run directory and run id, so nothing is shared between them. Runs alternate (before, after,
@@ -55,16 +62,23 @@ def main() -> int:
     ap.add_argument("--before", required=True, help="git revision of the 'before' side")
     ap.add_argument("--after", default="", help="git revision of the 'after' side (default: this working tree)")
     ap.add_argument("--rounds", type=int, default=1, help="before/after pairs to run (alternating)")
+    ap.add_argument("--before-set", action="append", default=None, metavar="KEY=VALUE",
+                    help="the before side's overrides (repeatable), instead of the --set arguments after -- "
+                    "(for a change that renamed keys)")
     ap.add_argument("rlbus_args", nargs=argparse.REMAINDER, help="-- then the arguments of `rlbus run`")
     args = ap.parse_args()
     rlbus_args = [a for a in args.rlbus_args if a != "--"] or ["addition"]
+    side_args = {"before": rlbus_args, "after": rlbus_args}
+    if args.before_set is not None:
+        positional = [a for i, a in enumerate(rlbus_args) if a != "--set" and (i == 0 or rlbus_args[i - 1] != "--set")]
+        side_args["before"] = positional + [x for kv in args.before_set for x in ("--set", kv)]
     root = Path(tempfile.mkdtemp(prefix="rlbus-ab-"))
     trees = {"before": checkout(args.before, root), "after": checkout(args.after, root) if args.after else REPO}
     results: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     try:
         for r in range(args.rounds):
             for side, tree in trees.items():
-                res = run_once(tree, rlbus_args, root / f"run-{side}-{r}", f"ab{side}{r}")
+                res = run_once(tree, side_args[side], root / f"run-{side}-{r}", f"ab{side}{r}")
                 results[side].append(res)
                 print(f"[ab] round {r} {side}: trainer {res['trainer_wall_s']:.1f} s, process "
                       f"{res['process_wall_s']:.1f} s, {res['steps']:.0f} steps", file=sys.stderr, flush=True)
