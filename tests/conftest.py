@@ -125,16 +125,18 @@ def run_file(tmp_path: Path, model: Path | str, *, run_id: str, trainer: dict[st
              nats_url: str | None = None, launcher: dict[str, Any] | None = None,
              common: dict[str, Any] | None = None, task: str | None = None,
              task_options: dict[str, Any] | None = None, weights: dict[str, Any] | None = None,
-             extra: str = "") -> Path:
+             model_keys: dict[str, Any] | None = None, extra: str = "") -> Path:
     """Write ``tmp_path/run.toml`` for a tiny-model run in ``tmp_path/run`` and return its path.
 
-    ``model`` is the run's ``[model] name``; ``task``/``task_options`` its ``[task]``; ``weights`` its
+    ``model`` is the run's ``[model] name`` (``model_keys``: its other keys, e.g. dtype); ``task``/``task_options``
+    its ``[task]``; ``weights`` its
     ``[weights]`` (the transport). ``services`` (the launcher's layout, with a free NATS port) is for
     ``rlbus run`` and the supervisor; ``nats_url`` for a service run by the test against the ``nats_url``
     fixture. ``trainer`` and ``rollout`` override the shared defaults below (``rollout=None``: no rollout
     section); ``launcher``/``common`` add keys to those sections; ``extra`` is TOML appended as is.
     """
-    parts = [_toml_table("run", {"id": run_id, "dir": tmp_path / "run"}), _toml_table("model", {"name": model})]
+    parts = [_toml_table("run", {"id": run_id, "dir": tmp_path / "run"}),
+             _toml_table("model", {"name": model, **(model_keys or {})})]
     if task is not None or task_options:
         parts.append(_toml_table("task", {**({"name": task} if task else {}),
                                           **({"options": task_options} if task_options else {})}))

@@ -64,12 +64,12 @@ def _recorded(run_dir: Path, step: int) -> dict[str, float]:
     raise ReplayError(f"{path} records no train step {step} (eval rows and other steps only)")
 
 
-async def _batch_and_weights(run_dir: Path, run_id: str, cfg: Any, step: int) -> tuple[list[Any], dict | None]:
+async def _batch_and_weights(run_dir: Path, run_id: str, transport: Any, step: int) -> tuple[list[Any], dict | None]:
     from proto import catalog
     from services.launcher.accounting import read_channel
     from services.launcher.connect import with_stored_streams
-    from services.runtime.weights_config import StoreTransportConfig
     from services.lib.weights.transport import store_subscriber
+    from services.runtime.weights_config import StoreTransportConfig
 
     store = run_dir / "nats"
     if not store.is_dir():
@@ -94,7 +94,6 @@ async def _batch_and_weights(run_dir: Path, run_id: str, cfg: Any, step: int) ->
         batch = [trajectories[o.trajectory_id] for o in used]
         weights = None
         if step - 1 > 0:
-            transport = cfg.transport
             if not isinstance(transport, StoreTransportConfig):
                 raise ReplayError(f"the run's weight transport is {type(transport).__name__}: it stores no "
                                   f"versions, so the weights of version {step - 1} are not on record")
@@ -116,8 +115,11 @@ def replay_step(run_dir: str | Path, step: int) -> Replayed:
     import msgspec
     import torch
 
+    from services.runtime.config import ModelSection
+    from services.runtime.weights_config import TransportConfig
     from services.tasks.models import resolve_model
     from services.trainer.config import TrainerConfig
+    from services.trainer.devices import Placement
     from services.trainer.learner import Learner
     from services.trainer.optim import clip_grad_norm
     from services.trainer.step_input import StepInput
@@ -131,15 +133,19 @@ def replay_step(run_dir: str | Path, step: int) -> Replayed:
     tree = json.loads(resolved.read_text())
     try:
         cfg = msgspec.convert(tree.get("services", {}).get("trainer", {}), TrainerConfig, strict=False)
+        model = msgspec.convert(tree.get("model", {}), ModelSection, strict=False)
+        transport = msgspec.convert(tree.get("weights", {}), TransportConfig, strict=False)  # type: ignore[arg-type]
     except msgspec.ValidationError as e:
         raise ReplayError(f"the run's trainer config does not load in this rlbus: {e}") from e
-    if cfg.world_size != 1:
-        raise ReplayError(f"the run trained with {cfg.world_size} ranks; replay recomputes one-rank steps only")
+    if cfg.devices.world_size != 1:
+        raise ReplayError(f"the run trained with {cfg.devices.world_size} ranks; replay recomputes one-rank "
+                          "steps only")
     recorded = _recorded(run_dir, step)
     run_id = tree.get("run", {}).get("id", "default")
-    batch, weights = asyncio.run(_batch_and_weights(run_dir, run_id, cfg, step))
-    model_dir = resolve_model(cfg.model, cfg.cache_dir or None, seed=int(tree.get("run", {}).get("seed", 0)))
-    learner = Learner(cfg, model_dir)
+    batch, weights = asyncio.run(_batch_and_weights(run_dir, run_id, transport, step))
+    model_dir = resolve_model(model.name, model.cache_dir or None, seed=int(tree.get("run", {}).get("seed", 0)),
+                              revision=model.revision or None)
+    learner = Learner(cfg, model_dir, Placement("cpu", "cpu", "gloo", dtype=model.dtype))
     if weights is not None:
         learner.load_weights({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
     learner.optimizer.zero_grad(set_to_none=True)
@@ -147,7 +153,7 @@ def replay_step(run_dir: str | Path, step: int) -> Replayed:
     recomputed = {k: v for k, v in sums.items() if k.startswith("losses/")}
     if passes:
         with torch.no_grad():
-            recomputed["optim/grad_norm"] = clip_grad_norm(learner.model.parameters(), cfg.max_grad_norm)
+            recomputed["optim/grad_norm"] = clip_grad_norm(learner.model.parameters(), cfg.optim.max_grad_norm)
     return Replayed(step, len(batch), recorded, recomputed)
 
 

@@ -70,11 +70,11 @@ def shape_of(run_dir: Path, cores: float | None = None) -> Shape:
     engine = rollout.get("engine", {})
     return Shape(
         groups_per_step=trainer.get("groups_per_step", 16), group_size=trainer.get("group_size", 8),
-        max_new_tokens=trainer.get("max_new_tokens", 64), max_staleness=trainer.get("max_staleness", 1),
+        max_new_tokens=(trainer.get("sampling") or {}).get("max_new_tokens") or 64, max_staleness=trainer.get("max_staleness", 1),
         engines=max(1, services.get("rollout", 1)), judges=max(1, services.get("judge", 1)),
         max_tickets=rollout.get("max_tickets", 64), max_batch=engine.get("max_batch_size", 256),
         engine_threads=float(engine.get("num_threads", 1) or 1),
-        trainer_threads=float(trainer.get("num_threads", 1) or 1),
+        trainer_threads=float((trainer.get("devices") or {}).get("num_threads", 1) or 1),
         overlap_publish=bool(trainer.get("overlap_publish", _overlapped(run_dir))),
         cores=float(os.cpu_count() or 1) if cores is None else cores)
 

@@ -2,7 +2,7 @@
 
 Flow::
 
-    admission has room ──▶ next training prompt ──▶ ticket (PROMPTS)
+    admission has room ──▶ next training prompt ──▶ ticket (PROMPTS, built and published here)
     trajectory (TRAJECTORIES) ──▶ handle(): eval round | stale → dropped | buffered (ack deferred)
     collect() ──▶ the oldest ``groups_per_step`` complete groups
 
@@ -12,6 +12,10 @@ sent, the state saved), or after its
 ``dropped`` outcome is recorded and the freed admission slot saved. A crash in between
 redelivers it. Every trajectory ends with exactly one outcome on OUTCOMES
 (trained | dropped | eval), so ``published = trained + dropped + eval + pending`` holds.
+
+The collector changes the trainer's state only through the :class:`~services.trainer.ledger.Ledger`
+(admissions, freed slots, saves); the admission bound follows the live rollout fleet's advertised
+capacity (:class:`Fleet`).
 """
 
 from __future__ import annotations
@@ -19,22 +23,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from proto import catalog
-from proto.accounting import OutcomeBatch, TrajectoryOutcome
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
+
+from proto import catalog, codec
+from proto.membership import Heartbeat
 from proto.trajectories import ScoredGroup, ScoredTrajectory
-from services.runtime import metrics, tracing
+from services.runtime import bus, tracing
 from services.runtime.consume import Delivery
 from services.runtime.service import ServiceContext
-from services.trainer.admission import Admission, GroupBuffer, Sample, SampleAck, fleet_bound, is_stale
+from services.tasks.base import Prompt
+from services.trainer.admission import GroupBuffer, Sample, SampleAck, fleet_bound, fleet_tickets, is_stale
 from services.trainer.config import TrainerConfig
-from services.trainer.evaluation import EvalRound, Evaluations
-from services.trainer.state import TrainerState
+from services.trainer.evaluation import Evaluations
+from services.trainer.ledger import Ledger
+from services.trainer.outbox import Outcomes, Tickets
 
 log = logging.getLogger("rlbus.trainer.collect")
-_OUTCOMES = metrics.counter("trajectory_outcomes", "trajectories trained, dropped (by reason) or evaluated")
 
 #: how often collect() re-checks staleness and group timeouts while nothing arrives
 RECHECK_S = 5.0
@@ -42,67 +49,52 @@ RECHECK_S = 5.0
 FLEET_EVERY_S = 2.0
 
 
-class Outcomes:
-    """Records what became of trajectories (stream OUTCOMES) and counts it in the state."""
+class Fleet:
+    """The live rollout fleet, from its heartbeats (members bucket): the prompt groups it works on at once."""
 
-    def __init__(self, ctx: ServiceContext, state: TrainerState) -> None:
+    def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
-        self.state = state
+        self.kv: Any = None
 
-    async def record(self, samples: list[Sample], outcome: str, reason: str = "") -> None:
-        """One outcome per sample, the lot published as one message (parts when over the size limit)."""
-        self.state.count(outcome, len(samples))
-        if not samples:
-            return
-        # the reason's kind (its text before the first colon) keeps the label set small
-        _OUTCOMES(len(samples), outcome=outcome, reason=reason.split(":", 1)[0][:40] if reason else "")
-        records = [TrajectoryOutcome(run_id=self.ctx.run_id, trajectory_id=s.key, group_id=s.group_id,
-                                     outcome=outcome, reason=reason, step=self.state.step, version=self.state.version,
-                                     sample_version=s.version, batch_index=i if outcome == "trained" else -1,
-                                     msg_id=f"{s.key}-outcome") for i, s in enumerate(samples)]
-        try:  # an id per first trajectory and size: a restarted trainer recording the same lot is de-duplicated
-            await self.ctx.publish_parts(catalog.OUTCOMES, records, lambda part: OutcomeBatch(
-                run_id=self.ctx.run_id, outcomes=part, msg_id=f"{part[0].msg_id}-{len(part)}"))
-        except Exception as e:  # accounting must not stop training; the trajectories themselves are safe
-            log.warning("could not record the outcomes of %d trajectories (%s): %s", len(samples), outcome, e)
+    async def tickets(self) -> int:
+        """What the rollout workers whose heartbeats say running, within three heartbeat periods, advertise
+        they hold at once (``admission.fleet_tickets``)."""
+        if self.kv is None:  # opened once: the bound is refitted every FLEET_EVERY_S
+            self.kv = await bus.ensure_kv(self.ctx.js, catalog.MEMBERS)
+        beats = []
+        for key in await bus.kv_keys(self.ctx.js, catalog.MEMBERS.bucket, f"{self.ctx.run_id}.rollout."):
+            try:
+                beats.append(codec.decode((await self.kv.get(key)).value, Heartbeat))
+            except (KeyNotFoundError, KeyDeletedError):  # left (entry deleted), or between listing and read
+                continue
+        return fleet_tickets(beats, "rollout", time.time(), 3 * self.ctx.cfg.common.heartbeat_s)
 
 
 class Collector:
     """Admission, the staleness filter and the group buffer between the bus and the learner."""
 
-    def __init__(self, cfg: TrainerConfig, state: TrainerState, prompts: Iterator[Any],
-                 send_ticket: Callable[[Any, str], Awaitable[None]], evals: Evaluations, outcomes: Outcomes,
-                 save_state: Callable[[], Awaitable[None]],
-                 on_eval: Callable[[EvalRound], Awaitable[None]],
-                 fleet: Callable[[], Awaitable[int | None]] | None = None, tickets_per_worker: int = 64) -> None:
-        """``fleet``: the live rollout workers (None: unknown); with it the admission bound follows the
-        fleet (``admission.fleet_bound``), each worker holding ``tickets_per_worker`` groups at once."""
+    def __init__(self, cfg: TrainerConfig, ledger: Ledger, prompts: Iterator[Prompt], tickets: Tickets,
+                 evals: Evaluations, outcomes: Outcomes, fleet: Fleet | None = None) -> None:
+        """``fleet``: the live rollout fleet (None: unknown); with it the admission bound follows what the
+        fleet can work on at once (``admission.fleet_bound``)."""
         self.cfg = cfg
-        self.state = state
+        self.ledger = ledger
+        self.admission = ledger.admission
         self.prompts = prompts
-        self.send_ticket = send_ticket
+        self.tickets = tickets
         self.evals = evals
         self.outcomes = outcomes
-        self.save_state = save_state
-        self.on_eval = on_eval
-        self.admission = Admission(cfg.max_groups_in_flight)
-        self.admission.restore(state.in_flight)
         self.buffer = GroupBuffer()
         self.arrived = asyncio.Event()
         self.fleet = fleet
-        self.tickets_per_worker = tickets_per_worker
         self._fleet_at = float("-inf")
-
-    def sync_state(self) -> None:
-        """Copy the admission bookkeeping into the state before it is saved."""
-        self.state.in_flight = self.admission.state()
 
     # --- trajectories in ---------------------------------------------------------------------------
 
-    async def handle(self, msg: ScoredGroup | ScoredTrajectory, d: Delivery[Any]) -> None:
+    async def handle(self, msg: ScoredGroup, d: Delivery[Any]) -> None:
         """The consume handler: returns at once; the message is settled through its deferred ack, shared by
         the samples it carries (a scored group: its samples are trained or dropped together)."""
-        trajs: list[ScoredTrajectory] = catalog.members(msg)
+        trajs: list[ScoredTrajectory] = msg.records()  # each joined with the group's ticket
         acks = SampleAck.split(d.defer(), len(trajs))
         trace = tracing.traceparent()
         groups: dict[str, list[Sample]] = {}
@@ -118,40 +110,39 @@ class Collector:
         """Samples of one group: evaluated, dropped (their group went stale), or buffered until trained."""
         evals = [s for s in samples if s.item.rollout.is_eval]
         if evals:
-            finished = [f for s in evals if (f := self.evals.record(s.item)) is not None]
+            await self.evals.receive(evals)
             await self.outcomes.record(evals, "eval")
-            await asyncio.gather(*(s.ack.ack() for s in evals))
-            for f in finished:
-                await self.on_eval(f)
+            await asyncio.gather(*(s.settle() for s in evals))
             samples = [s for s in samples if not s.item.rollout.is_eval]
             if not samples:
                 return
         if group_id in self.buffer.dropped_groups:
             await self.drop(samples, "group already dropped for staleness")
             return
-        stale = next((s for s in samples if is_stale(s.version, self.state.version, self.cfg.max_staleness)), None)
+        version, max_staleness = self.ledger.state.version, self.cfg.max_staleness
+        stale = next((s for s in samples if is_stale(s.version, version, max_staleness)), None)
         if stale is not None:
-            reason = (f"stale: oldest token from version {stale.version}, trainer at {self.state.version}, "
-                      f"max_staleness {self.cfg.max_staleness}")
+            reason = (f"stale: oldest token from version {stale.version}, trainer at {version}, "
+                      f"max_staleness {max_staleness}")
             await self.drop([*samples, *self._give_up(group_id)], reason)
             return
         for s in samples:
             displaced = self.buffer.add(s, s.item.rollout.group_size)
             if displaced is not None:  # a redelivery of a sample already held: the newer delivery is kept
-                self.state.count("duplicate")
-                await displaced.ack.ack()
+                self.ledger.count("duplicate")
+                await displaced.settle()
         self.arrived.set()
 
     async def drop(self, samples: list[Sample], reason: str) -> None:
         """Record ``dropped`` outcomes, make the freed admission slots durable, then ack."""
         await self.outcomes.record(samples, "dropped", reason)
         # a restarted trainer must not wait for groups whose trajectories were taken off the stream
-        await self.save_state()
-        await asyncio.gather(*(s.ack.ack() for s in samples))
+        await self.ledger.save()
+        await asyncio.gather(*(s.settle() for s in samples))
         self.arrived.set()  # a slot may be free: admit more
 
     def _give_up(self, group_id: str) -> list[Sample]:
-        self.admission.finish(group_id)
+        self.ledger.release(group_id)
         return self.buffer.drop_group(group_id)
 
     # --- batches out -------------------------------------------------------------------------------
@@ -176,16 +167,21 @@ class Collector:
             stopped.cancel()
         return []
 
-    def finish(self, groups: list[list[Sample]]) -> None:
-        """The groups were trained on (or all their samples dropped): their admission slots are free (the
-        trainer fills them with :meth:`admit` after its commit)."""
-        for g in groups:
-            self.admission.finish(g[0].group_id)
+    async def record_failed(self, failed: list[Sample]) -> None:
+        """Rollouts that failed (sandbox died, engine error) are dropped with their error, never trained on."""
+        await asyncio.gather(*(self.outcomes.record([s], "dropped", f"rollout failed: {s.item.rollout.error[:300]}")
+                               for s in failed))
 
-    async def admit(self) -> None:
-        """Admit prompt groups into the room a commit freed, now: a commit that runs beside the next learner
-        step (``overlap_publish``) would otherwise leave the room empty until the next collect(), and the
-        rollouts idle for a whole learner step."""
+    async def commit(self, groups: list[list[Sample]], failed: list[Sample], trained: list[Sample]) -> None:
+        """The step is durable (its version sent): free the groups' slots, record the trained outcomes, save
+        the state, ack the trajectories; then admit prompt groups into the freed room at once (a commit that
+        runs beside the next learner step, ``overlap_publish``, would otherwise leave the room empty until
+        the next collect(), and the rollouts idle for a whole learner step)."""
+        for g in groups:
+            self.ledger.release(g[0].group_id)
+        await self.outcomes.record(trained, "trained")
+        await self.ledger.save()
+        await asyncio.gather(*(s.settle() for s in failed + trained))
         await self._top_up()
 
     async def _fit_to_fleet(self) -> None:
@@ -194,31 +190,29 @@ class Collector:
             return
         self._fleet_at = time.monotonic()
         try:
-            workers = await self.fleet()
+            tickets = await self.fleet.tickets()
         except Exception as e:  # the members bucket unreadable for now: the bound stays as it is
             log.debug("could not read the rollout fleet: %s", e)
             return
-        bound = fleet_bound(self.cfg.max_staleness, self.cfg.groups_per_step, workers, self.tickets_per_worker)
+        bound = fleet_bound(self.cfg.max_staleness, self.cfg.groups_per_step, tickets)
         if bound != self.admission.max_in_flight:
-            log.info("admission bound %d -> %d groups (%s live rollout workers)", self.admission.max_in_flight,
-                     bound, workers)
+            log.info("admission bound %d -> %d groups (the live rollout workers hold %d at once)",
+                     self.admission.max_in_flight, bound, tickets)
             self.admission.resize(bound)
 
     async def _top_up(self) -> None:
-        """Admit prompt groups while there is room (the staleness-derived bound)."""
+        """Admit prompt groups while there is room (the staleness-derived bound), each one's ticket sent."""
         while self.admission.room() > 0:
-            group_id = f"g{self.state.data_position:08d}"
             prompt = next(self.prompts)
-            self.admission.admit(group_id, self.state.version)
-            self.state.data_position += 1
-            await self.send_ticket(prompt, group_id)
+            group_id = self.ledger.admit_next()
+            await self.tickets.publish(prompt, group_id, self.ledger.state.version)
 
     async def _expire(self) -> None:
         """Drop groups that went stale while waiting, and free slots of groups that never came back."""
-        cfg = self.cfg
-        for gid in self.buffer.stale_groups(self.state.version, cfg.max_staleness):
+        cfg, version = self.cfg, self.ledger.state.version
+        for gid in self.buffer.stale_groups(version, cfg.max_staleness):
             await self.drop(self._give_up(gid), f"stale: waited past max_staleness {cfg.max_staleness} "
-                                                f"(trainer at version {self.state.version})")
+                                                f"(trainer at version {version})")
         for gid in self.admission.overdue(cfg.group_timeout_s):
             log.warning("group %s did not complete within %.0fs; its slot is freed", gid, cfg.group_timeout_s)
             await self.drop(self._give_up(gid), f"stale: group incomplete after {cfg.group_timeout_s:.0f}s")

@@ -1,4 +1,4 @@
-"""The trainer's configuration (section ``[services.trainer]``). No ML imports here."""
+"""The trainer's configuration (section ``[services.trainer]``, its groups as sub-tables). No ML imports here."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from services.runtime.weights_config import StoreTransportConfig, TransportConfig
-from services.runtime.config import ConfigError, TaskOption
+from services.runtime.config import ConfigError
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
@@ -30,75 +29,47 @@ class LoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     target_modules: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
 
 
-class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    # --- model and task ---
-    #: builtin model (tiny-addition, smollm2) or a Hugging Face directory
-    model: str = "tiny-addition"
-    #: where builtin models are built and cached (default ~/.cache/rlbus or $RLBUS_CACHE)
-    cache_dir: str = ""
-    #: training precision: float32, or bfloat16 mixed precision (bf16 compute, fp32 master weights and
-    #: optimiser moments; weights are sent to the engines in bf16)
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    #: task name from the task registry, and its options
-    task: str = "addition"
-    task_options: dict[str, TaskOption] = {}
+class LossConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[services.trainer.loss]``: the GRPO objective."""
 
-    #: LoRA adapters instead of full fine-tuning (absent: every weight trains): { r = 8, alpha = 16.0,
-    #: dropout = 0.0, target_modules = ["q_proj", ...] }. Weight versions then carry only the adapters (the
-    #: engines merge them into their base weights); checkpoints hold the adapters and their optimiser state;
-    #: the final model is saved merged (final_model/) and as a peft adapter directory (final_adapter/).
-    #: The KL reference (kl_coef > 0) is the base model (adapters disabled). Works with world_size > 1 (FSDP2)
-    lora: LoraConfig | None = None
-
-    # --- batch and sampling ---
-    #: prompt groups per optimiser step
-    groups_per_step: Pos = 16
-    #: completions per prompt (the GRPO group)
-    group_size: Annotated[int, msgspec.Meta(ge=2)] = 8
-    #: completion budget (0: the task's own)
-    max_new_tokens: NonNeg = 0
-    temperature: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    #: the run stops after this many optimiser steps
-    total_steps: Pos = 100
-    #: optional wall-clock budget in seconds (0: none); the run stops at the first step past it
-    max_wall_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
-
-    # --- asynchrony ---
-    #: a sample is trained on only if its oldest token is at most this many versions old;
-    #: at most (max_staleness + 1) * groups_per_step groups are in flight. 0 = synchronous on-policy
-    max_staleness: NonNeg = 1
-
-    #: a group admitted this many seconds ago and still incomplete is given up (its slot freed,
-    #: what arrived of it dropped with the reason); covers work lost with a crashed worker
-    group_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 300.0
-
-    # --- objective ---
+    #: divide each group's advantages by its reward standard deviation (off: only the mean is subtracted)
     normalize_std: bool = True
+    #: the PPO ratio is clipped to [1 - clip_low, 1 + clip_high]
     clip_low: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.2
     clip_high: Annotated[float, msgspec.Meta(ge=0.0)] = 0.28
+    #: weight of the KL penalty against the reference (the initial policy; 0: no reference model)
     kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     #: off-policy correction: truncated IS (default), decoupled PPO, or none
     is_mode: Literal["tis", "decoupled", "none"] = "tis"
+    #: the importance weight's cap (truncated IS)
     is_cap: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
+    #: mean over each completion's tokens then over completions, or over every token of the batch
     aggregation: Literal["seq_mean_token_mean", "token_mean"] = "seq_mean_token_mean"
-    #: passes over each batch; with ``ppo_epochs * minibatches > 1`` the PPO ratio is taken against the
-    #: proximal policy (the weights before the batch's first update, its logprobs computed once per batch),
-    #: so the clip acts, and ``is_mode`` corrects proximal vs behaviour policy (decoupled PPO, as AReaL)
-    ppo_epochs: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
-    #: optimiser steps per pass: the batch is cut into this many minibatches of about equal tokens (each one
-    #: still cut into micro-batches for gradient accumulation); the lr schedule advances once per batch
-    minibatches: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     #: per-sample loss weight ``staleness_decay ** k``, ``k`` the versions a sample's oldest token is behind
     #: the freshest sample of its batch (1.0: every sample weighs the same, as before)
     staleness_decay: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
 
-    # --- optimiser ---
+
+class OptimConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[services.trainer.optim]``: the optimiser, its schedule, and how a batch is cut into updates."""
+
+    #: AdamW learning rate
     lr: Annotated[float, msgspec.Meta(gt=0.0)] = 1e-4
+    #: AdamW decoupled weight decay
     weight_decay: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    #: clip the gradient's global norm to this (0: no clipping)
     max_grad_norm: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    #: the learning rate over the run's total_steps (after the warm-up)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    #: steps of linear warm-up from 0 to lr
     lr_warmup_steps: NonNeg = 0
+    #: passes over each batch; with ``ppo_epochs * minibatches > 1`` the PPO ratio is taken against the
+    #: proximal policy (the weights before the batch's first update, its logprobs computed once per batch),
+    #: so the clip acts, and ``loss.is_mode`` corrects proximal vs behaviour policy (decoupled PPO, as AReaL)
+    ppo_epochs: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    #: optimiser steps per pass: the batch is cut into this many minibatches of about equal tokens (each one
+    #: still cut into micro-batches for gradient accumulation); the lr schedule advances once per batch
+    minibatches: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     #: completions per forward/backward pass (gradient accumulation over the batch)
     micro_batch_size: Pos = 64
     #: padded tokens (rows x longest prompt+completion) per forward/backward pass; 0: only
@@ -107,11 +78,38 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: recompute activations in the backward pass (less memory, ~30% more compute)
     gradient_checkpointing: bool = False
 
-    # --- devices and ranks ---
+
+class SamplingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[services.trainer.sampling]``: how the engines sample the training completions."""
+
+    #: completion budget (0: the task's own)
+    max_new_tokens: NonNeg = 0
+    #: sampling temperature (the learner's logprobs are taken at the same temperature)
+    temperature: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    #: nucleus sampling: the smallest set of tokens with this much probability
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+
+
+class EvalConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[services.trainer.eval]``: rounds on the task's held-out prompts."""
+
+    #: evaluate on the held-out prompts every this many steps (0: only at start and end)
+    every: NonNeg = 10
+    #: held-out prompts per evaluation (0: all the task has)
+    prompts: NonNeg = 0
+    #: samples per held-out prompt (more: a less noisy eval reward)
+    samples: Pos = 1
+    #: sampling temperature of the evaluation completions
+    temperature: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+
+
+class DevicesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[services.trainer.devices]``: where the policy trains, on how many ranks."""
+
     #: where the policy trains: "auto" (cuda when present, else cpu), "cpu", "cuda" or "cuda:N";
     #: with world_size > 1 on CUDA, rank r takes cuda:r
     device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
-    #: where the reference model (kl_coef > 0) lives: "" (the policy's device), "cpu", "cuda" or "cuda:N"
+    #: where the reference model (loss.kl_coef > 0) lives: "" (the policy's device), "cpu", "cuda" or "cuda:N"
     ref_device: Annotated[str, msgspec.Meta(pattern=r"^(|cpu|cuda(:[0-9]+)?)$")] = ""
     #: trainer processes (ranks) of this one service instance, sharded with FSDP2 (gloo on CPU,
     #: NCCL on CUDA); only rank 0 talks to the bus, the batch is split across ranks
@@ -119,36 +117,65 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: a collective (or the group's start) taking longer than this fails the rank group, which the
     #: launcher then restarts from its newest durable point
     rank_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
-
-    # --- evaluation, checkpoints, resources ---
-    #: evaluate on the held-out prompts every this many steps (0: only at start and end)
-    eval_every: NonNeg = 10
-    #: held-out prompts per evaluation (0: all the task has)
-    eval_prompts: NonNeg = 0
-    #: samples per held-out prompt (more: a less noisy eval reward)
-    eval_samples: Pos = 1
-    eval_temperature: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
-    #: save a resumable checkpoint every this many steps (0: only the final model)
-    checkpoint_every: NonNeg = 20
     #: torch intra-op threads (0: torch's default)
     num_threads: NonNeg = 0
+
+
+class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[services.trainer]``. The model, the task and the weight transport are the run's (``[model]``,
+    ``[task]``, ``[weights]``), read from ``Loaded``."""
+
+    #: LoRA adapters instead of full fine-tuning (absent: every weight trains): { r = 8, alpha = 16.0,
+    #: dropout = 0.0, target_modules = ["q_proj", ...] }. Weight versions then carry only the adapters (the
+    #: engines merge them into their base weights); checkpoints hold the adapters and their optimiser state;
+    #: the final model is saved merged (final_model/) and as a peft adapter directory (final_adapter/).
+    #: The KL reference (loss.kl_coef > 0) is the base model (adapters disabled). Works with world_size > 1
+    lora: LoraConfig | None = None
+
+    # --- batch ---
+    #: prompt groups per optimiser step
+    groups_per_step: Pos = 16
+    #: completions per prompt (the GRPO group)
+    group_size: Annotated[int, msgspec.Meta(ge=2)] = 8
+    #: the run stops after this many optimiser steps
+    total_steps: Pos = 100
+    #: optional wall-clock budget in seconds (0: none); the run stops at the first step past it
+    max_wall_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+
+    # --- pacing ---
+    #: a sample is trained on only if its oldest token is at most this many versions old;
+    #: at most (max_staleness + 1) * groups_per_step groups are in flight. 0 = synchronous on-policy
+    max_staleness: NonNeg = 1
+    #: a group admitted this many seconds ago and still incomplete is given up (its slot freed,
+    #: what arrived of it dropped with the reason); covers work lost with a crashed worker
+    group_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 300.0
     #: send a step's weight version and commit its batch while the next batch is collected and trained on
     #: (the state, outcomes and acks stay in step order); off: each step is sent and committed before the
     #: next begins. Always off while colocated engines sleep during learner steps (enable_sleep_mode)
     overlap_publish: bool = True
-    #: how weight versions reach the engines (the rollouts' ``transport`` must match), chosen by ``type``:
-    #: { type = "store", store = {...}, encoding = {...} } (the default: anchors + deltas in a blob store,
-    #: objstore, s3 or fs; sends retried while the bus is away, the newest version kept for resuming),
-    #: { type = "broadcast", world_size = 1 + rollout engines } (torch.distributed, rendezvous over the bus),
-    #: { type = "inproc" } (trainer and rollout colocated: ``[launcher] services = { "trainer+rollout" = 1 }``).
-    #: See services/runtime/weights_config.py for every field.
-    transport: TransportConfig = msgspec.field(default_factory=StoreTransportConfig)
+
+    # --- checkpointing ---
+    #: save a resumable checkpoint every this many steps (0: only the final model)
+    checkpoint_every: NonNeg = 20
+
+    # --- groups ---
+    #: the objective: { normalize_std, clip_low, clip_high, kl_coef, is_mode, is_cap, aggregation, staleness_decay }
+    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    #: the optimiser and the update: { lr, weight_decay, max_grad_norm, lr_schedule, lr_warmup_steps, ppo_epochs,
+    #: minibatches, micro_batch_size, max_tokens_per_micro_batch, gradient_checkpointing }
+    optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+    #: the training completions: { max_new_tokens, temperature, top_p }
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    #: held-out evaluation: { every, prompts, samples, temperature }
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
+    #: placement: { device, ref_device, world_size, rank_timeout_s, num_threads }
+    devices: DevicesConfig = msgspec.field(default_factory=DevicesConfig)
 
     def __post_init__(self) -> None:
-        if self.minibatches > self.groups_per_step * self.group_size:
-            raise ConfigError(f"config key services.trainer.minibatches is {self.minibatches}, more than the "
-                              f"{self.groups_per_step * self.group_size} completions of a batch (groups_per_step x "
-                              "group_size): lower it")
+        if self.optim.minibatches > self.groups_per_step * self.group_size:
+            raise ConfigError(f"config key services.trainer.optim.minibatches is {self.optim.minibatches}, more "
+                              f"than the {self.groups_per_step * self.group_size} completions of a batch "
+                              "(groups_per_step x group_size): lower it")
 
     @property
     def max_groups_in_flight(self) -> int:

@@ -17,7 +17,7 @@ from services.trainer.config import TrainerConfig
 
 @dataclass(frozen=True)
 class Placement:
-    """The resolved devices of one rank."""
+    """The resolved devices and precision of one rank."""
 
     #: the policy's device ("cpu" or "cuda:N")
     device: str
@@ -25,6 +25,8 @@ class Placement:
     ref_device: str
     #: torch.distributed backend of the rank group (gloo on CPU, nccl on CUDA)
     backend: str
+    #: training precision (``[model] dtype``): float32, or bfloat16 mixed precision
+    dtype: str = "float32"
 
     @property
     def device_type(self) -> str:
@@ -38,19 +40,21 @@ def _cuda_count() -> int:
 def _check_cuda(key: str, value: str, index: int | None) -> None:
     count = _cuda_count()
     if count == 0:
-        raise ConfigError(f"config key services.trainer.{key} is {value!r}, but this host has no CUDA device "
-                          f"(torch {torch.__version__}); use \"cpu\" or \"auto\"")
+        raise ConfigError(f"config key services.trainer.devices.{key} is {value!r}, but this host has no CUDA "
+                          f"device (torch {torch.__version__}); use \"cpu\" or \"auto\"")
     if index is not None and index >= count:
-        raise ConfigError(f"config key services.trainer.{key} is {value!r}, but this host has {count} CUDA "
-                          f"device(s) (cuda:0..cuda:{count - 1})")
+        raise ConfigError(f"config key services.trainer.devices.{key} is {value!r}, but this host has {count} "
+                          f"CUDA device(s) (cuda:0..cuda:{count - 1})")
 
 
 def _index(value: str) -> int | None:
     return int(value.split(":", 1)[1]) if ":" in value else None
 
 
-def resolve(cfg: TrainerConfig, rank: int = 0) -> Placement:
-    """The devices of ``rank``; raises ConfigError (naming the key) when the host cannot serve them."""
+def resolve(trainer: TrainerConfig, rank: int = 0, dtype: str = "float32") -> Placement:
+    """The devices of ``rank`` training in ``dtype`` (``[model] dtype``); raises ConfigError (naming the key)
+    when the host cannot serve them."""
+    cfg = trainer.devices
     wanted = cfg.device
     if wanted == "auto":
         wanted = "cuda" if _cuda_count() > 0 else "cpu"
@@ -61,12 +65,12 @@ def resolve(cfg: TrainerConfig, rank: int = 0) -> Placement:
         _check_cuda("device", cfg.device, index)
         if cfg.world_size > 1:
             if index is not None:
-                raise ConfigError(f"config key services.trainer.device is {cfg.device!r} with world_size "
+                raise ConfigError(f"config key services.trainer.devices.device is {cfg.device!r} with world_size "
                                   f"{cfg.world_size}: each rank takes its own GPU (rank r on cuda:r); "
                                   "set device = \"cuda\"")
             if cfg.world_size > _cuda_count():
-                raise ConfigError(f"config key services.trainer.world_size is {cfg.world_size}, but this host has "
-                                  f"{_cuda_count()} CUDA device(s) (one rank per GPU)")
+                raise ConfigError(f"config key services.trainer.devices.world_size is {cfg.world_size}, but this "
+                                  f"host has {_cuda_count()} CUDA device(s) (one rank per GPU)")
             device = f"cuda:{rank}"
         else:
             device = f"cuda:{index or 0}"
@@ -74,6 +78,7 @@ def resolve(cfg: TrainerConfig, rank: int = 0) -> Placement:
     if ref != device and ref != "cpu":
         _check_cuda("ref_device", cfg.ref_device, _index(ref))
         ref = ref if ":" in ref else "cuda:0"
-    if cfg.dtype == "bfloat16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"config key services.trainer.dtype is 'bfloat16', but {device} has no bf16 support")
-    return Placement(device=device, ref_device=ref, backend="nccl" if device.startswith("cuda") else "gloo")
+    if dtype == "bfloat16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"config key model.dtype is 'bfloat16', but {device} has no bf16 support")
+    return Placement(device=device, ref_device=ref, backend="nccl" if device.startswith("cuda") else "gloo",
+                     dtype=dtype)

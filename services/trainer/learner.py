@@ -83,11 +83,11 @@ class Learner:
                  rank: int = 0, init_method: str = "", group: Any = None, ref_dir: Path | None = None) -> None:
         self.cfg = cfg
         self.placement = placement or Placement("cpu", "cpu", "gloo")
-        self.rank, self.world_size = rank, cfg.world_size
+        self.rank, self.world_size = rank, cfg.devices.world_size
         self.group = group
         self.model_dir = Path(model_dir)
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        if cfg.devices.num_threads:
+            torch.set_num_threads(cfg.devices.num_threads)
         device = self.placement.device
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
@@ -96,12 +96,12 @@ class Learner:
 
             join = functools.partial(dist.init_process_group, self.placement.backend, init_method=init_method,
                                      rank=rank, world_size=self.world_size,
-                                     timeout=timedelta(seconds=cfg.rank_timeout_s))
+                                     timeout=timedelta(seconds=cfg.devices.rank_timeout_s))
             if group is not None:  # rank 0 stops waiting for the others as soon as one of them dies
                 group.guarded(join)
             else:
                 join()
-        self.bf16 = cfg.dtype == "bfloat16"
+        self.bf16 = self.placement.dtype == "bfloat16"
         # float32 master weights; bf16 only in the forward/backward (autocast, or FSDP's policy)
         self.model, self.tokenizer = load_policy(model_dir, dtype="float32", device=device)
         self.lora = cfg.lora
@@ -111,7 +111,7 @@ class Learner:
             self.model = apply_lora(self.model, self.lora)
         self.model.train()
         self.model.config.use_cache = False
-        if cfg.gradient_checkpointing:
+        if cfg.optim.gradient_checkpointing:
             if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.24
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
@@ -119,13 +119,13 @@ class Learner:
         if self.world_size > 1:
             self._shard()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.optimizer = build_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.scheduler = build_lr_schedule(self.optimizer, cfg.lr_schedule, cfg.lr_warmup_steps,
-                                           cfg.total_steps if cfg.lr_schedule != "constant" else None)
+        self.optimizer = build_optimizer(self.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        self.scheduler = build_lr_schedule(self.optimizer, cfg.optim.lr_schedule, cfg.optim.lr_warmup_steps,
+                                           cfg.total_steps if cfg.optim.lr_schedule != "constant" else None)
         self.ref_model = None
-        if cfg.kl_coef > 0 and self.lora is None:  # with LoRA the reference is the base: adapters disabled
+        if cfg.loss.kl_coef > 0 and self.lora is None:  # with LoRA the reference is the base: adapters disabled
             # the initial policy (``ref_dir``), also when the policy itself comes from a checkpoint
-            self.ref_model, _ = load_policy(ref_dir or model_dir, dtype=cfg.dtype, device=self.placement.ref_device)
+            self.ref_model, _ = load_policy(ref_dir or model_dir, dtype=self.placement.dtype, device=self.placement.ref_device)
             self.ref_model.eval().requires_grad_(False)
 
     def _shard(self) -> None:
@@ -171,16 +171,16 @@ class Learner:
         once per batch."""
         t0 = time.perf_counter()
         cfg = self.cfg
-        updates = cfg.ppo_epochs * cfg.minibatches
+        updates = cfg.optim.ppo_epochs * cfg.optim.minibatches
         every_row = list(range(len(inp.completions)))
-        parts = batching.minibatches(inp.lengths, cfg.minibatches) if updates > 1 else [every_row]
+        parts = batching.minibatches(inp.lengths, cfg.optim.minibatches) if updates > 1 else [every_row]
         # 1. the proximal policy (several updates only; one update takes the ratio against itself)
         prox = self.proximal_logprobs(inp, parts) if updates > 1 else None
         t_prox = time.perf_counter() - t0
         sums: dict[str, float] = {}
         n_mb = 0
         opts: list[dict[str, float]] = []
-        for _ in range(cfg.ppo_epochs):
+        for _ in range(cfg.optim.ppo_epochs):
             for rows in parts:
                 # 2. forward/backward over the minibatch's micro-batches (gradients accumulate)
                 part_sums, part_mb, passes = self.accumulate(inp, rows, prox)
@@ -189,7 +189,7 @@ class Learner:
                     sums[k] = sums.get(k, 0.0) + v
                 # 3. clip and step
                 if passes:
-                    opts.append(optimizer_step(self.model, self.optimizer, None, cfg.max_grad_norm))
+                    opts.append(optimizer_step(self.model, self.optimizer, None, cfg.optim.max_grad_norm))
         if opts:
             self.scheduler.step()
         # a minibatch's losses add up over its passes; the other metrics are means over every pass
@@ -211,8 +211,8 @@ class Learner:
         if total <= 0:
             return []
         lengths = inp.lengths
-        plan = batching.plan([lengths[i] for i in rows], self.world_size, self.cfg.micro_batch_size,
-                             self.cfg.max_tokens_per_micro_batch)[self.rank]
+        plan = batching.plan([lengths[i] for i in rows], self.world_size, self.cfg.optim.micro_batch_size,
+                             self.cfg.optim.max_tokens_per_micro_batch)[self.rank]
         return [[rows[j] for j in p] for p in plan]
 
     def proximal_logprobs(self, inp: StepInput, parts: list[list[int]]) -> dict[int, torch.Tensor]:
@@ -221,7 +221,7 @@ class Learner:
         prox: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for rows in parts:
-                for p in self._passes(inp, rows, loss_total(inp.masks, rows, self.cfg.aggregation)):
+                for p in self._passes(inp, rows, loss_total(inp.masks, rows, self.cfg.loss.aggregation)):
                     if not p:  # join the other ranks' collectives
                         with self._autocast():
                             ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.placement.device)
@@ -231,7 +231,7 @@ class Learner:
                         lp, _ = sequence_logprobs(
                             self.model, [inp.prompts[i] for i in p], [inp.completions[i] for i in p],
                             completion_masks=[inp.masks[i] for i in p], pad_token_id=self.pad_id,
-                            temperature=self.cfg.temperature)
+                            temperature=self.cfg.sampling.temperature)
                     for k, i in enumerate(p):
                         prox[i] = lp[k, : len(inp.completions[i])].float()
         return prox
@@ -245,7 +245,7 @@ class Learner:
         if rows is None:
             rows, total = list(range(len(inp.completions))), inp.total
         else:
-            total = loss_total(inp.masks, rows, self.cfg.aggregation)
+            total = loss_total(inp.masks, rows, self.cfg.loss.aggregation)
         passes = self._passes(inp, rows, total)
         sums: dict[str, float] = {}
         n_mb = 0
@@ -269,14 +269,14 @@ class Learner:
 
     def _pass(self, inp: StepInput, rows: list[int], total: float,
               prox: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
-        cfg = self.cfg
+        cfg, lc = self.cfg, self.cfg.loss
         prompts = [inp.prompts[i] for i in rows]
         completions = [inp.completions[i] for i in rows]
         masks = [inp.masks[i] for i in rows]
         with self._autocast():
             logprobs, loss_mask = sequence_logprobs(
                 self.model, prompts, completions, completion_masks=masks, pad_token_id=self.pad_id,
-                temperature=cfg.temperature)
+                temperature=cfg.sampling.temperature)
         width = logprobs.shape[1]
         behaviour_lp = _pad([inp.behaviour[i] for i in rows], width).to(logprobs.device)
         old_lp = None
@@ -285,20 +285,20 @@ class Learner:
             for k, i in enumerate(rows):
                 old_lp[k, : prox[i].shape[0]] = prox[i][:width]
         ref_lp = None
-        if cfg.kl_coef > 0:
+        if cfg.loss.kl_coef > 0:
             ref_model = self.ref_model if self.ref_model is not None else self.model
             base = self.model.disable_adapter() if self.ref_model is None else contextlib.nullcontext()
             with torch.no_grad(), base:
                 ref_lp, _ = sequence_logprobs(ref_model, prompts, completions, completion_masks=masks,
-                                              pad_token_id=self.pad_id, temperature=cfg.temperature)
+                                              pad_token_id=self.pad_id, temperature=cfg.sampling.temperature)
             ref_lp = ref_lp.to(logprobs.device)
         advantages = torch.tensor([inp.advantages[i] for i in rows], dtype=torch.float32, device=logprobs.device)
         weights = torch.tensor([inp.weights[i] for i in rows], dtype=torch.float32,
                                device=logprobs.device) if inp.weights else None
         loss, m = grpo_loss(
             logprobs, behaviour_lp, advantages, loss_mask.to(logprobs.dtype), old_logprobs=old_lp,
-            ref_logprobs=ref_lp, sample_weights=weights, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-            kl_coef=cfg.kl_coef, is_mode=cfg.is_mode, is_cap=cfg.is_cap, aggregation=cfg.aggregation, total=total)
+            ref_logprobs=ref_lp, sample_weights=weights, clip_low=lc.clip_low, clip_high=lc.clip_high,
+            kl_coef=lc.kl_coef, is_mode=lc.is_mode, is_cap=lc.is_cap, aggregation=lc.aggregation, total=total)
         # FSDP averages gradients over ranks; every rank's loss is already a share of the whole batch's
         (loss * self.world_size).backward()
         return m

@@ -92,7 +92,7 @@ class RankGroup:
         (group.dir / "rank-0.pid").write_text(str(os.getpid()))
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (str(_REPO), os.environ.get("PYTHONPATH", "")) if p)}
-        for rank in range(1, cfg.world_size):
+        for rank in range(1, cfg.devices.world_size):
             with open(group.dir / f"rank-{rank}.log", "ab") as logf:
                 proc = subprocess.Popen([sys.executable, "-m", "services.trainer.ranks", "--rank", str(rank)],
                                         stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT, env=env,
@@ -101,7 +101,7 @@ class RankGroup:
             (group.dir / f"rank-{rank}.pid").write_text(str(proc.pid))
             threading.Thread(target=group._watch, args=(rank, proc), name=f"trainer-rank-{rank}-watch",
                              daemon=True).start()
-        log.info("trainer rank group: %d ranks (pids %s), rendezvous %s", cfg.world_size,
+        log.info("trainer rank group: %d ranks (pids %s), rendezvous %s", cfg.devices.world_size,
                  [os.getpid(), *(p.pid for p in group.procs.values())], group.init_method)
         return group
 
@@ -125,10 +125,10 @@ class RankGroup:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self.failed.set)
 
-    def init(self, model_dir: Path, ref_dir: Path | None = None) -> None:
-        """Ranks 1..N-1 build their learners (and join the process group) from ``model_dir``."""
+    def init(self, model_dir: Path, ref_dir: Path | None = None, dtype: str = "float32") -> None:
+        """Ranks 1..N-1 build their learners (and join the process group) from ``model_dir``, in ``dtype``."""
         self._command("init", msgspec.json.encode(self.cfg), str(model_dir), self.init_method,
-                      str(ref_dir) if ref_dir else "")
+                      str(ref_dir) if ref_dir else "", dtype)
 
     def send(self, op: Op, *args: Any) -> None:
         """Tell every other rank to run operation ``op`` with ``args`` on its learner."""
@@ -271,13 +271,13 @@ def worker(rank: int, commands: IO[bytes]) -> int:
     from services.trainer import devices, rank_ops
     from services.trainer.learner import Learner
 
-    name, (cfg_json, model_dir, init_method, ref_dir) = pickle.load(commands)
+    name, (cfg_json, model_dir, init_method, ref_dir, dtype) = pickle.load(commands)
     if name != "init":
         raise RankGroupFailed(f"rank {rank}: expected 'init' first, got {name!r}")
     cfg = msgspec.json.decode(cfg_json, type=TrainerConfig)
-    learner = Learner(cfg, Path(model_dir), devices.resolve(cfg, rank), rank=rank, init_method=init_method,
+    learner = Learner(cfg, Path(model_dir), devices.resolve(cfg, rank, dtype), rank=rank, init_method=init_method,
                       ref_dir=Path(ref_dir) if ref_dir else None)
-    log.info("rank %d of %d ready on %s", rank, cfg.world_size, learner.placement.device)
+    log.info("rank %d of %d ready on %s", rank, cfg.devices.world_size, learner.placement.device)
     while True:
         try:
             name, args = pickle.load(commands)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from services.lib.weights.transport import WeightSender
+from services.runtime.config import ModelSection, TaskSection
 from services.tasks import get_task
 from services.tasks.base import Task
 from services.tasks.models import resolve_model
@@ -48,21 +49,25 @@ class Start:
     version_kept: bool = False
 
 
-def load(cfg: TrainerConfig, checkpoints: Path, seed: int, placement: Placement | None = None,
-         group: RankGroup | None = None) -> Start:
+def base_model(model: ModelSection, seed: int) -> Path:
+    """The directory of the run's configured model (``[model]``), built or found in the cache."""
+    return resolve_model(model.name, model.cache_dir or None, seed=seed, revision=model.revision or None)
+
+
+def load(cfg: TrainerConfig, model: ModelSection, task_section: TaskSection, checkpoints: Path, seed: int,
+         placement: Placement | None = None, group: RankGroup | None = None) -> Start:
     """Build the task and the learner from the newest checkpoint, else from the configured model (blocking).
 
     With a rank group, every rank builds its learner from the same directory and loads its shard
     of the checkpoint (written by any number of ranks)."""
-    task = get_task(cfg.task, **cfg.task_options)
+    task = get_task(task_section.name, **task_section.options)
     ckpt = Learner.latest_checkpoint(checkpoints)
     # a LoRA checkpoint holds adapters only: the model is the configured base again, the adapters load into it
-    model_dir = ckpt if ckpt and cfg.lora is None else resolve_model(cfg.model, cfg.cache_dir or None, seed=seed)
+    model_dir = ckpt if ckpt and cfg.lora is None else base_model(model, seed)
     # the KL reference is the initial policy, not the checkpoint's (LoRA: the base, adapters disabled)
-    ref_dir = (resolve_model(cfg.model, cfg.cache_dir or None, seed=seed)
-               if ckpt and cfg.kl_coef > 0 and cfg.lora is None else None)
+    ref_dir = base_model(model, seed) if ckpt and cfg.loss.kl_coef > 0 and cfg.lora is None else None
     if group is not None:
-        group.init(model_dir, ref_dir)
+        group.init(model_dir, ref_dir, placement.dtype if placement else model.dtype)
     learner = Learner(cfg, model_dir, placement, init_method=group.init_method if group else "", group=group,
                       ref_dir=ref_dir)
     state = from_checkpoint(learner.load_optimizer(ckpt)) if ckpt is not None else TrainerState()

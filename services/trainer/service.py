@@ -3,15 +3,18 @@
     start = load the task and learner, continue from the newest durable point   (resume.py)
     send the current weights (version v)
     repeat total_steps times:
-        batch   = await collect()                 admission, staleness filter, groups (collect.py)
+        batch   = await collect()                 admission, tickets, staleness filter, groups (collect.py)
         metrics = learner.step(batch)             GRPO update in a worker thread (learner.py, loss.py)
         weights = learner.snapshot()              version v + 1, a copy the next step cannot change
         in the background, while the next batch is collected and trained on:
             await sender.send(weights, v + 1)     durable/delivered before anything is acked
             await commit(batch)                   state saved, outcomes recorded, trajectories acked
-            metrics, evaluation round             (state.py, evaluation.py)
+            metrics, evaluation round             (ledger.py, outbox.py, evaluation.py)
         checkpoint (the background work settled first)
     final evaluation, final model, summary
+
+The state (step, version, counters, ...) has one writer, the ledger (ledger.py); the collector, the
+outcomes, the evaluations and this loop change it through it.
 
 Trajectory messages are deferred by the consume handler (``Delivery.defer()``) and acked in
 ``commit``, so a crash before the version trained on them is sent redelivers them.
@@ -33,12 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
-
-from proto import catalog, codec
-from proto.membership import Heartbeat
-from proto.prompts import PromptTicket, Sampling
+from proto import catalog
 from services.lib.colocation import DEVICE_SHARE
 from services.lib.weights.transport import WeightSender, make_sender
 from services.runtime import bus, metrics, tracing
@@ -46,15 +44,18 @@ from services.runtime.config import Loaded
 from services.runtime.service import ServiceContext
 from services.tasks.base import TaskMetrics
 from services.trainer import devices, resume
-from services.trainer.admission import Sample, live_workers
-from services.trainer.collect import Collector, Outcomes
+from services.trainer.admission import Sample
+from services.trainer.collect import Collector, Fleet
 from services.trainer.config import TrainerConfig
-from services.trainer.evaluation import EvalRound, Evaluations
+from services.trainer.evaluation import Evaluations
 from services.trainer.learner import Learner
+from services.trainer.ledger import Ledger
+from services.trainer.outbox import Outcomes, Reporter, Tickets, Versions
 from services.trainer.ranks import RankGroup
-from services.trainer.state import TrainerState, load_from_kv, save_to_kv, to_checkpoint
+from services.trainer.state import load_from_kv, summary_of
 
 log = logging.getLogger("rlbus.trainer")
+#: the trainer's version minus each trained sample's oldest-token version (its ``version_lag``)
 _STALENESS = metrics.histogram("trainer_staleness", "versions between a trained sample's oldest token and the step")
 
 
@@ -65,12 +66,12 @@ class TrainerService:
         self.loaded = loaded
         self.cfg: TrainerConfig = loaded.service
         # a device or world size this host cannot serve stops start-up here, naming the key
-        self.placement = devices.resolve(self.cfg)
+        self.placement = devices.resolve(self.cfg, dtype=loaded.model.dtype)
 
     async def run(self, ctx: ServiceContext) -> None:
         run_dir = Path(self.loaded.run.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        if self.cfg.world_size == 1:
+        if self.cfg.devices.world_size == 1:
             await self._run(ctx, run_dir, None)
             return
         group = RankGroup.start(self.cfg, run_dir)  # from the event loop's (main) thread: see RankGroup
@@ -80,14 +81,16 @@ class TrainerService:
             await asyncio.to_thread(group.close)
 
     async def _run(self, ctx: ServiceContext, run_dir: Path, group: RankGroup | None) -> None:
-        start = await asyncio.to_thread(resume.load, self.cfg, run_dir / "checkpoints", self.loaded.run.seed,
-                                        self.placement, group)
+        loaded = self.loaded
+        start = await asyncio.to_thread(resume.load, self.cfg, loaded.model, loaded.task, run_dir / "checkpoints",
+                                        loaded.run.seed, self.placement, group)
         runs_kv = await bus.ensure_kv(ctx.js, catalog.RUNS)
-        sender = make_sender(self.cfg.transport, ctx.nc, ctx.run_id)
+        sender = make_sender(loaded.weights, ctx.nc, ctx.run_id)
         await sender.start()
         try:
             await resume.continue_from_saved(start, await load_from_kv(runs_kv, ctx.run_id), sender)
-            await Trainer(ctx, self.cfg, run_dir, start, sender, runs_kv, self.loaded.run.seed).run()
+            ledger = Ledger(start.state, runs_kv, ctx.run_id, self.cfg.max_groups_in_flight)
+            await Trainer(ctx, self.cfg, loaded, run_dir, start, sender, ledger).run()
         finally:
             await sender.close()
 
@@ -95,46 +98,39 @@ class TrainerService:
 class Trainer:
     """One run of the training loop; every part it uses is made here."""
 
-    def __init__(self, ctx: ServiceContext, cfg: TrainerConfig, run_dir: Path, start: resume.Start,
-                 sender: WeightSender, runs_kv: Any, seed: int) -> None:
+    def __init__(self, ctx: ServiceContext, cfg: TrainerConfig, loaded: Loaded, run_dir: Path,
+                 start: resume.Start, sender: WeightSender, ledger: Ledger) -> None:
         self.ctx = ctx
         self.cfg = cfg
         self.run_dir = run_dir
         self.task = start.task
         self.learner: Learner = start.learner
-        self.state: TrainerState = start.state
+        self.ledger = ledger
         self.version_kept = start.version_kept
-        self.sender = sender
-        self.runs_kv = runs_kv
-        self.weight_bytes = 0
+        self.versions = Versions(sender, ledger)
         self.started = time.time()
-        self.sampling = Sampling(max_new_tokens=cfg.max_new_tokens or self.task.max_new_tokens,
-                                 temperature=cfg.temperature, top_p=cfg.top_p, stop=list(self.task.stop))
+        self.reporter = Reporter(ctx, run_dir)
+        tickets = Tickets(ctx, cfg, loaded.task.name, self.task, self.learner.tokenizer)
         eval_prompts = self.task.eval_prompts()
-        self.evals = Evaluations(eval_prompts[: cfg.eval_prompts] if cfg.eval_prompts else eval_prompts,
-                                 cfg.eval_samples, self.state.eval_history)
-        self.outcomes = Outcomes(ctx, self.state)
-        self.members_kv: Any = None
-        #: the previous step's publish and commit, running while the next step computes (overlap_publish)
-        self._pending: asyncio.Task[None] | None = None
-        rollout = ((ctx.cfg.tree.get("services") or {}).get("rollout") or {})
-        self.collector = Collector(cfg, self.state, self.task.train_prompts(seed, start=self.state.data_position),
-                                   self._train_ticket, self.evals, self.outcomes, self.save_state, self._eval_done,
-                                   fleet=self._live_rollouts, tickets_per_worker=int(rollout.get("max_tickets", 64)))
+        self.evals = Evaluations(eval_prompts[: cfg.eval.prompts] if cfg.eval.prompts else eval_prompts,
+                                 cfg.eval.samples, ledger, tickets, self.reporter)
+        self.outcomes = Outcomes(ctx, ledger)
+        prompts = self.task.train_prompts(loaded.run.seed, start=ledger.state.data_position)
+        self.collector = Collector(cfg, ledger, prompts, tickets, self.evals, self.outcomes, Fleet(ctx))
+        self._pending: asyncio.Task[None] | None = None  # the last step's publish and commit (overlap_publish)
 
     async def run(self) -> None:
-        ctx = self.ctx
+        ctx, state = self.ctx, self.ledger.state
         if not self.version_kept:  # the engines' first version (or the checkpoint's under a new number)
-            await self._send_weights()
-        await self.save_state()
+            await self.versions.send(await asyncio.to_thread(self.learner.state_dict))
+        await self.ledger.save()
         if isinstance(self.task, TaskMetrics):  # figures about the task's data (its prompts are built by now)
-            await self._metrics(self.task.metrics(), step=self.state.step)
-        consumer = asyncio.create_task(
-            ctx.consume(catalog.TRAJECTORIES, self.collector.handle, concurrency=64),
-            name="trainer-consume")
+            await self.reporter.emit(self.task.metrics(), step=state.step)
+        consumer = asyncio.create_task(ctx.consume(catalog.TRAJECTORIES, self.collector.handle, concurrency=64),
+                                       name="trainer-consume")
         try:
-            await self._start_eval()
-            while self.state.step < self.cfg.total_steps and not ctx.stop.is_set() and not self._out_of_time():
+            await self.evals.start()
+            while state.step < self.cfg.total_steps and not ctx.stop.is_set() and not self._out_of_time():
                 t_wait = time.perf_counter()
                 groups = await self.collector.collect(ctx.stop)
                 if not groups:
@@ -149,20 +145,20 @@ class Trainer:
             await consumer  # unsettled trajectories are naked on the way out: redelivered at once
 
     async def _train_step(self, groups: list[list[Sample]], wait_s: float = 0.0) -> None:
+        state = self.ledger.state
         samples = [s for g in groups for s in g]
-        # a rollout that failed (sandbox died, engine error) says nothing about the policy:
-        # it is dropped with its error, never trained on as a zero reward
+        # a failed rollout (sandbox died, engine error) is dropped with its error, never trained on as reward 0
         failed = [s for s in samples if s.item.rollout.error]
         samples = [s for s in samples if not s.item.rollout.error]
         if not samples:
             await self._settle()
-            await self._record_failed(failed)
-            await self._commit(groups, failed, [])
+            await self.collector.record_failed(failed)
+            await self.collector.commit(groups, failed, [])
             return
         # one span for the step, linked to every trajectory it trains on; the version it sends carries its
         # context to the engines (their "apply weights" spans link back to it)
         with tracing.span("train step", links=tracing.link_to([s.trace for s in samples]),
-                          step=self.state.step + 1, samples=len(samples), groups=len(groups)):
+                          step=state.step + 1, samples=len(samples), groups=len(groups)):
             async with DEVICE_SHARE.trainer_turn():  # colocated engines with enable_sleep_mode give memory back
                 with tracing.span("learner step"):
                     metrics = await asyncio.to_thread(self.learner.step, [s.item for s in samples])
@@ -170,30 +166,26 @@ class Trainer:
             t_settle = time.perf_counter()
             await self._settle()
             metrics["time/settle_s"] = time.perf_counter() - t_settle  # what the overlap did not hide
-            await self._record_failed(failed)
-            staleness = [self.state.version - s.version for s in samples]
-            for v in staleness:
+            await self.collector.record_failed(failed)
+            # versions each sample's oldest token is behind the trainer (unlike step_input.behind_freshest)
+            version_lag = [state.version - s.version for s in samples]
+            for v in version_lag:
                 _STALENESS(v)
-            self.state.step += 1
-            self.state.version += 1
+            self.ledger.advance()
             t0 = time.perf_counter()
-            overlap = self._overlaps()
+            # sent while the next step computes: a copy it cannot change (never while colocated engines sleep)
+            overlap = self.cfg.overlap_publish and DEVICE_SHARE.engines == 0
             weights = await asyncio.to_thread(self.learner.snapshot if overlap else self.learner.state_dict)
             metrics["time/snapshot_s"] = time.perf_counter() - t0
             metrics["time/wait_s"] = wait_s  # blocked in collect for this batch
-            done = self._publish_and_commit(groups, failed, samples, weights, metrics, staleness)
+            done = self._publish_and_commit(groups, failed, samples, weights, metrics, version_lag)
             if overlap:
-                self._pending = asyncio.create_task(done, name=f"trainer-publish-{self.state.version}")
+                self._pending = asyncio.create_task(done, name=f"trainer-publish-{state.version}")
             else:
                 await done
-        if self.cfg.checkpoint_every and self.state.step % self.cfg.checkpoint_every == 0:
+        if self.cfg.checkpoint_every and state.step % self.cfg.checkpoint_every == 0:
             await self._settle()  # the checkpoint holds this step's state: its commit first
             await self._checkpoint()
-
-    def _overlaps(self) -> bool:
-        """Whether this step's version is sent while the next step computes: on unless configured off, or
-        while colocated engines sleep during learner steps (they must apply versions while awake)."""
-        return self.cfg.overlap_publish and DEVICE_SHARE.engines == 0
 
     async def _settle(self, quiet: bool = False) -> None:
         """Wait for the previous step's publish and commit (running beside this step); its error is raised
@@ -208,119 +200,36 @@ class Trainer:
                 raise
             log.exception("sending the last version or committing its batch failed")
 
-    async def _record_failed(self, failed: list[Sample]) -> None:
-        await asyncio.gather(*(self.outcomes.record([s], "dropped", f"rollout failed: {s.item.rollout.error[:300]}")
-                               for s in failed))
-
     async def _publish_and_commit(self, groups: list[list[Sample]], failed: list[Sample], samples: list[Sample],
-                                  weights: dict[str, Any], metrics: dict[str, float], staleness: list[int]) -> None:
+                                  weights: dict[str, Any], metrics: dict[str, float], version_lag: list[int]) -> None:
         """Send the step's version (durable before anything is acked), commit its batch, report it, and
         start an evaluation round when one is due."""
-        with tracing.span("publish weights", version=self.state.version):  # a child of "train step" (a task copies the context)
-            publish_s = await self._publish_version(weights)
+        state = self.ledger.state
+        with tracing.span("publish weights", version=state.version):  # a child of "train step" (a task copies the context)
+            metrics["time/publish_s"] = await self.versions.send(weights)
         t_commit = time.perf_counter()
-        await self._commit(groups, failed, samples)
+        await self.collector.commit(groups, failed, samples)  # and the freed room is filled now
         metrics["time/commit_s"] = time.perf_counter() - t_commit  # outcomes, state, acks
-        await self.collector.admit()  # the freed room is filled now, not after the next learner step
-        metrics.update({
-            "trainer/version": float(self.state.version),
-            "trainer/staleness_mean": sum(staleness) / len(staleness),
-            "trainer/staleness_max": float(max(staleness)),
-            "trainer/trained_total": float(self.state.counters.get("trained", 0)),
-            "trainer/dropped_total": float(self.state.counters.get("dropped", 0)),
-            "trainer/in_flight_groups": float(len(self.collector.admission.in_flight)),
-            "trainer/in_flight_peak": float(self.collector.admission.peak),
-            "trainer/admission_bound": float(self.collector.admission.max_in_flight),
-            "time/publish_s": publish_s,
-            "weights/bytes": float(self.weight_bytes),
-        })
-        await self._metrics(metrics, step=self.state.step)
-        if self.cfg.eval_every and self.state.step % self.cfg.eval_every == 0:
-            await self._start_eval()
-
-    async def _commit(self, groups: list[list[Sample]], failed: list[Sample], trained: list[Sample]) -> None:
-        """The step is durable (its version sent): record outcomes, save the state, ack the trajectories."""
-        self.collector.finish(groups)
-        await self.outcomes.record(trained, "trained")
-        await self.save_state()
-        await asyncio.gather(*(s.ack.ack() for s in failed + trained))
-
-    # --- weights, state, checkpoints ------------------------------------------------------------
-
-    async def _send_weights(self) -> float:
-        """Send the learner's current weights as ``state.version`` (the first version, or a resumed one)."""
-        return await self._publish_version(await asyncio.to_thread(self.learner.state_dict))
-
-    async def _publish_version(self, state_dict: dict[str, Any]) -> float:
-        t0 = time.perf_counter()
-        # the version's tensor bytes as sent (before a transport's delta or compression)
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
-        await self.sender.send(state_dict, self.state.version)
-        return time.perf_counter() - t0
-
-    async def save_state(self) -> None:
-        self.collector.sync_state()
-        await save_to_kv(self.runs_kv, self.ctx.run_id, self.state)
+        # the names keep "staleness" (of the version lag): the dashboard and the simulator's fit read them
+        metrics.update(self.ledger.figures(), **{"trainer/staleness_mean": sum(version_lag) / len(version_lag),
+                       "trainer/staleness_max": float(max(version_lag)), "weights/bytes": float(self.versions.bytes)})
+        await self.reporter.emit(metrics, step=state.step)
+        if self.cfg.eval.every and state.step % self.cfg.eval.every == 0:
+            await self.evals.start()
 
     async def _checkpoint(self) -> None:
-        self.collector.sync_state()
-        await asyncio.to_thread(self.learner.save_checkpoint, self.run_dir / "checkpoints", self.state.step,
-                                to_checkpoint(self.state))
+        await asyncio.to_thread(self.learner.save_checkpoint, self.run_dir / "checkpoints", self.ledger.state.step,
+                                self.ledger.for_checkpoint())
 
     def _out_of_time(self) -> bool:
         if self.cfg.max_wall_s and time.time() - self.started > self.cfg.max_wall_s:
-            log.info("wall-clock budget of %.0fs reached at step %d", self.cfg.max_wall_s, self.state.step)
+            log.info("wall-clock budget of %.0fs reached at step %d", self.cfg.max_wall_s, self.ledger.state.step)
             return True
         return False
 
-    # --- tickets, evaluation, metrics -----------------------------------------------------------
-
-    async def _ticket(self, prompt: Any, group_id: str, group_size: int, is_eval: bool, sampling: Sampling) -> None:
-        ticket = PromptTicket(
-            run_id=self.ctx.run_id, task=self.cfg.task, group_id=group_id, prompt_id=prompt.id,
-            prompt_ids=self.task.format_prompt(self.learner.tokenizer, prompt), prompt_text=prompt.text,
-            group_size=group_size, policy_version=self.state.version, sampling=sampling,
-            metadata=dict(prompt.metadata), is_eval=is_eval)
-        # deterministic msg id: a retried publish (or a resumed trainer) is de-duplicated by JetStream
-        ticket.msg_id = f"{self.ctx.run_id}-{group_id}"
-        # a trace per prompt group starts here: rollout, sandbox execs, judge and trainer are its spans
-        with tracing.span("admit group", root=True, group_id=group_id, eval=is_eval,
-                          version=self.state.version, group_size=group_size):
-            await self.ctx.publish(catalog.PROMPTS, ticket)
-
-    async def _live_rollouts(self) -> int:
-        """Rollout workers whose heartbeats (members bucket) say running, within three heartbeat periods."""
-        if self.members_kv is None:  # opened once: the bound is refitted every 2 s
-            self.members_kv = await bus.ensure_kv(self.ctx.js, catalog.MEMBERS)
-        kv = self.members_kv
-        beats = []
-        for key in await bus.kv_keys(self.ctx.js, catalog.MEMBERS.bucket, f"{self.ctx.run_id}.rollout."):
-            try:
-                beats.append(codec.decode((await kv.get(key)).value, Heartbeat))
-            except (KeyNotFoundError, KeyDeletedError):  # left (entry deleted), or between listing and read
-                continue
-        return live_workers(beats, "rollout", time.time(), 3 * self.ctx.cfg.common.heartbeat_s)
-
-    async def _train_ticket(self, prompt: Any, group_id: str) -> None:
-        await self._ticket(prompt, group_id, self.cfg.group_size, False, self.sampling)
-
-    async def _start_eval(self) -> None:
-        sampling = msgspec.structs.replace(self.sampling, temperature=self.cfg.eval_temperature)
-        for group_id, prompt in self.evals.start(self.state.version, self.state.step):
-            await self._ticket(prompt, group_id, self.cfg.eval_samples, True, sampling)
-
-    async def _eval_done(self, rnd: EvalRound) -> None:
-        await self._metrics({"eval/reward": rnd.mean, "eval/version": float(rnd.version)}, step=rnd.step)
-
-    async def _metrics(self, values: dict[str, float], step: int) -> None:
-        rec = {"step": step, "time": time.time(), "elapsed_s": time.time() - self.started, **values}
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        await self.ctx.report(values, step=step)
-
     async def _finish(self) -> None:
         """Final evaluation, final model, checkpoint and summary; the state says ``finished``."""
-        await self._start_eval()
+        await self.evals.start()
         await self.evals.wait_all(self.ctx.stop)
         final = self.run_dir / "final_model"
         await asyncio.to_thread(self.learner.save_pretrained, final)  # LoRA: adapters merged in
@@ -329,13 +238,11 @@ class Trainer:
             extra["final_adapter"] = str(await asyncio.to_thread(self.learner.save_adapter,
                                                                  self.run_dir / "final_adapter"))
         await self._checkpoint()
-        self.state.state, self.state.final_model = "finished", str(final)
-        summary = {"step": self.state.step, "version": self.state.version, "eval_history": self.state.eval_history,
-                   "counters": self.state.counters, "wall_s": time.time() - self.started, "final_model": str(final),
-                   **extra}
+        self.ledger.finish(str(final))
+        summary = summary_of(self.ledger.state, wall_s=time.time() - self.started, **extra)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        await self.save_state()
-        log.info("finished: %d steps, final model in %s", self.state.step, final)
+        await self.ledger.save()
+        log.info("finished: %d steps, final model in %s", self.ledger.state.step, final)
 
 
 def build(loaded: Loaded) -> TrainerService:

@@ -80,5 +80,11 @@ def from_checkpoint(data: dict[str, Any]) -> TrainerState:
     return msgspec.convert(data, TrainerState, strict=False)
 
 
+def summary_of(state: TrainerState, wall_s: float, **extra: Any) -> dict[str, Any]:
+    """A finished run's ``summary.json``."""
+    return {"step": state.step, "version": state.version, "eval_history": state.eval_history,
+            "counters": state.counters, "wall_s": wall_s, "final_model": state.final_model, **extra}
+
+
 def read_checkpoint_state(ckpt: Path) -> TrainerState:
     return from_checkpoint(msgspec.json.decode((ckpt / "trainer_state.json").read_bytes()))

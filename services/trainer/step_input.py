@@ -40,8 +40,6 @@ def completion_tensors(batch: list[ScoredTrajectory]) -> tuple[list[list[int]], 
     return prompts, completions, masks, behaviour
 
 
-
-
 @dataclass
 class StepInput:
     """One step's batch as plain lists (what rank 0 sends to the other ranks)."""
@@ -55,26 +53,33 @@ class StepInput:
     rewards: list[float]
     #: the loss normaliser of the whole batch (completions, or tokens, that carry loss)
     total: float
-    #: per-completion loss weights (``staleness_decay``); empty: all 1
+    #: per-completion loss weights (``loss.staleness_decay``); empty: all 1
     weights: list[float] = field(default_factory=list)
 
     @classmethod
     def of(cls, batch: list[ScoredTrajectory], cfg: TrainerConfig) -> StepInput:
         rewards = torch.tensor([t.reward for t in batch], dtype=torch.float32)
         # 1. group-normalised advantages, over whole groups
-        advantages = group_advantages(rewards, [t.rollout.group_id for t in batch], normalize_std=cfg.normalize_std)
+        loss = cfg.loss
+        advantages = group_advantages(rewards, [t.rollout.group_id for t in batch], normalize_std=loss.normalize_std)
         prompts, completions, masks, behaviour = completion_tensors(batch)
         weights: list[float] = []
-        if cfg.staleness_decay < 1.0:  # versions behind the batch's freshest sample
-            versions = [t.rollout.min_version() for t in batch]
-            newest = max(versions, default=0)
-            weights = [cfg.staleness_decay ** (newest - v) for v in versions]
+        if loss.staleness_decay < 1.0:
+            weights = [loss.staleness_decay ** k for k in behind_freshest(batch)]
         return cls(prompts, completions, masks, behaviour, advantages.tolist(), rewards.tolist(),
-                   loss_total(masks, range(len(masks)), cfg.aggregation), weights)
+                   loss_total(masks, range(len(masks)), loss.aggregation), weights)
 
     @property
     def lengths(self) -> list[int]:
         return [len(p) + len(c) for p, c in zip(self.prompts, self.completions, strict=True)]
+
+
+def behind_freshest(batch: list[ScoredTrajectory]) -> list[int]:
+    """Per trajectory, the versions its oldest token is behind the batch's freshest sample (0 for the freshest):
+    what ``loss.staleness_decay`` weighs, unlike the trainer's ``version_lag`` (behind the trainer's version)."""
+    versions = [t.rollout.min_version() for t in batch]
+    newest = max(versions, default=0)
+    return [newest - v for v in versions]
 
 
 def loss_total(masks: list[list[int]], rows: Any, aggregation: str) -> float:

@@ -2,7 +2,7 @@
 
     python -m tests.distributed.rank_script SPEC.json
 
-SPEC: ``{"model_dir", "config": {TrainerConfig keys}, "steps": [batch seed, ...], "out": dir,
+SPEC: ``{"model_dir", "config": {TrainerConfig keys}, "dtype": [model] dtype, "steps": [batch seed, ...], "out": dir,
 "resume_from" or "model_dir_only": checkpoint dir, "load_weights": a weights.pt, "checkpoint": bool}``. Rank 0 is this process; the other
 ranks are started by :class:`services.trainer.ranks.RankGroup` exactly as the trainer service
 starts them. Writes ``out/weights.pt`` (the full weights after the steps), ``out/metrics.json`` and,
@@ -49,13 +49,14 @@ async def run(spec: dict) -> None:
     cfg = msgspec.convert(spec["config"], TrainerConfig)
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
-    group = RankGroup.start(cfg, out) if cfg.world_size > 1 else None
+    dtype = spec.get("dtype", "float32")  # the run's [model] dtype
+    group = RankGroup.start(cfg, out) if cfg.devices.world_size > 1 else None
     try:
         # resume_from: model and optimiser from a checkpoint; model_dir_only: a checkpoint's weights only
         model_dir = Path(spec.get("resume_from") or spec.get("model_dir_only") or spec["model_dir"])
         if group is not None:
-            group.init(model_dir)
-        learner = Learner(cfg, model_dir, devices.resolve(cfg), init_method=group.init_method if group else "",
+            group.init(model_dir, dtype=dtype)
+        learner = Learner(cfg, model_dir, devices.resolve(cfg, dtype=dtype), init_method=group.init_method if group else "",
                           group=group)
         if spec.get("resume_from"):
             learner.load_optimizer(model_dir)

@@ -20,10 +20,11 @@ def test_a_two_rank_trainer_runs_the_loop(tmp_path, loop_model_dir):
     run_dir = tmp_path / "run"
     cfg = run_file(tmp_path, loop_model_dir, run_id="ranks2",
                    services={"trainer": 1, "rollout": 1, "judge": 1},
+                   model_keys={"dtype": "bfloat16"},  # FSDP's bf16 mixed precision, on the real loop
                    trainer={"groups_per_step": 2, "total_steps": 3, "max_staleness": 1, "checkpoint_every": 2,
-                            "world_size": 2, "device": "cpu", "max_tokens_per_micro_batch": 64,
-                            # FSDP's bf16 mixed precision and activation checkpointing, on the real loop
-                            "dtype": "bfloat16", "gradient_checkpointing": True},
+                            "devices": {"world_size": 2, "device": "cpu"},
+                            # and activation checkpointing
+                            "optim": {"max_tokens_per_micro_batch": 64, "gradient_checkpointing": True}},
                    rollout={"max_tickets": 8})
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
                        text=True, timeout=600)

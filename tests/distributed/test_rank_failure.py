@@ -47,7 +47,7 @@ def test_killing_one_rank_restarts_the_group_and_loses_nothing(tmp_path, loop_mo
                    services={"trainer": 1, "rollout": 1, "judge": 1},
                    common={"heartbeat_s": 1.0, "drain_timeout_s": 3.0},
                    trainer={"groups_per_step": 2, "total_steps": 4, "max_staleness": 1, "checkpoint_every": 2,
-                            "world_size": 2, "device": "cpu", "group_timeout_s": 60},
+                            "devices": {"world_size": 2, "device": "cpu"}, "group_timeout_s": 60},
                    rollout={"max_tickets": 8})
     sup = Supervisor(str(cfg), quiet=True)
     metrics = run_dir / "metrics.jsonl"

@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _run(tmp_path: Path, name: str, model_dir: Path, world_size: int, steps: list[int], **spec) -> Path:
     out = tmp_path / name
-    config = {"world_size": world_size, "num_threads": 1, "device": "cpu", "micro_batch_size": 4, "lr": 1e-3,
-              **spec.pop("config", {})}
+    config = {"devices": {"world_size": world_size, "num_threads": 1, "device": "cpu"},
+              "optim": {"micro_batch_size": 4, "lr": 1e-3, **spec.pop("optim", {})}}
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps({"model_dir": str(model_dir), "config": config, "steps": steps, "out": str(out),
                                 **spec}))
@@ -39,7 +39,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_two_ranks_update_the_weights_as_one_rank_does(tmp_path, loop_model_dir):
     # token-budget micro-batches cut each rank's share unevenly: in step 1 rank 1 has a pass fewer and
     # joins the last one with an empty pass (FSDP needs every rank in every pass)
-    budget = {"micro_batch_size": 3, "max_tokens_per_micro_batch": 30}
+    budget = {"micro_batch_size": 3, "max_tokens_per_micro_batch": 30}  # optim keys
     from services.trainer import batching
     from services.trainer.config import TrainerConfig
     from services.trainer.learner import StepInput
@@ -47,8 +47,8 @@ def test_two_ranks_update_the_weights_as_one_rank_does(tmp_path, loop_model_dir)
 
     plan = batching.plan(StepInput.of(batch(1), TrainerConfig()).lengths, 2, 3, 30)
     assert [] in plan[1] and [] not in plan[0]
-    one = _run(tmp_path, "one", loop_model_dir, 1, [1, 2], config=budget)
-    two = _run(tmp_path, "two", loop_model_dir, 2, [1, 2], config=budget)
+    one = _run(tmp_path, "one", loop_model_dir, 1, [1, 2], optim=budget)
+    two = _run(tmp_path, "two", loop_model_dir, 2, [1, 2], optim=budget)
     # both ranks really ran (rank 1's own process, its log says it trained and stopped cleanly)
     log = (two / "ranks" / "rank-1.log").read_text()
     assert "rank 1 of 2 ready" in log and "rank 1 stopped" in log
@@ -83,7 +83,7 @@ def test_a_two_rank_checkpoint_resumes_in_one_rank_with_its_optimiser_state(tmp_
 
 def test_weights_given_to_rank_0_reach_every_shard(tmp_path, loop_model_dir):
     """What a resume from a kept weight version does: rank 0 has full tensors, every rank's shard takes them."""
-    one = _run(tmp_path, "one", loop_model_dir, 1, [1, 2], config={"dtype": "bfloat16"})  # bf16, as sent
+    one = _run(tmp_path, "one", loop_model_dir, 1, [1, 2], dtype="bfloat16")  # bf16, as sent
     loaded = _run(tmp_path, "loaded", loop_model_dir, 2, [], load_weights=str(one / "weights.pt"))
     kept, back = _weights(one), _weights(loaded)
     assert _max_diff(kept, back) == 0.0  # bf16 -> float32 shards -> gathered float32: exact

@@ -31,12 +31,13 @@ async def run(spec: dict) -> None:
     cfg = msgspec.convert(spec["config"], TrainerConfig)
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
-    group = RankGroup.start(cfg, out) if cfg.world_size > 1 else None
+    dtype = spec.get("dtype", "float32")  # the run's [model] dtype
+    group = RankGroup.start(cfg, out) if cfg.devices.world_size > 1 else None
     try:
         model_dir = Path(spec["model_dir"])
         if group is not None:
-            group.init(model_dir)
-        learner = Learner(cfg, model_dir, devices.resolve(cfg), init_method=group.init_method if group else "",
+            group.init(model_dir, dtype=dtype)
+        learner = Learner(cfg, model_dir, devices.resolve(cfg, dtype=dtype), init_method=group.init_method if group else "",
                           group=group)
         if spec.get("resume_from"):
             learner.load_optimizer(Path(spec["resume_from"]))

@@ -9,15 +9,16 @@ import torch
 from services.launcher import registry
 from services.runtime.config import ConfigError, load_service_config
 from services.trainer import batching, devices
-from services.trainer.config import TrainerConfig
+from services.trainer.config import DevicesConfig, TrainerConfig
 
 NO_CUDA = not torch.cuda.is_available()
 
 
 def _loaded(tmp_path, **keys):
+    """A run file whose ``[services.trainer.devices]`` has ``keys``."""
     body = "\n".join(f"{k} = {v!r}".replace("'", '"') for k, v in keys.items())
     path = tmp_path / "run.toml"
-    path.write_text(f'[run]\nid = "dev"\ndir = "{tmp_path / "run"}"\n[services.trainer]\n{body}\n')
+    path.write_text(f'[run]\nid = "dev"\ndir = "{tmp_path / "run"}"\n[services.trainer.devices]\n{body}\n')
     return load_service_config("trainer", registry.load("trainer")[0], path)
 
 
@@ -25,31 +26,31 @@ def _loaded(tmp_path, **keys):
 @pytest.mark.parametrize(("key", "value"), [("device", "cuda"), ("device", "cuda:3"), ("ref_device", "cuda:1")])
 def test_a_cuda_device_on_a_cpu_host_stops_start_up_naming_the_key(tmp_path, key, value):
     loaded = _loaded(tmp_path, **{key: value})
-    with pytest.raises(ConfigError, match=rf"services\.trainer\.{key} is '{value}'.*no CUDA device"):
+    with pytest.raises(ConfigError, match=rf"services\.trainer\.devices\.{key} is '{value}'.*no CUDA device"):
         registry.load("trainer")[1](loaded)  # build(): before any model is loaded
 
 
 def test_a_device_that_is_not_a_device_name_is_refused_at_load(tmp_path):
-    with pytest.raises(ConfigError, match=r"services\.trainer\.device"):
+    with pytest.raises(ConfigError, match=r"services\.trainer\.devices\.device"):
         _loaded(tmp_path, device="tpu")
-    with pytest.raises(ConfigError, match=r"services\.trainer\.world_size"):
+    with pytest.raises(ConfigError, match=r"services\.trainer\.devices\.world_size"):
         _loaded(tmp_path, world_size=0)
 
 
 def test_cuda_ranks_take_one_gpu_each():
     if NO_CUDA:
-        with pytest.raises(ConfigError, match=r"services\.trainer\.device is 'cuda:1'"):
-            devices.resolve(TrainerConfig(device="cuda:1", world_size=2))
+        with pytest.raises(ConfigError, match=r"services\.trainer\.devices\.device is 'cuda:1'"):
+            devices.resolve(TrainerConfig(devices=DevicesConfig(device="cuda:1", world_size=2)))
         return
     with pytest.raises(ConfigError, match=r"each rank takes its own GPU"):
-        devices.resolve(TrainerConfig(device="cuda:1", world_size=2))
+        devices.resolve(TrainerConfig(devices=DevicesConfig(device="cuda:1", world_size=2)))
 
 
 def test_auto_and_cpu_resolve_on_this_host():
-    auto = devices.resolve(TrainerConfig(device="auto"))
+    auto = devices.resolve(TrainerConfig(devices=DevicesConfig(device="auto")))
     assert auto.device == ("cpu" if NO_CUDA else "cuda:0")
-    cpu = devices.resolve(TrainerConfig(device="cpu", world_size=2), rank=1)
-    assert (cpu.device, cpu.ref_device, cpu.backend) == ("cpu", "cpu", "gloo")
+    cpu = devices.resolve(TrainerConfig(devices=DevicesConfig(device="cpu", world_size=2)), rank=1, dtype="bfloat16")
+    assert (cpu.device, cpu.ref_device, cpu.backend, cpu.dtype) == ("cpu", "cpu", "gloo", "bfloat16")
 
 
 def test_micro_batches_stay_within_the_token_budget_and_keep_every_row():
@@ -82,8 +83,8 @@ def test_the_gpu_example_loads_and_on_this_host_stops_at_the_device_key():
     example = Path(__file__).resolve().parents[2] / "examples" / "gpu.toml"
     loaded = load_service_config("trainer", registry.load("trainer")[0], example)
     cfg = loaded.service
-    assert (cfg.device, cfg.world_size, cfg.dtype) == ("cuda", 2, "bfloat16")
+    assert (cfg.devices.device, cfg.devices.world_size, loaded.model.dtype) == ("cuda", 2, "bfloat16")
     load_service_config("rollout", registry.load("rollout")[0], example)
     if NO_CUDA:
-        with pytest.raises(ConfigError, match=r"services\.trainer\.device is 'cuda'"):
+        with pytest.raises(ConfigError, match=r"services\.trainer\.devices\.device is 'cuda'"):
             registry.load("trainer")[1](loaded)

@@ -17,8 +17,8 @@ from tests.distributed.rank_script import batch
 from tests.distributed.test_ranks import _max_diff, _run, _weights
 
 
-def _learner(model_dir, **keys) -> Learner:
-    cfg = msgspec.convert({"num_threads": 1, "device": "cpu", **keys}, TrainerConfig)
+def _learner(model_dir, **groups) -> Learner:
+    cfg = msgspec.convert({"devices": {"num_threads": 1, "device": "cpu"}, **groups}, TrainerConfig)
     return Learner(cfg, model_dir, devices.resolve(cfg))
 
 
@@ -45,7 +45,8 @@ def test_one_update_per_batch_by_default(loop_model_dir):
 def test_several_updates_take_the_ratio_against_the_proximal_policy(loop_model_dir):
     # 2 epochs x 2 minibatches = 4 AdamW steps, one lr-schedule step; at a large lr the later updates move
     # the policy past 1 + clip_high of the proximal policy, so the clip acts (it cannot with one update)
-    learner = _learner(loop_model_dir, ppo_epochs=2, minibatches=2, lr=3e-2, is_mode="decoupled")
+    learner = _learner(loop_model_dir, optim={"ppo_epochs": 2, "minibatches": 2, "lr": 3e-2},
+                       loss={"is_mode": "decoupled"})
     inp = StepInput.of(batch(1), learner.cfg)
     parts = batching.minibatches(inp.lengths, 2)
     before = learner.proximal_logprobs(inp, parts)
@@ -63,7 +64,7 @@ def test_staleness_decay_weighs_samples_by_versions_behind_the_freshest():
     for t, v in zip(trajectories, (3, 2, 1), strict=True):
         t.rollout.turns[0].versions = [v] * len(t.rollout.turns[0].token_ids)
     assert StepInput.of(trajectories, TrainerConfig()).weights == []  # off by default: all weigh 1
-    decayed = StepInput.of(trajectories, msgspec.convert({"staleness_decay": 0.5}, TrainerConfig))
+    decayed = StepInput.of(trajectories, msgspec.convert({"loss": {"staleness_decay": 0.5}}, TrainerConfig))
     assert decayed.weights == pytest.approx([1.0, 0.5, 0.25])
 
 
@@ -72,20 +73,20 @@ def test_staleness_decay_changes_the_loss(loop_model_dir):
     for k, t in enumerate(trajectories):
         t.rollout.turns[0].versions = [k % 2] * len(t.rollout.turns[0].token_ids)
     plain, _, _ = _learner(loop_model_dir).accumulate(StepInput.of(trajectories, TrainerConfig()))
-    learner = _learner(loop_model_dir, staleness_decay=0.5)
+    learner = _learner(loop_model_dir, loss={"staleness_decay": 0.5})
     weighted, _, _ = learner.accumulate(StepInput.of(trajectories, learner.cfg))
     assert weighted["losses/policy"] != pytest.approx(plain["losses/policy"], abs=1e-6)
 
 
 def test_minibatches_larger_than_the_batch_are_refused():
-    with pytest.raises(msgspec.ValidationError, match="services.trainer.minibatches"):
-        msgspec.convert({"minibatches": 9, "groups_per_step": 2, "group_size": 4}, TrainerConfig)
+    with pytest.raises(msgspec.ValidationError, match="services.trainer.optim.minibatches"):
+        msgspec.convert({"optim": {"minibatches": 9}, "groups_per_step": 2, "group_size": 4}, TrainerConfig)
 
 
 def test_two_ranks_make_the_same_ppo_updates_as_one(tmp_path, loop_model_dir):
-    config = {"ppo_epochs": 2, "minibatches": 2, "micro_batch_size": 3}
-    one = _run(tmp_path, "one", loop_model_dir, 1, [1, 2], config=config)
-    two = _run(tmp_path, "two", loop_model_dir, 2, [1, 2], config=config)
+    optim = {"ppo_epochs": 2, "minibatches": 2, "micro_batch_size": 3}
+    one = _run(tmp_path, "one", loop_model_dir, 1, [1, 2], optim=optim)
+    two = _run(tmp_path, "two", loop_model_dir, 2, [1, 2], optim=optim)
     from safetensors.torch import load_file
 
     initial = load_file(loop_model_dir / "model.safetensors")

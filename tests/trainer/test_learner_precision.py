@@ -13,9 +13,11 @@ from services.trainer.learner import Learner, StepInput
 from tests.distributed.rank_script import batch
 
 
-def _learner(model_dir, **keys) -> Learner:
-    cfg = msgspec.convert({"num_threads": 1, "device": "cpu", **keys}, TrainerConfig)
-    return Learner(cfg, model_dir, devices.resolve(cfg))
+def _learner(model_dir, dtype: str = "float32", **groups) -> Learner:
+    """A CPU learner; ``groups``: the config's groups (``optim={...}``), ``dtype`` the run's ``[model] dtype``."""
+    placement = {"num_threads": 1, "device": "cpu", **groups.pop("devices", {})}
+    cfg = msgspec.convert({"devices": placement, **groups}, TrainerConfig)
+    return Learner(cfg, model_dir, devices.resolve(cfg, dtype=dtype))
 
 
 def _grads(learner: Learner, seed: int = 7) -> tuple[dict[str, torch.Tensor], int]:
@@ -34,15 +36,15 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float) 
 
 
 def test_token_budget_micro_batches_give_the_gradient_of_one_big_batch(loop_model_dir):
-    whole, n_whole = _grads(_learner(loop_model_dir, micro_batch_size=64))
-    budget, n_budget = _grads(_learner(loop_model_dir, micro_batch_size=64, max_tokens_per_micro_batch=40))
+    whole, n_whole = _grads(_learner(loop_model_dir, optim={"micro_batch_size": 64}))
+    budget, n_budget = _grads(_learner(loop_model_dir, optim={"micro_batch_size": 64, "max_tokens_per_micro_batch": 40}))
     assert n_whole == 1 and n_budget >= 4  # the budget really cut the batch
     _close(whole, budget, 1e-5)
 
 
 def test_gradient_checkpointing_gives_the_same_gradient(loop_model_dir):
-    plain, _ = _grads(_learner(loop_model_dir, micro_batch_size=5))
-    recomputed = _learner(loop_model_dir, micro_batch_size=5, gradient_checkpointing=True)
+    plain, _ = _grads(_learner(loop_model_dir, optim={"micro_batch_size": 5}))
+    recomputed = _learner(loop_model_dir, optim={"micro_batch_size": 5, "gradient_checkpointing": True})
     assert recomputed.model.is_activation_checkpointing
     _close(plain, _grads(recomputed)[0], 1e-5)
 
@@ -65,7 +67,7 @@ def test_bf16_mixed_precision_keeps_fp32_master_weights_and_sends_bf16(loop_mode
 
 @pytest.mark.parametrize("ref_device", ["", "cpu"])
 def test_the_reference_model_lives_on_its_own_device(loop_model_dir, ref_device):
-    learner = _learner(loop_model_dir, kl_coef=0.1, ref_device=ref_device)
+    learner = _learner(loop_model_dir, loss={"kl_coef": 0.1}, devices={"ref_device": ref_device})
     assert learner.ref_model is not None
     assert next(learner.ref_model.parameters()).device == torch.device(learner.placement.ref_device)
     assert not any(p.requires_grad for p in learner.ref_model.parameters())
@@ -79,7 +81,7 @@ def test_the_reference_model_is_the_initial_policy_when_the_policy_comes_from_a_
     trained = _learner(loop_model_dir)
     trained.step_input(StepInput.of(batch(3), trained.cfg))  # weights that differ from the initial policy
     ckpt = save_policy(trained.model, trained.tokenizer, tmp_path / "ckpt")
-    cfg = msgspec.convert({"num_threads": 1, "device": "cpu", "kl_coef": 0.1}, TrainerConfig)
+    cfg = msgspec.convert({"devices": {"num_threads": 1, "device": "cpu"}, "loss": {"kl_coef": 0.1}}, TrainerConfig)
     resumed = Learner(cfg, ckpt, devices.resolve(cfg), ref_dir=loop_model_dir)
     initial = _learner(loop_model_dir).model.state_dict()
     ref = resumed.ref_model.state_dict()

@@ -20,8 +20,8 @@ LORA = {"r": 4, "alpha": 8.0}
 
 def _run(tmp_path: Path, name: str, model_dir: Path, world_size: int, steps: list[int], **spec) -> Path:
     out = tmp_path / name
-    config = {"world_size": world_size, "num_threads": 1, "device": "cpu", "micro_batch_size": 4, "lr": 1e-2,
-              "lora": LORA}
+    config = {"devices": {"world_size": world_size, "num_threads": 1, "device": "cpu"},
+              "optim": {"micro_batch_size": 4, "lr": 1e-2}, "lora": LORA}
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps({"model_dir": str(model_dir), "config": config, "steps": steps, "out": str(out),
                                 **spec}))

@@ -27,7 +27,8 @@ from tests.trainer.test_resume import _config as resume_config
 def _config(tmp_path, nats_url, model_dir, total_steps: int):
     """``test_resume``'s trainer config (no checkpoints but the final one) with LoRA."""
     loaded = resume_config(tmp_path, nats_url, model_dir, total_steps, 0)
-    loaded.service = msgspec.structs.replace(loaded.service, lr=1e-2, lora=LoraConfig(r=4, alpha=8.0))
+    loaded.service = msgspec.structs.replace(loaded.service, optim=msgspec.structs.replace(loaded.service.optim, lr=1e-2),
+                                             lora=LoraConfig(r=4, alpha=8.0))
     return loaded
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from services.lib.engine.base import SamplingParams, WeightUpdateError
-from services.lib.engine.torch_config import TorchEngineConfig
+from services.lib.engine.config import TorchEngineConfig
 from services.lib.engine.torch_engine import TorchEngine
 from services.lib.weights import lora_merge
 from services.runtime.config import ConfigError, convert
@@ -32,9 +32,12 @@ from tests.distributed.rank_script import batch
 LORA = {"r": 4, "alpha": 8.0}
 
 
-def _learner(model_dir, **keys) -> Learner:
-    cfg = msgspec.convert({"num_threads": 1, "device": "cpu", "lr": 1e-2, "lora": LORA, **keys}, TrainerConfig)
-    return Learner(cfg, model_dir, devices.resolve(cfg))
+def _learner(model_dir, dtype: str = "float32", **groups) -> Learner:
+    """A CPU LoRA learner; ``groups``: the config's groups (``loss={...}``), ``dtype`` the run's ``[model] dtype``."""
+    optim = {"lr": 1e-2, **groups.pop("optim", {})}
+    cfg = msgspec.convert({"devices": {"num_threads": 1, "device": "cpu"}, "optim": optim, "lora": LORA, **groups},
+                          TrainerConfig)
+    return Learner(cfg, model_dir, devices.resolve(cfg, dtype=dtype))
 
 
 def _nbytes(state: dict[str, torch.Tensor]) -> int:
@@ -55,8 +58,8 @@ def test_learner_sends_adapters_and_an_engine_merges_them_like_peft(loop_model_d
     prompts = [[1, 5, 9, 3], [1, 7, 7, 4, 12], [1, 3]]
 
     async def main() -> None:
-        cfg = TorchEngineConfig(model_dir=str(loop_model_dir), num_threads=1, seed=0)
-        adapted, merged = TorchEngine(cfg), TorchEngine(cfg)
+        cfg = TorchEngineConfig(num_threads=1)
+        adapted, merged = TorchEngine(cfg, loop_model_dir, seed=0), TorchEngine(cfg, loop_model_dir, seed=0)
         await adapted.start()
         await merged.start()
         try:
@@ -74,7 +77,7 @@ def test_learner_sends_adapters_and_an_engine_merges_them_like_peft(loop_model_d
                 for (_, a), (_, b) in zip(got, want, strict=True):
                     assert a == pytest.approx(b, abs=1e-5)
             # version 2's adapters changed the sampled distribution: the comparison above had something to see
-            base = TorchEngine(cfg)
+            base = TorchEngine(cfg, loop_model_dir, seed=0)
             await base.start()
             try:
                 assert [lp for _, lp in await _logprobs(base, prompts)] != [lp for _, lp in got]
@@ -144,13 +147,13 @@ def test_lora_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"services\.trainer\.lora\.rank"):
         convert({"lora": {"rank": 8}}, TrainerConfig, "services.trainer")
     assert convert({}, TrainerConfig, "services.trainer").lora is None
-    assert convert({"lora": {}, "world_size": 2}, TrainerConfig, "services.trainer").lora.r == 8
+    assert convert({"lora": {}, "devices": {"world_size": 2}}, TrainerConfig, "services.trainer").lora.r == 8
 
 
 def test_the_kl_reference_of_a_lora_learner_is_the_base_model(loop_model_dir):
     from services.lib.model_io import sequence_logprobs
 
-    learner = _learner(loop_model_dir, kl_coef=0.5)
+    learner = _learner(loop_model_dir, loss={"kl_coef": 0.5})
     assert learner.ref_model is None  # no second copy: the base is the policy with its adapters disabled
     first = learner.step_input(StepInput.of(batch(5), learner.cfg))
     assert first["losses/kl"] == pytest.approx(0.0, abs=1e-7)  # B starts at zero: policy == base
@@ -168,7 +171,7 @@ def test_the_kl_reference_of_a_lora_learner_is_the_base_model(loop_model_dir):
     assert torch.allclose(ref, want, atol=1e-6)
 
 
-@pytest.mark.parametrize("keys", [{"gradient_checkpointing": True}, {"dtype": "bfloat16"}])
+@pytest.mark.parametrize("keys", [{"optim": {"gradient_checkpointing": True}}, {"dtype": "bfloat16"}])
 def test_lora_steps_with_gradient_checkpointing_and_bf16(loop_model_dir, keys):
     learner = _learner(loop_model_dir, **keys)
     metrics = learner.step_input(StepInput.of(batch(6), learner.cfg))
@@ -196,8 +199,8 @@ def test_a_full_version_becomes_the_base_the_next_adapters_merge_into(loop_model
     prompts = [[1, 5, 9, 3], [1, 7, 7, 4, 12]]
 
     async def main() -> None:
-        cfg = TorchEngineConfig(model_dir=str(loop_model_dir), num_threads=1, seed=0)
-        adapted, reference = TorchEngine(cfg), TorchEngine(cfg)
+        cfg = TorchEngineConfig(num_threads=1)
+        adapted, reference = TorchEngine(cfg, loop_model_dir, seed=0), TorchEngine(cfg, loop_model_dir, seed=0)
         await adapted.start()
         await reference.start()
         try:

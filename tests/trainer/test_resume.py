@@ -22,27 +22,16 @@ from services.launcher import registry
 from services.runtime import bus, service
 from services.runtime.config import load_service_config
 from services.trainer.state import TrainerState, load_from_kv, read_checkpoint_state
-from tests.conftest import wait_for_async
+from tests.conftest import run_file, wait_for_async
 
 RUN = "resumerun"
 
 
 def _config(tmp_path, nats_url, model_dir, total_steps: int, checkpoint_every: int, **trainer):
     """The trainer's config of these tests; ``trainer`` overrides keys of ``[services.trainer]``."""
-    keys = {"model": str(model_dir), "groups_per_step": 1, "group_size": 2, "max_new_tokens": 4,
-            "total_steps": total_steps, "max_staleness": 0, "eval_every": 0, "eval_prompts": 1,
-            "checkpoint_every": checkpoint_every, "num_threads": 1, **trainer}
-    table = "\n".join(f"{k} = {json.dumps(v)}" for k, v in keys.items())  # JSON scalars are TOML scalars
-    cfg = tmp_path / f"run-{total_steps}-{checkpoint_every}.toml"
-    cfg.write_text(f"""
-[run]
-id = "{RUN}"
-dir = "{tmp_path / 'run'}"
-[nats]
-url = "{nats_url}"
-[services.trainer]
-{table}
-""")
+    cfg = run_file(tmp_path, model_dir, run_id=RUN, nats_url=nats_url, trainer={
+        "groups_per_step": 1, "group_size": 2, "sampling": {"max_new_tokens": 4}, "total_steps": total_steps,
+        "max_staleness": 0, "eval": {"every": 0, "prompts": 1}, "checkpoint_every": checkpoint_every, **trainer})
     cfg_cls, _ = registry.load("trainer")
     return load_service_config("trainer", cfg_cls, cfg)
 

@@ -1,4 +1,5 @@
-"""The trainer's bookkeeping: one TrainerState through KV and checkpoints; evaluation rounds."""
+"""The trainer's bookkeeping: one TrainerState, written by its ledger, through KV and checkpoints; evaluation
+rounds."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from proto.rollouts import Rollout
 from proto.trajectories import ScoredTrajectory
 from services.runtime import bus
 from services.trainer.evaluation import Evaluations
+from services.trainer.ledger import Ledger
 from services.trainer.state import (
     TrainerState,
     from_checkpoint,
@@ -59,12 +61,36 @@ def _eval_traj(version: int, group: str, index: int, reward: float) -> ScoredTra
     return ScoredTrajectory(run_id="r", rollout=r, reward=reward)
 
 
+async def test_the_ledger_writes_the_state_and_saves_what_is_in_flight(nats_url):
+    nc = await nats.connect(nats_url)
+    kv = await bus.ensure_kv(nc.jetstream(), catalog.RUNS)
+    ledger = Ledger(_state(), kv, "ledgerrun", max_in_flight=3)
+    assert ledger.admission.room() == 2  # the saved group in flight is restored into admission
+    assert [ledger.admit_next(), ledger.admit_next()] == ["g00000040", "g00000041"]  # from the prompt position
+    assert ledger.admission.room() == 0 and ledger.state.data_position == 42
+    ledger.release("g00000039")
+    ledger.count("trained", 8)
+    ledger.advance()
+    await ledger.save()
+    back = await load_from_kv(kv, "ledgerrun")
+    assert back is not None and (back.step, back.version, back.counters["trained"]) == (8, 10, 120)
+    assert back.in_flight == {"g00000040": 9, "g00000041": 9}  # admitted at version 9, before the step
+    ledger.record_eval(10, 0.75)
+    ledger.finish("/final")
+    ckpt = from_checkpoint(ledger.for_checkpoint())
+    assert ckpt.state == "finished" and ckpt.eval_history[-1] == (10, 0.75) and ckpt.final_model == "/final"
+    assert ledger.evaluated(10) and not ledger.evaluated(11)
+    await nc.close()
+
+
 async def test_an_evaluation_round_closes_once_every_sample_is_back():
-    history: list[tuple[int, float]] = []
-    evals = Evaluations(prompts=["a", "b"], samples=2, history=history)
-    tickets = evals.start(version=3, step=10)
+    ledger = Ledger(TrainerState(), kv=None, run_id="r", max_in_flight=1)  # never saved here
+    history = ledger.state.eval_history
+    # rounds are opened and fed directly: no tickets go out, no figures are reported
+    evals = Evaluations(prompts=["a", "b"], samples=2, ledger=ledger, tickets=None, reporter=None)  # type: ignore[arg-type]
+    tickets = evals.open_round(version=3, step=10)
     assert [g for g, _ in tickets] == ["eval-v000003-0000", "eval-v000003-0001"]
-    assert evals.start(version=3, step=10) == []  # once per version
+    assert evals.open_round(version=3, step=10) == []  # once per version
     assert evals.record(_eval_traj(3, "eval-v000003-0000", 0, 1.0)) is None
     assert evals.record(_eval_traj(3, "eval-v000003-0000", 0, 1.0)) is None  # a redelivery counts once
     assert evals.record(_eval_traj(9, "eval-v000009-0000", 0, 1.0)) is None  # no round for version 9
@@ -75,4 +101,4 @@ async def test_an_evaluation_round_closes_once_every_sample_is_back():
     done = evals.record(_eval_traj(3, "eval-v000003-0001", 1, 0.0))
     assert done is not None and done.mean == 0.5 and history == [(3, 0.5)]
     await asyncio.wait_for(waiter, 5)
-    assert evals.start(version=3, step=10) == []  # a version already in the history is not evaluated again
+    assert evals.open_round(version=3, step=10) == []  # a version already in the history is not evaluated again

@@ -31,15 +31,17 @@ id = "{RUN}"
 dir = "{tmp_path / 'run'}"
 [nats]
 url = "{nats_url}"
+[model]
+name = "{loop_model_dir}"
+[task]
+name = "dataset"
+options = {{ path = "{data}", max_new_tokens = 4, reward = ["exact_match"] }}
 [services.trainer]
-model = "{loop_model_dir}"
-task = "dataset"
-task_options = {{ path = "{data}", max_new_tokens = 4, reward = ["exact_match"] }}
 groups_per_step = 1
 group_size = 2
-eval_every = 0
 checkpoint_every = 0
-num_threads = 1
+eval = {{ every = 0 }}
+devices = {{ num_threads = 1 }}
 """)
     cfg_cls, factory = registry.load("trainer")
     stop = asyncio.Event()

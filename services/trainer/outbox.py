@@ -1,0 +1,124 @@
+"""What the trainer publishes, one object per channel:
+
+* :class:`Versions` — weight versions, through the run's transport (``[weights]``);
+* :class:`Tickets` — prompt groups out (PROMPTS): training groups from the collector, evaluation rounds
+  from :mod:`services.trainer.evaluation`;
+* :class:`Outcomes` — what became of each trajectory (OUTCOMES), counted in the ledger;
+* :class:`Reporter` — metrics (METRICS, the service's gauges, and ``metrics.jsonl`` in the run directory).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from proto import catalog
+from proto.accounting import OutcomeBatch, TrajectoryOutcome
+from proto.prompts import PromptTicket, Sampling
+from services.lib.weights.transport import WeightSender
+from services.runtime import metrics, tracing
+from services.runtime.service import ServiceContext
+from services.tasks.base import Prompt, Task
+from services.trainer.admission import Sample
+from services.trainer.config import TrainerConfig
+from services.trainer.ledger import Ledger
+
+log = logging.getLogger("rlbus.trainer.outbox")
+_OUTCOMES = metrics.counter("trajectory_outcomes", "trajectories trained, dropped (by reason) or evaluated")
+
+
+class Versions:
+    """Sends the learner's weights as the ledger's current version."""
+
+    def __init__(self, sender: WeightSender, ledger: Ledger) -> None:
+        self.sender = sender
+        self.ledger = ledger
+        #: the last version's tensor bytes as sent (before a transport's delta or compression)
+        self.bytes = 0
+
+    async def send(self, state_dict: dict[str, Any]) -> float:
+        """Send ``state_dict`` as version ``ledger.state.version`` (durable or delivered when this returns);
+        the seconds it took."""
+        t0 = time.perf_counter()
+        self.bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+        await self.sender.send(state_dict, self.ledger.state.version)
+        return time.perf_counter() - t0
+
+
+class Tickets:
+    """Builds and publishes the prompt tickets of one run (its task, tokenizer and sampling settings)."""
+
+    def __init__(self, ctx: ServiceContext, cfg: TrainerConfig, task_name: str, task: Task, tokenizer: Any) -> None:
+        self.ctx = ctx
+        self.task_name = task_name
+        self.task = task
+        self.tokenizer = tokenizer
+        s = cfg.sampling
+        self.train_sampling = Sampling(max_new_tokens=s.max_new_tokens or task.max_new_tokens,
+                                       temperature=s.temperature, top_p=s.top_p, stop=list(task.stop))
+        self.eval_sampling = msgspec.structs.replace(self.train_sampling, temperature=cfg.eval.temperature)
+        self.group_size = cfg.group_size
+        self.eval_samples = cfg.eval.samples
+
+    async def publish(self, prompt: Prompt, group_id: str, version: int, *, is_eval: bool = False) -> None:
+        """One ticket: ``group_size`` completions of ``prompt`` (``eval.samples`` for an evaluation round)."""
+        group_size = self.eval_samples if is_eval else self.group_size
+        ticket = PromptTicket(
+            run_id=self.ctx.run_id, task=self.task_name, group_id=group_id, prompt_id=prompt.id,
+            prompt_ids=self.task.format_prompt(self.tokenizer, prompt), prompt_text=prompt.text,
+            group_size=group_size, policy_version=version,
+            sampling=self.eval_sampling if is_eval else self.train_sampling,
+            metadata=dict(prompt.metadata), is_eval=is_eval)
+        # deterministic msg id: a retried publish (or a resumed trainer) is de-duplicated by JetStream
+        ticket.msg_id = f"{self.ctx.run_id}-{group_id}"
+        # a trace per prompt group starts here: rollout, sandbox execs, judge and trainer are its spans
+        with tracing.span("admit group", root=True, group_id=group_id, eval=is_eval, version=version,
+                          group_size=group_size):
+            await self.ctx.publish(catalog.PROMPTS, ticket)
+
+
+class Outcomes:
+    """Records what became of trajectories (stream OUTCOMES) and counts it in the ledger."""
+
+    def __init__(self, ctx: ServiceContext, ledger: Ledger) -> None:
+        self.ctx = ctx
+        self.ledger = ledger
+
+    async def record(self, samples: list[Sample], outcome: str, reason: str = "") -> None:
+        """One outcome per sample, the lot published as one message (parts when over the size limit)."""
+        self.ledger.count(outcome, len(samples))
+        if not samples:
+            return
+        # the reason's kind (its text before the first colon) keeps the label set small
+        _OUTCOMES(len(samples), outcome=outcome, reason=reason.split(":", 1)[0][:40] if reason else "")
+        step, version = self.ledger.state.step, self.ledger.state.version
+        records = [TrajectoryOutcome(run_id=self.ctx.run_id, trajectory_id=s.key, group_id=s.group_id,
+                                     outcome=outcome, reason=reason, step=step, version=version,
+                                     sample_version=s.version, batch_index=i if outcome == "trained" else -1,
+                                     msg_id=f"{s.key}-outcome") for i, s in enumerate(samples)]
+        try:  # an id per first trajectory and size: a restarted trainer recording the same lot is de-duplicated
+            await self.ctx.publish_parts(catalog.OUTCOMES, records, lambda part: OutcomeBatch(
+                run_id=self.ctx.run_id, outcomes=part, msg_id=f"{part[0].msg_id}-{len(part)}"))
+        except Exception as e:  # accounting must not stop training; the trajectories themselves are safe
+            log.warning("could not record the outcomes of %d trajectories (%s): %s", len(samples), outcome, e)
+
+
+class Reporter:
+    """A step's figures: a line of ``metrics.jsonl`` in the run directory, and a report on the bus."""
+
+    def __init__(self, ctx: ServiceContext, run_dir: Path) -> None:
+        self.ctx = ctx
+        self.path = run_dir / "metrics.jsonl"
+        self.started = time.time()
+
+    async def emit(self, values: dict[str, float], step: int) -> None:
+        now = time.time()
+        rec = {"step": step, "time": now, "elapsed_s": now - self.started, **values}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        await self.ctx.report(values, step=step)
