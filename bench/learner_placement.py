@@ -161,7 +161,7 @@ def encoded_groups(batch: list[ScoredTrajectory], group_size: int) -> list[tuple
     out = []
     for k in range(0, len(batch), group_size):
         part = batch[k:k + group_size]
-        msg = ScoredGroup(run_id="bench", group_id=part[0].rollout.group_id, trajectories=part)
+        msg = ScoredGroup.of(part)
         flags = "01" if (k // group_size) % 10 == 0 else "00"
         headers = {"traceparent": f"00-{random.getrandbits(128):032x}-{random.getrandbits(64):016x}-{flags}"}
         out.append((codec.encode(msg), headers))
@@ -183,7 +183,7 @@ class Pump:
             group = codec.decode(data, ScoredGroup)
             outcomes = [TrajectoryOutcome(run_id="bench", trajectory_id=t.msg_id, group_id=group.group_id,
                                           outcome="trained", step=1, version=1, sample_version=t.rollout.min_version(),
-                                          batch_index=i) for i, t in enumerate(group.trajectories)]
+                                          batch_index=i) for i, t in enumerate(group.records())]
             await bus.publish(self.js, SUBJECT, OutcomeBatch(run_id="bench", outcomes=outcomes))
 
     async def run(self) -> None:

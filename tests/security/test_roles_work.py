@@ -125,8 +125,8 @@ async def test_the_work_loop_runs_under_its_permissions(login, server):
 
         [letter] = await read_stream(ac, f"rlbus.{RUN}.dlq.>", 1, DeadLetter)
         assert letter.service == "rollout" and letter.error_type == "DecodeError"
-        [outcome] = await read_stream(ac, f"rlbus.{RUN}.outcomes", 1, TrajectoryOutcome)
-        assert outcome.outcome == "trained"
+        [batch] = await read_stream(ac, f"rlbus.{RUN}.outcomes", 1, OutcomeBatch)
+        assert [o.outcome for o in batch.records()] == ["trained"]
         assert {"trainer", "rollout", "judge"} <= {codec.decode(m.data, Heartbeat).service for m in beats}
         for c in (tc, rc, jc, ac):
             c.assert_clean()

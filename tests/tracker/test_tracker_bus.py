@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from proto import catalog
-from proto.accounting import TrajectoryOutcome
+from proto.accounting import OutcomeBatch, TrajectoryOutcome
 from proto.metrics import MetricsReport
 from proto.rollouts import Rollout, Turn
-from proto.trajectories import GraderScore, ScoredTrajectory
+from proto.trajectories import GraderScore, ScoredGroup, ScoredTrajectory
 from services.launcher import registry
 from services.runtime import bus, service
 from services.runtime.config import load_service_config
@@ -54,12 +54,12 @@ async def _publish_step(nc, js, step: int) -> dict[str, ScoredTrajectory]:
     """One trainer step as the bus sees it: trajectories, their outcomes (one dropped), the step's metrics."""
     trajs = {f"t-{step}-{i}": _trajectory(step, i) for i in range(GROUP)}
     for t in trajs.values():
-        await bus.publish_on(nc, js, catalog.TRAJECTORIES, RUN, t)
+        await bus.publish_on(nc, js, catalog.TRAJECTORIES, RUN, ScoredGroup.of([t]))
     for tid in trajs:
         kind = "dropped" if tid.endswith("-0") else "trained"
-        await bus.publish_on(nc, js, catalog.OUTCOMES, RUN, TrajectoryOutcome(
+        await bus.publish_on(nc, js, catalog.OUTCOMES, RUN, OutcomeBatch(run_id=RUN, outcomes=[TrajectoryOutcome(
             run_id=RUN, trajectory_id=tid, group_id=f"s{step}", outcome=kind, step=step, version=step,
-            sample_version=step - 2, reason="stale" if kind == "dropped" else ""))  # trained from step - 1: staleness 1
+            sample_version=step - 2, reason="stale" if kind == "dropped" else "")]))  # trained from step - 1: staleness 1
     await bus.publish_on(nc, js, catalog.METRICS, RUN, MetricsReport(
         run_id=RUN, service="trainer", instance="trainer-0", step=step,
         values={"train/reward_mean": 0.1 * step + 0.01, "trainer/loss": 1.0 / (step + 2)}), "trainer")
