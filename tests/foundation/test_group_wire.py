@@ -126,3 +126,18 @@ async def test_an_old_bare_record_on_the_channel_is_consumed_and_read_as_a_group
     assert line["message"] == old.msg_id and line["data"]["prompt_ids"] == [5, 6, 7]
     assert isinstance(registry.decode_any(subject, codec.encode(old)), RolloutGroup)
     await nc.close()
+
+
+def test_a_dead_lettered_group_is_fixed_field_by_field_in_its_ticket_and_samples():
+    from services.launcher.replay import ReplayError, fix_payload
+
+    subject = catalog.ROLLOUTS.subject(RUN)
+    group = RolloutGroup.of([bare_rollout(0), bare_rollout(1)], msg_id="g1-parts")
+    fixed = codec.decode(fix_payload(subject, codec.encode(group), [
+        'ticket.metadata.answer="5"', 'rollouts.1.turns.0.text="five"']), RolloutGroup)
+    assert [r.metadata["answer"] for r in fixed.records()] == ["5", "5"]
+    assert [r.text() for r in fixed.records()] == ["4", "five"]
+    with pytest.raises(ReplayError, match="refused, so nothing was sent: cannot decode RolloutGroup"):
+        fix_payload(subject, codec.encode(group), ['ticket.policy_version="late"'])
+    old = codec.decode(fix_payload(subject, codec.encode(bare_rollout()), ["policy_version=7"]), RolloutGroup)
+    assert old.records()[0].policy_version == 7  # an older bare record: fixed as stored, read as a group of one
