@@ -120,8 +120,8 @@ def run_static(model, requests) -> tuple[float, float]:
 
 
 async def run_engine(model, requests, max_batch_size: int) -> tuple[float, float]:
-    from services.lib.engine.torch_config import DTYPES, TorchEngineConfig
-    from services.lib.engine.torch_engine import TorchEngine
+    from services.lib.engine.config import TorchEngineConfig
+    from services.lib.engine.torch_engine import DTYPES, TorchEngine
 
     dtype = {v: k for k, v in DTYPES.items()}[model.dtype]
     engine = TorchEngine.from_model(model, None, TorchEngineConfig(max_batch_size=max_batch_size, dtype=dtype,
@@ -195,11 +195,12 @@ async def vllm_direct(settings: dict, requests, rounds: int) -> dict:
 
 async def vllm_wrapper(settings: dict, requests, rounds: int, updates: int) -> dict:
     """rlbus's VllmEngine: the same requests, then ``updates`` full-state-dict weight updates (first, warm)."""
-    from services.lib.engine.vllm_config import VllmEngineConfig
+    from services.lib.engine.config import VllmEngineConfig
     from services.lib.engine.vllm_engine import VllmEngine
 
     started = time.perf_counter()
-    engine = VllmEngine(VllmEngineConfig(**settings))
+    config = VllmEngineConfig(**{k: v for k, v in settings.items() if k not in ("model_dir", "seed")})
+    engine = VllmEngine(config, settings["model_dir"], seed=settings["seed"])
     await engine.start()
     start_s = time.perf_counter() - started
     result: dict = {"start_s": start_s}

@@ -105,20 +105,19 @@ class EngineJudgeBackend:
 
         model_dir = resolve_model(spec.model, spec.cache_dir or None, seed=seed)
         if isinstance(spec, VllmJudgeModel):
-            from services.lib.engine.vllm_config import VllmEngineConfig
+            from services.lib.engine.config import VllmEngineConfig
             from services.lib.engine.vllm_engine import VllmEngine
 
             engine: Any = VllmEngine(VllmEngineConfig(
-                model_dir=str(model_dir), dtype=spec.dtype, max_num_seqs=spec.max_num_seqs,
-                max_model_len=spec.max_model_len or None, gpu_memory_utilization=spec.gpu_memory_utilization,
-                kv_cache_gib=spec.kv_cache_gib or None, seed=seed))
+                dtype=spec.dtype, max_num_seqs=spec.max_num_seqs, max_model_len=spec.max_model_len,
+                gpu_memory_utilization=spec.gpu_memory_utilization, kv_cache_gib=spec.kv_cache_gib),
+                model_dir, seed=seed)
             return cls(engine, None, f"vllm:{model_dir}", owns_engine=True)
-        from services.lib.engine.torch_config import TorchEngineConfig
+        from services.lib.engine.config import TorchEngineConfig
         from services.lib.engine.torch_engine import TorchEngine
 
-        engine = TorchEngine(TorchEngineConfig(model_dir=str(model_dir), dtype=spec.dtype, device=spec.device or None,
-                                               max_batch_size=spec.max_batch_size,
-                                               num_threads=spec.num_threads or None))
+        engine = TorchEngine(TorchEngineConfig(dtype=spec.dtype, device=spec.device, max_batch_size=spec.max_batch_size,
+                                               num_threads=spec.num_threads), model_dir)
         return cls(engine, None, f"torch:{model_dir}", owns_engine=True)
 
     async def complete(self, messages: Messages, max_tokens: int, prefill: str = "") -> str:

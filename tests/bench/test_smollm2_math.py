@@ -24,9 +24,11 @@ from bench.vs_trl import (
 from services.judge.config import JudgeConfig
 from services.launcher.cli import resolve_target
 from services.launcher.supervisor import LauncherSection
-from services.rollout.config import AutoEngineSection, RolloutConfig
+from services.lib.engine.config import AutoEngineConfig
+from services.rollout.config import RolloutConfig
 from services.runtime.config import convert, load_service_config, load_tree
 from services.tasks import get_task
+from services.tasks.models import model_params
 from services.trainer.config import TrainerConfig
 from services.weightsync.config import WeightsyncConfig
 
@@ -50,7 +52,7 @@ def test_the_example_loads_and_names_its_services():
     rollout = load_service_config("rollout", RolloutConfig, EXAMPLE, env={}).service
     assert rollout.model == cfg.model
     # the faster engine for the model: auto picks vLLM for SmolLM2 (134.5 M parameters) where vLLM is installed
-    assert isinstance(rollout.engine, AutoEngineSection) and rollout.engine.picks_vllm(rollout.model)
+    assert isinstance(rollout.engine, AutoEngineConfig) and rollout.engine.picks_vllm(model_params(rollout.model))
     assert load_service_config("judge", JudgeConfig, EXAMPLE, env={}).service.concurrency >= 1
     load_service_config("weightsync", WeightsyncConfig, EXAMPLE, env={})
 

@@ -10,8 +10,7 @@ import logging
 
 import torch
 
-from services.lib.engine.vllm_config import vllm_available
-from services.rollout.config import AutoEngineSection, TorchEngineSection, VllmEngineSection
+from services.lib.engine.config import AutoEngineConfig, TorchEngineConfig, VllmEngineConfig, vllm_available
 from services.rollout.engines import concrete_engine
 from services.tasks.models import model_params
 
@@ -28,16 +27,16 @@ def test_model_size_is_counted_from_the_config(loop_model_dir, tmp_path):
 
 
 def test_auto_picks_by_size_and_environment(loop_model_dir, caplog):
-    auto = AutoEngineSection()
-    assert isinstance(concrete_engine(auto, str(loop_model_dir)), TorchEngineSection)  # ~1 M: torch
-    explicit = TorchEngineSection(max_batch_size=7)
+    auto = AutoEngineConfig()
+    assert isinstance(concrete_engine(auto, str(loop_model_dir)), TorchEngineConfig)  # ~1 M: torch
+    explicit = TorchEngineConfig(max_batch_size=7)
     assert concrete_engine(explicit, "smollm2") is explicit  # a named type is never second-guessed
     with caplog.at_level(logging.INFO, logger="services.rollout.engines"):
         chosen = concrete_engine(auto, "smollm2")
     if vllm_available():
-        assert isinstance(chosen, VllmEngineSection)
+        assert isinstance(chosen, VllmEngineConfig)
         assert chosen.enforce_eager == (not torch.cuda.is_available())
     else:
-        assert isinstance(chosen, TorchEngineSection)
+        assert isinstance(chosen, TorchEngineConfig)
         assert "not installed" in caplog.text and "./rlbus setup vllm" in caplog.text
-    assert isinstance(concrete_engine(AutoEngineSection(vllm_min_params_m=1000), "smollm2"), TorchEngineSection)
+    assert isinstance(concrete_engine(AutoEngineConfig(vllm_min_params_m=1000), "smollm2"), TorchEngineConfig)

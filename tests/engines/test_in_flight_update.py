@@ -32,15 +32,15 @@ TEXTS = ["12+34=", "7+8=", "40+2=", "99+1=", "5+55=", "3+4="]
 
 def make_engine(kind: str, model_dir):
     if kind == "torch":
-        from services.lib.engine.torch_config import TorchEngineConfig
+        from services.lib.engine.config import TorchEngineConfig
         from services.lib.engine.torch_engine import TorchEngine
 
-        return TorchEngine(TorchEngineConfig(model_dir=str(model_dir), dtype="float32", max_batch_size=64, seed=0))
-    from services.lib.engine.vllm_config import VllmEngineConfig
+        return TorchEngine(TorchEngineConfig(dtype="float32", max_batch_size=64), model_dir, seed=0)
+    from services.lib.engine.config import VllmEngineConfig
     from services.lib.engine.vllm_engine import VllmEngine
 
-    return VllmEngine(VllmEngineConfig(model_dir=str(model_dir), dtype="float32", max_num_seqs=64,
-                                       enforce_eager=True, kv_cache_gib=0.25, seed=0))
+    return VllmEngine(VllmEngineConfig(dtype="float32", max_num_seqs=64, enforce_eager=True, kv_cache_gib=0.25),
+                      model_dir, seed=0)
 
 
 def load(model_dir, state=None):

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import sys, threading
-from services.lib.engine.torch_config import TorchEngineConfig
+from services.lib.engine.config import TorchEngineConfig
 from services.lib.engine.torch_engine import TorchEngine
 from services.lib.model_io import load_policy
 
@@ -34,7 +34,7 @@ def trainer():
 def engine():
     barrier.wait()
     try:
-        TorchEngine(TorchEngineConfig(model_dir=model_dir, num_threads=1))._load()
+        TorchEngine(TorchEngineConfig(num_threads=1), model_dir)._load()
     except BaseException as e:
         errors.append(f"engine: {type(e).__name__}: {e}")
 

@@ -19,8 +19,8 @@ from services.lib.engine.base import (
     SamplingParams,
     WeightUpdateError,
 )
+from services.lib.engine.config import TorchEngineConfig
 from services.lib.engine.kv_cache import PaddedBatchCache, cache_kwarg
-from services.lib.engine.torch_config import TorchEngineConfig
 from services.lib.engine.torch_engine import TorchEngine
 from tests.conftest import wait_for_async
 
@@ -38,8 +38,9 @@ class SteppedEngine(TorchEngine):
 
     def _after_step(self) -> None:
         self.step += 1
-        real = [len(r.seq.prompt_ids) + len(r.seq.tokens) - 1 for r in self._rows]
-        self.trace.append((real, self._cache.seq_length if self._cache is not None else 0))
+        real = [len(r.seq.prompt_ids) + len(r.seq.tokens) - 1 for r in self._batch.rows]
+        cache = self._batch.cache
+        self.trace.append((real, cache.seq_length if cache is not None else 0))
         hook = self.hooks.pop(self.step, None)
         if hook is not None:
             hook()
@@ -56,7 +57,7 @@ def tokenizer(tiny_model_dir):
 
 @pytest.fixture
 async def engine(tiny_model_dir):
-    eng = SteppedEngine(TorchEngineConfig(model_dir=str(tiny_model_dir), max_batch_size=8))
+    eng = SteppedEngine(TorchEngineConfig(max_batch_size=8), tiny_model_dir)
     await eng.start()
     yield eng
     await eng.stop()
@@ -246,7 +247,7 @@ def perturbed(model_dir) -> dict[str, torch.Tensor]:
 
 
 async def test_between_requests_update_waits_for_running_rows(tiny_model_dir, tokenizer):
-    engine = SteppedEngine(TorchEngineConfig(model_dir=str(tiny_model_dir), weight_update_mode="between_requests"))
+    engine = SteppedEngine(TorchEngineConfig(weight_update_mode="between_requests"), tiny_model_dir)
     await engine.start()
     try:
         loop = asyncio.get_running_loop()
@@ -291,7 +292,7 @@ async def test_stats_count_pending_and_tokens(engine, tokenizer):
 
 
 async def test_two_hundred_concurrent_requests(tiny_model_dir, tokenizer):
-    engine = TorchEngine(TorchEngineConfig(model_dir=str(tiny_model_dir), max_batch_size=64))
+    engine = TorchEngine(TorchEngineConfig(max_batch_size=64), tiny_model_dir)
     await engine.start()
     try:
         gen = torch.Generator().manual_seed(0)
@@ -322,7 +323,7 @@ async def test_cancelled_request_leaves_the_batch(engine, tokenizer):
 
 
 async def test_errors_say_what_went_wrong(tiny_model_dir, tokenizer):
-    engine = SteppedEngine(TorchEngineConfig(model_dir=str(tiny_model_dir), max_queued=1, dtype="bfloat16"))
+    engine = SteppedEngine(TorchEngineConfig(max_queued=1, dtype="bfloat16"), tiny_model_dir)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     with pytest.raises(EngineNotRunningError):
         await engine.generate([1, 2], params)
@@ -369,7 +370,7 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(ti
                 raise RuntimeError("injected failure")
             super()._decode_step()
 
-    engine = FlakyEngine(TorchEngineConfig(model_dir=str(tiny_model_dir)))
+    engine = FlakyEngine(TorchEngineConfig(), tiny_model_dir)
     await engine.start()
     try:
         params = SamplingParams(max_new_tokens=5, ignore_eos=True)
@@ -383,7 +384,7 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(ti
 
 async def test_engine_seed_controls_unseeded_requests(tiny_model_dir):
     async def sample(seed: int | None) -> list[int]:
-        engine = TorchEngine(TorchEngineConfig(model_dir=str(tiny_model_dir), seed=seed))
+        engine = TorchEngine(TorchEngineConfig(), tiny_model_dir, seed=seed)
         await engine.start()
         try:
             result = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=24, ignore_eos=True))
@@ -419,7 +420,7 @@ async def test_sleep_keeps_requests_and_wake_resumes_them_exactly(tiny_model_dir
     KV recomputed). DeviceShare drives it: every registered engine asleep for the turn, awake after."""
     from services.lib.colocation import DeviceShare
 
-    engine = SteppedEngine(TorchEngineConfig(model_dir=str(tiny_model_dir), max_batch_size=8))
+    engine = SteppedEngine(TorchEngineConfig(max_batch_size=8), tiny_model_dir)
     await engine.start()
     try:
         prompts = [tokenizer.encode(t) for t in ("sleep", "wake up", "keep going", "x")]
@@ -435,7 +436,7 @@ async def test_sleep_keeps_requests_and_wake_resumes_them_exactly(tiny_model_dir
         tasks = [asyncio.create_task(engine.generate(p, params)) for p in prompts]
         await reached.wait()
         async with share.trainer_turn():
-            assert engine.asleep and engine._cache is None
+            assert engine.asleep and engine._batch.cache is None
             frozen = engine.stats().total_generated_tokens
             queued = asyncio.create_task(engine.generate(prompts[0], params))  # arrives while asleep
             await wait_for_async(lambda: engine.stats().pending == 5, 30, "the new request to be queued")

@@ -22,7 +22,7 @@ from services.lib.engine.base import (
     SamplingParams,
     WeightUpdateError,
 )
-from services.lib.engine.vllm_config import VllmEngineConfig
+from services.lib.engine.config import VllmEngineConfig
 from services.lib.engine.vllm_engine import VllmEngine
 from tests.conftest import wait_for_async
 
@@ -42,8 +42,8 @@ def reference(loop_model_dir):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(loop_model_dir):
-    eng = VllmEngine(VllmEngineConfig(model_dir=str(loop_model_dir), dtype="float32", max_num_seqs=64,
-                                      enforce_eager=True, kv_cache_gib=0.25, seed=0))
+    eng = VllmEngine(VllmEngineConfig(dtype="float32", max_num_seqs=64, enforce_eager=True, kv_cache_gib=0.25),
+                     loop_model_dir, seed=0)
     await eng.start()
     yield eng
     await eng.stop()
@@ -277,11 +277,11 @@ async def test_config_errors_name_the_key(loop_model_dir):
     with pytest.raises(InvalidRequestError, match="engine_args repeats .'seed'"):
         VllmEngineConfig(engine_args={"seed": 1})
     with pytest.raises(EngineError, match="model_dir"):
-        await VllmEngine(VllmEngineConfig(model_dir="/nonexistent")).start()
+        await VllmEngine(VllmEngineConfig(), "/nonexistent").start()
     with pytest.raises(EngineError, match="unknown vLLM engine arguments .'no_such_arg'"):
-        await VllmEngine(VllmEngineConfig(model_dir=str(loop_model_dir), engine_args={"no_such_arg": 1})).start()
+        await VllmEngine(VllmEngineConfig(engine_args={"no_such_arg": 1}), loop_model_dir).start()
     # sleep mode: vLLM on CPU has none, so the switch is refused at start with the reason
-    sleepy = VllmEngine(VllmEngineConfig(model_dir=str(loop_model_dir), enable_sleep_mode=True))
+    sleepy = VllmEngine(VllmEngineConfig(enable_sleep_mode=True), loop_model_dir)
     with pytest.raises(EngineError, match="enable_sleep_mode is GPU-only"):
         await sleepy.start()
     with pytest.raises(EngineNotRunningError):

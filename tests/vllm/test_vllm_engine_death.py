@@ -10,15 +10,15 @@ import signal
 import pytest
 
 from services.lib.engine.base import EngineNotRunningError, SamplingParams
-from services.lib.engine.vllm_config import VllmEngineConfig
+from services.lib.engine.config import VllmEngineConfig
 from services.lib.engine.vllm_engine import VllmEngine
 from tests.conftest import wait_for_async
 from tests.vllm.conftest import vllm_workers
 
 
 async def test_killed_worker_fails_pending_requests(loop_model_dir):
-    engine = VllmEngine(VllmEngineConfig(model_dir=str(loop_model_dir), dtype="float32", max_num_seqs=8,
-                                         enforce_eager=True, kv_cache_gib=0.25, seed=0))
+    engine = VllmEngine(VllmEngineConfig(dtype="float32", max_num_seqs=8, enforce_eager=True, kv_cache_gib=0.25),
+                        loop_model_dir, seed=0)
     await engine.start()
     try:
         params = SamplingParams(max_new_tokens=55, temperature=1.0, ignore_eos=True)

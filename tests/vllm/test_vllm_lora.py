@@ -13,7 +13,7 @@ import pytest_asyncio
 import torch
 
 from services.lib.engine.base import SamplingParams, WeightUpdateError
-from services.lib.engine.vllm_config import VllmEngineConfig
+from services.lib.engine.config import VllmEngineConfig
 from services.lib.engine.vllm_engine import VllmEngine
 from services.lib.weights import lora_merge
 
@@ -26,8 +26,8 @@ R, ALPHA = 4, 8.0
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(loop_model_dir):
-    eng = VllmEngine(VllmEngineConfig(model_dir=str(loop_model_dir), dtype="float32", max_num_seqs=16,
-                                      enforce_eager=True, kv_cache_gib=0.25, seed=0))
+    eng = VllmEngine(VllmEngineConfig(dtype="float32", max_num_seqs=16, enforce_eager=True, kv_cache_gib=0.25),
+                     loop_model_dir, seed=0)
     await eng.start()
     yield eng
     await eng.stop()

@@ -4,28 +4,17 @@ One dedicated thread owns the model and runs the decode loop; coroutines hand it
 requests through a condition-guarded queue and get results back on their event
 loop (``call_soon_threadsafe``). The thread sleeps on the condition when idle.
 
-Each loop iteration, at a decode-step boundary:
-
-1. applies pending weight updates (``in_flight``: always; ``between_requests``:
-   once no row is running, holding back newcomers meanwhile);
-2. admits queued requests up to ``max_batch_size``: prefills them together
-   (left-padded, grouped as :mod:`~services.lib.engine.prefill` says), samples
-   their first token, and merges their KV cache into the running batch
-   (:class:`~services.lib.engine.kv_cache.PaddedBatchCache`);
-3. runs one decode step for every running row and samples the next tokens for
-   the whole batch at once;
-4. removes finished rows from the cache at once and trims leading columns that
-   have become padding in every row.
-
-An in-flight update recomputes the running rows' KV cache under the new weights
-(one prefill of each row's prompt and tokens so far, as vLLM's engine does by
-preempting them): no token attends to keys and values of older weights, so each
-token's logprob is exactly that of the version it carries.
+Each loop iteration, at a decode-step boundary, applies pending weight updates
+(``in_flight``: always, the running rows' KV cache then recomputed; ``between_requests``:
+once no row is running, holding back newcomers meanwhile), then admits queued requests up
+to ``max_batch_size`` and runs one decode step: the running batch and how it prefills,
+samples and drops rows is :mod:`services.lib.engine.torch_batch`.
 
 A LoRA run's versions carry adapters only (:mod:`services.lib.weights.lora_merge`): the engine keeps the
 base of each adapted weight (copied on the first adapter) and loads base + B A · alpha / r.
 
-The engine's settings are :class:`~services.lib.engine.torch_config.TorchEngineConfig`.
+The engine's settings are :class:`~services.lib.engine.config.TorchEngineConfig` (the run file's
+``engine = { type = "torch", ... }``).
 """
 
 from __future__ import annotations
@@ -53,23 +42,15 @@ from services.lib.engine.base import (
     WeightUpdateError,
     resolve_threadsafe,
 )
-from services.lib.engine.kv_cache import PaddedBatchCache, cache_kwarg
-from services.lib.engine.prefill import left_padded, prefill_chunks
-from services.lib.engine.sampling import DecodeState, sample_tokens
-from services.lib.engine.torch_config import DTYPES, TorchEngineConfig
+from services.lib.engine.config import TorchEngineConfig
+from services.lib.engine.sampling import DecodeState
+from services.lib.engine.torch_batch import Request, RunningBatch
 from services.lib.weights.lora_merge import AdapterFormatError, AdapterMerger, is_adapter
 
 log = logging.getLogger("rlbus.rollout.torch_engine")
 
-
-class _Request:
-    """A queued or running request: its decoding state and where its result goes."""
-
-    __slots__ = ("seq", "loop", "future", "cancelled")
-
-    def __init__(self, seq: DecodeState, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
-        self.seq, self.loop, self.future = seq, loop, future
-        self.cancelled = False
+#: the torch dtypes :attr:`TorchEngineConfig.dtype` names
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class _WeightUpdate:
@@ -81,54 +62,56 @@ class _WeightUpdate:
 
 
 class TorchEngine:
-    """Continuous-batching engine over a transformers causal LM (implements ``Engine``)."""
+    """Continuous-batching engine over a transformers causal LM (implements ``Engine``).
 
-    def __init__(self, config: TorchEngineConfig, *, model: torch.nn.Module | None = None,
-                 tokenizer: Any | None = None) -> None:
+    ``model_dir`` is the Hugging Face directory (config, safetensors, tokenizer) loaded at start, unused
+    with :meth:`from_model`; ``seed`` seeds the generator of unseeded requests (``None``: a fresh one;
+    engines must not share it, or their samples would be correlated).
+    """
+
+    def __init__(self, config: TorchEngineConfig, model_dir: str | Path = "", *, seed: int | None = None,
+                 model: torch.nn.Module | None = None, tokenizer: Any | None = None) -> None:
         self.config = config
+        self.model_dir = str(model_dir)
         self._model = model
         self._tokenizer = tokenizer
         self._device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self._version = config.initial_version
+        self._version = 0
         self._cond = threading.Condition()
-        self._queue: collections.deque[_Request] = collections.deque()
+        self._queue: collections.deque[Request] = collections.deque()
         self._updates: list[_WeightUpdate] = []
         self._stopping = False
         self._running = False
         self._thread: threading.Thread | None = None
         self._n_pending = 0
         self._rate = TokenRate(config.stats_window_s)
-        # running batch (engine thread only)
-        self._rows: list[_Request] = []
-        self._cache: PaddedBatchCache | None = None
-        self._cache_kwarg = "cache"  # the model's keyword for it, set at start
         # sleep/wake (a colocated trainer steps meanwhile): control calls run in the engine thread
         self._controls: list[tuple[Any, asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._asleep = False
-        self._next_tokens = torch.empty(0, dtype=torch.long)
-        self._positions = torch.empty(0, dtype=torch.long)
         self._eos_ids: frozenset[int] = frozenset()
         self._targets: dict[str, torch.Tensor] = {}
         self._max_positions: int | None = None
         self._vocab_size = 0
-        self._generator = torch.Generator(device=self._device)
-        if config.seed is None:
-            self._generator.seed()
+        generator = torch.Generator(device=self._device)
+        if seed is None:
+            generator.seed()
         else:
-            self._generator.manual_seed(config.seed)
+            generator.manual_seed(seed)
+        # the running batch (engine thread only)
+        self._batch = RunningBatch(self._device, config.max_batch_size, config.max_prefill_tokens, generator)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, tokenizer: Any | None,
-                   config: TorchEngineConfig | None = None) -> TorchEngine:
+    def from_model(cls, model: torch.nn.Module, tokenizer: Any | None, config: TorchEngineConfig | None = None,
+                   *, seed: int | None = None) -> TorchEngine:
         """An engine over an already loaded model (colocated runs, tests); ``start`` moves it to the device."""
-        return cls(config or TorchEngineConfig(), model=model, tokenizer=tokenizer)
+        return cls(config or TorchEngineConfig(), seed=seed, model=model, tokenizer=tokenizer)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Load the model (if not given) and start the engine thread."""
         if self._running:
             return
-        if self.config.num_threads is not None:
+        if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         await asyncio.to_thread(self._load)
         self._stopping = False
@@ -154,24 +137,23 @@ class TorchEngine:
 
         dtype = DTYPES[self.config.dtype]
         if self._model is None:
-            if not self.config.model_dir or not Path(self.config.model_dir).is_dir():
-                raise EngineError(f"model_dir {self.config.model_dir!r} is not a directory; "
+            if not self.model_dir or not Path(self.model_dir).is_dir():
+                raise EngineError(f"model_dir {self.model_dir!r} is not a directory; "
                                   "point it at a Hugging Face model directory")
             with HF_LOAD_LOCK:  # colocated services load in threads of one process
                 from transformers import AutoModelForCausalLM, AutoTokenizer
 
                 self._model = AutoModelForCausalLM.from_pretrained(
-                    self.config.model_dir, dtype=dtype, attn_implementation=self.config.attn_implementation)
+                    self.model_dir, dtype=dtype, attn_implementation=self.config.attn_implementation)
                 if self._tokenizer is None:
-                    self._tokenizer = AutoTokenizer.from_pretrained(self.config.model_dir)
+                    self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         model = self._model.to(device=self._device, dtype=dtype).eval()
         model.requires_grad_(False)
         text_config = model.config.get_text_config(decoder=True)
         layer_types = getattr(text_config, "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types):
             raise EngineError(f"the torch engine supports full-attention models only; layer types {set(layer_types)}")
-        self._num_layers = text_config.num_hidden_layers
-        self._cache_kwarg = cache_kwarg(model)
+        self._batch.use(model)
         self._max_positions = getattr(text_config, "max_position_embeddings", None)
         self._vocab_size = text_config.vocab_size
         self._targets = model.state_dict(keep_vars=True)
@@ -182,8 +164,6 @@ class TorchEngine:
         if self._tokenizer is not None and self._tokenizer.eos_token_id is not None:
             eos_ids.add(self._tokenizer.eos_token_id)
         self._eos_ids = frozenset(eos_ids)
-        self._next_tokens = self._next_tokens.to(self._device)
-        self._positions = self._positions.to(self._device)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -199,7 +179,7 @@ class TorchEngine:
     def stats(self) -> EngineStats:
         """Pending/running requests, recent tokens/s, total tokens, version."""
         with self._cond:
-            return EngineStats(pending=self._n_pending, running=len(self._rows),
+            return EngineStats(pending=self._n_pending, running=len(self._batch.rows),
                                tokens_per_s=self._rate.per_s(time.monotonic()),
                                total_generated_tokens=self._rate.total, version=self._version)
 
@@ -210,7 +190,7 @@ class TorchEngine:
         self._validate(prompt_ids, params)
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
-        request = _Request(DecodeState(list(prompt_ids), params, self._eos_ids, self._tokenizer, self._device),
+        request = Request(DecodeState(list(prompt_ids), params, self._eos_ids, self._tokenizer, self._device),
                            loop, future)
         with self._cond:
             if len(self._queue) >= self.config.max_queued:
@@ -300,13 +280,13 @@ class TorchEngine:
     def _release(self) -> None:
         if self._asleep:
             return
-        self._cache = None
+        self._batch.cache = None
         if self._device.type != "cpu":
             self._model.to("cpu")
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()
         self._asleep = True
-        log.info("asleep (%d rows kept, %d queued): KV cache released%s", len(self._rows), len(self._queue),
+        log.info("asleep (%d rows kept, %d queued): KV cache released%s", len(self._batch.rows), len(self._queue),
                  "" if self._device.type == "cpu" else ", weights on the host")
 
     def _restore(self) -> None:
@@ -314,10 +294,10 @@ class TorchEngine:
             return
         if self._device.type != "cpu":
             self._model.to(self._device)
-        if self._rows:
-            self._recompute_cache()
+        if self._batch.rows:
+            self._batch.recompute_cache()
         self._asleep = False
-        log.info("awake (%d rows resumed)", len(self._rows))
+        log.info("awake (%d rows resumed)", len(self._batch.rows))
 
     # ------------------------------------------------------------------ engine thread
     def _after_step(self) -> None:
@@ -328,7 +308,7 @@ class TorchEngine:
             return True
         if self._asleep:
             return False
-        if self._rows:
+        if self._batch.rows:
             return True
         return bool(self._updates) or bool(self._queue)
 
@@ -357,7 +337,7 @@ class TorchEngine:
                     if self._asleep or self._stopping:
                         continue
                     updates: list[_WeightUpdate] = []
-                    if self._updates and (self.config.weight_update_mode == "in_flight" or not self._rows):
+                    if self._updates and (self.config.weight_update_mode == "in_flight" or not self._batch.rows):
                         updates, self._updates = self._updates, []
                     hold = self.config.weight_update_mode == "between_requests" and bool(self._updates)
                     newcomers = [] if hold else self._take_newcomers()
@@ -367,12 +347,12 @@ class TorchEngine:
                     self._drop_cancelled()
                     if newcomers:
                         self._admit(newcomers)
-                    if self._rows:
+                    if self._batch.rows:
                         self._decode_step()
                 except Exception as exc:  # fail the affected requests, keep serving the others
                     log.exception("torch engine step failed")
-                    affected = self._rows + [r for r in newcomers if r not in self._rows]
-                    self._reset_batch()
+                    affected = self._batch.rows + [r for r in newcomers if r not in self._batch.rows]
+                    self._batch.reset()
                     self._fail(affected, EngineError(f"generation failed: {exc!r}"))
                 self._after_step()
         finally:
@@ -382,17 +362,17 @@ class TorchEngine:
                 controls, self._controls = self._controls, []
             for _, loop, future in controls:
                 resolve_threadsafe(loop, future, error=EngineNotRunningError("the torch engine stopped"))
-            running = self._rows
-            self._reset_batch()
+            running = self._batch.rows
+            self._batch.reset()
             self._fail(queued + running, EngineNotRunningError("the torch engine stopped before this request finished"))
             for update in updates:
                 resolve_threadsafe(update.loop, update.future,
                                    error=EngineNotRunningError("engine stopped before the update"))
 
-    def _take_newcomers(self) -> list[_Request]:
+    def _take_newcomers(self) -> list[Request]:
         """Pop queued requests that fit (batch size, prefill budget); called under the lock."""
-        room = self.config.max_batch_size - len(self._rows)
-        taken: list[_Request] = []
+        room = self.config.max_batch_size - len(self._batch.rows)
+        taken: list[Request] = []
         longest = 0
         while self._queue and len(taken) < room:
             request = self._queue[0]
@@ -407,17 +387,11 @@ class TorchEngine:
             longest = longest_if
         return taken
 
-    def _fail(self, requests: list[_Request], error: EngineError) -> None:
+    def _fail(self, requests: list[Request], error: EngineError) -> None:
         with self._cond:
             self._n_pending -= len(requests)
         for request in requests:
             resolve_threadsafe(request.loop, request.future, error=error)
-
-    def _reset_batch(self) -> None:
-        self._rows = []
-        self._cache = None
-        self._next_tokens = self._next_tokens[:0]
-        self._positions = self._positions[:0]
 
     def _apply_update(self, update: _WeightUpdate) -> None:
         try:
@@ -435,124 +409,31 @@ class TorchEngine:
                 f"{self._version} and {update.version}: send a full state dict again"))
             return
         self._version = update.version
-        if self._rows:
-            self._recompute_cache()
+        if self._batch.rows:
+            self._batch.recompute_cache()
         log.info("applied weights version %d (%d tensors, %d rows running)",
-                 update.version, len(update.tensors), len(self._rows))
+                 update.version, len(update.tensors), len(self._batch.rows))
         resolve_threadsafe(update.loop, update.future)
 
-    @torch.inference_mode()
-    def _recompute_cache(self) -> None:
-        """Rebuild the running rows' cache under the current weights: each row's prompt and tokens so far
-        but the last (the next step's input), prefilled in row order, in slices within the prefill budget."""
-        contexts = [tuple(r.seq.prompt_ids) + tuple(r.seq.tokens[:-1]) for r in self._rows]
-        cache = PaddedBatchCache(self._num_layers, batch_capacity=self.config.max_batch_size)
-        lo = 0
-        while lo < len(contexts):
-            hi, longest = lo + 1, len(contexts[lo])
-            budget = self.config.max_prefill_tokens
-            while hi < len(contexts) and max(longest, len(contexts[hi])) * (hi - lo + 1) <= budget:
-                longest = max(longest, len(contexts[hi]))
-                hi += 1
-            part, _ = self._prefill(contexts[lo:hi])
-            cache.append(part)
-            lo = hi
-        self._cache = cache
-
     def _drop_cancelled(self) -> None:
-        cancelled = [i for i, r in enumerate(self._rows) if r.cancelled]
-        if cancelled:
+        dropped = self._batch.drop_cancelled()
+        if dropped:
             with self._cond:
-                self._n_pending -= len(cancelled)
-            self._remove_rows(cancelled)
+                self._n_pending -= dropped
 
-    def _prefill(self, prompts: list[tuple[int, ...]]) -> tuple[PaddedBatchCache, torch.Tensor]:
-        """Left-padded forward pass over ``prompts``: their cache and last-position logits."""
-        ids, valid, positions = left_padded(prompts)
-        cache = PaddedBatchCache(self._num_layers)
-        mask = cache.extend(valid.to(self._device))
-        logits = self._model(input_ids=ids.to(self._device), attention_mask=mask,
-                             position_ids=positions.to(self._device), use_cache=True, logits_to_keep=1,
-                             **{self._cache_kwarg: cache}).logits[:, -1]
-        return cache, logits
+    def _admit(self, newcomers: list[Request]) -> None:
+        """Prefill ``newcomers`` into the running batch with their first token."""
+        self._settle(*self._batch.admit(newcomers, self._version))
 
-    @torch.inference_mode()
-    def _admit(self, newcomers: list[_Request]) -> None:
-        """Prefill ``newcomers``, sample their first token, append them to the running batch.
-
-        Identical prompts (a GRPO group) are prefilled once and their cache rows
-        copied; distinct ones in chunks of similar length (:func:`prefill_chunks`).
-        """
-        device = self._device
-        groups: dict[tuple[int, ...], list[_Request]] = {}
-        for request in newcomers:
-            groups.setdefault(tuple(request.seq.prompt_ids), []).append(request)
-        chunks = prefill_chunks(groups)
-        if self._cache is None:
-            self._cache = PaddedBatchCache(self._num_layers, batch_capacity=self.config.max_batch_size)
-        admitted: list[_Request] = []
-        all_logits: list[torch.Tensor] = []
-        for chunk in chunks:
-            cache, logits = self._prefill(chunk)
-            copies = [i for i, prompt in enumerate(chunk) for _ in groups[prompt]]
-            rows = None
-            if len(copies) > len(chunk):
-                rows = torch.tensor(copies, dtype=torch.long, device=device)
-                logits = logits.index_select(0, rows)
-            self._cache.append(cache, rows)
-            admitted += [r for prompt in chunk for r in groups[prompt]]
-            all_logits.append(logits)
-        logits = torch.cat(all_logits) if len(all_logits) > 1 else all_logits[0]
-        tokens, token_list, logprob_list = sample_tokens(logits, [r.seq.params for r in admitted],
-                                                         [r.seq.generator for r in admitted], self._generator)
-        next_positions = torch.tensor([len(r.seq.prompt_ids) for r in admitted], dtype=torch.long, device=device)
-        self._rows = self._rows + admitted
-        self._next_tokens = torch.cat([self._next_tokens, tokens])
-        self._positions = torch.cat([self._positions, next_positions])
-        offset = len(self._rows) - len(admitted)
-        self._record(range(offset, len(self._rows)), token_list, logprob_list)
-
-    @torch.inference_mode()
     def _decode_step(self) -> None:
-        """One forward pass of every running row, batched sampling, bookkeeping."""
-        cache = self._cache
-        mask = cache.extend(torch.ones((len(self._rows), 1), dtype=torch.bool, device=self._device))
-        logits = self._model(input_ids=self._next_tokens[:, None], attention_mask=mask,
-                             position_ids=self._positions[:, None], use_cache=True,
-                             **{self._cache_kwarg: cache}).logits[:, -1]
-        self._positions += 1
-        tokens, token_list, logprob_list = sample_tokens(logits, [r.seq.params for r in self._rows],
-                                                         [r.seq.generator for r in self._rows], self._generator)
-        self._next_tokens = tokens
-        self._record(range(len(self._rows)), token_list, logprob_list)
+        """One decode step of every running row."""
+        self._settle(*self._batch.step(self._version))
 
-    def _record(self, row_indices: range, token_list: list[int], logprob_list: list[float]) -> None:
-        """Append sampled tokens to rows ``row_indices``, finish rows that hit a stop, drop them."""
-        version = self._version
-        finished: list[int] = []
-        for i, token, logprob in zip(row_indices, token_list, logprob_list, strict=True):
-            if self._rows[i].seq.accept(token, logprob, version):
-                finished.append(i)
-        now = time.monotonic()
+    def _settle(self, n_tokens: int, finished: list[Request]) -> None:
+        """Count a step's sampled tokens; return the requests it finished (already out of the batch, so
+        stats never count a returned request as running)."""
         with self._cond:
-            self._rate.add(len(token_list), now)
-        if finished:  # leave the batch first, so stats never count a returned request as running
-            done_requests = [self._rows[i] for i in finished]
-            self._remove_rows(finished)
-            for request in done_requests:
-                self._finish(request)
-
-    def _finish(self, request: _Request) -> None:
-        result = request.seq.result()
-        with self._cond:
-            self._n_pending -= 1
-        resolve_threadsafe(request.loop, request.future, result)
-
-    def _remove_rows(self, removed: list[int]) -> None:
-        """Drop rows ``removed`` from the batch (cache, per-row state); trim columns that became all padding."""
-        order = self._cache.remove_rows(removed)
-        self._cache.trim_leading_padding()
-        self._rows = [self._rows[i] for i in order]
-        index = torch.tensor(order, dtype=torch.long, device=self._device)
-        self._next_tokens = self._next_tokens.index_select(0, index)
-        self._positions = self._positions.index_select(0, index)
+            self._rate.add(n_tokens, time.monotonic())
+            self._n_pending -= len(finished)
+        for request in finished:
+            resolve_threadsafe(request.loop, request.future, request.seq.result())

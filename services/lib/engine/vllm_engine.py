@@ -49,17 +49,28 @@ from services.lib.engine.base import (
     SamplingParams,
     WeightUpdateError,
 )
-from services.lib.engine.vllm_config import CPU_DEFAULT_KV_CACHE_GIB, GIB, VllmEngineConfig
+from services.lib.engine.config import VllmEngineConfig
 from services.lib.engine.vllm_weights import hf_parameter_shapes, layer_groups
 
 log = logging.getLogger("rlbus.engine.vllm")
 
-class VllmEngine:
-    """vLLM's ``AsyncLLM`` behind the Engine protocol (see the module docstring)."""
+GIB = 1 << 30
+#: KV cache of a CPU engine when ``kv_cache_gib`` is unset (vLLM's default takes a share of all memory)
+CPU_DEFAULT_KV_CACHE_GIB = 1.0
 
-    def __init__(self, config: VllmEngineConfig) -> None:
+
+class VllmEngine:
+    """vLLM's ``AsyncLLM`` behind the Engine protocol (see the module docstring).
+
+    ``model_dir`` is the Hugging Face directory (config, safetensors, tokenizer) it serves; ``seed`` seeds
+    the generator of unseeded requests (``None``: a fresh one; engines must not share it).
+    """
+
+    def __init__(self, config: VllmEngineConfig, model_dir: str | Path, *, seed: int | None = None) -> None:
         self.config = config
-        self._version = config.initial_version
+        self.model_dir = str(model_dir)
+        self.seed = seed
+        self._version = 0
         self._llm: Any = None
         self._tokenizer: Any = None
         self._running = False
@@ -83,8 +94,8 @@ class VllmEngine:
         if self._running:
             return
         cfg = self.config
-        if not cfg.model_dir or not Path(cfg.model_dir).is_dir():
-            raise EngineError(f"model_dir {cfg.model_dir!r} is not a directory; point it at a Hugging Face model directory")
+        if not self.model_dir or not Path(self.model_dir).is_dir():
+            raise EngineError(f"model_dir {self.model_dir!r} is not a directory; point it at a Hugging Face model directory")
         try:
             import vllm  # noqa: F401
         except ImportError as exc:
@@ -101,12 +112,12 @@ class VllmEngine:
         unknown = sorted(set(cfg.engine_args) - known)
         if unknown:
             raise EngineError(f"vllm engine config: engine_args has unknown vLLM engine arguments {unknown}")
-        kv_gib = cfg.kv_cache_gib if cfg.kv_cache_gib is not None else CPU_DEFAULT_KV_CACHE_GIB if self._is_cpu else None
+        kv_gib = cfg.kv_cache_gib or (CPU_DEFAULT_KV_CACHE_GIB if self._is_cpu else None)
         args = AsyncEngineArgs(
-            model=cfg.model_dir, tokenizer=cfg.model_dir, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            model=self.model_dir, tokenizer=self.model_dir, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len or None, gpu_memory_utilization=cfg.gpu_memory_utilization,
             enable_prefix_caching=cfg.enable_prefix_caching, tensor_parallel_size=cfg.tensor_parallel_size,
-            enforce_eager=cfg.enforce_eager, seed=cfg.seed if cfg.seed is not None else secrets.randbits(31),
+            enforce_eager=cfg.enforce_eager, seed=self.seed if self.seed is not None else secrets.randbits(31),
             enable_sleep_mode=cfg.enable_sleep_mode,
             kv_cache_memory_bytes=int(kv_gib * GIB) if kv_gib is not None else None,
             logprobs_mode="processed_logprobs", worker_extension_cls="services.lib.engine.vllm_weights.VllmWorkerExtension",
@@ -141,10 +152,10 @@ class VllmEngine:
         from services.runtime.loading import HF_LOAD_LOCK
 
         with HF_LOAD_LOCK:
-            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model_dir)
-            self._targets, self._tied = hf_parameter_shapes(self.config.model_dir)
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            self._targets, self._tied = hf_parameter_shapes(self.model_dir)
             try:
-                eos = GenerationConfig.from_pretrained(self.config.model_dir).eos_token_id
+                eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
             except OSError:
                 eos = None
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -351,7 +362,7 @@ class VllmEngine:
 
         if self._adapters is None:
             self._adapters = lora_merge.AdapterMerger(
-                lambda names: lora_merge.read_tensors(self.config.model_dir, names), self._targets)
+                lambda names: lora_merge.read_tensors(self.model_dir, names), self._targets)
         try:
             _, pairs = self._adapters.check(state_dict)
             touched = {self._groups[n] for n in pairs}
