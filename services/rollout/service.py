@@ -98,7 +98,7 @@ class RolloutService:
         return build_engine(section, model_dir), section.enable_sleep_mode
 
     async def run(self, ctx: ServiceContext) -> None:
-
+        ctx.gauges["rollout/max_tickets"] = float(self.cfg.max_tickets)  # the trainer's admission sums these
         engine, sleeps = await asyncio.to_thread(self._engine)
         await engine.start()
         if sleeps:
@@ -106,7 +106,6 @@ class RolloutService:
         self.attach(engine, engine.tokenizer, SandboxClient(
             ctx.nc, ctx.run_id, timeout_s=self.cfg.agent.sandbox_timeout_s,
             default_exec_timeout_s=self.cfg.agent.exec_timeout_s))
-        ctx.gauges["rollout/max_tickets"] = float(self.cfg.max_tickets)  # the trainer's admission sums these
         receiver = make_receiver(self.cfg.weight_source(self.loaded.weights), ctx.nc, ctx.run_id)
         weights = asyncio.create_task(self.follow_weights(ctx, receiver), name="rollout-weights")
         reports = asyncio.create_task(self._report(ctx), name="rollout-metrics")

@@ -19,7 +19,15 @@ import pytest
 from proto import catalog, codec
 from proto.membership import Heartbeat
 from services.runtime import bus
-from services.trainer.admission import Admission, AdmissionError, fleet_bound, live_workers
+from services.trainer.admission import (
+    DEFAULT_TICKETS,
+    TICKETS_GAUGE,
+    Admission,
+    AdmissionError,
+    fleet_bound,
+    fleet_tickets,
+    live_workers,
+)
 from tests.conftest import run_file, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,12 +35,28 @@ G, STALENESS, TICKETS = 2, 3, 2  # staleness bound (3 + 1) * 2 = 8; one worker h
 
 
 def test_fleet_bound_rises_with_the_fleet_up_to_the_staleness_bound():
-    assert fleet_bound(STALENESS, G, None, TICKETS) == 8  # fleet unknown: the staleness bound
-    assert fleet_bound(STALENESS, G, 0, TICKETS) == 8  # no worker yet: admit for the first that comes
-    assert [fleet_bound(STALENESS, G, n, TICKETS) for n in (1, 2, 3, 4)] == [4, 6, 8, 8]
-    assert fleet_bound(1, 16, 1, 64) == 32  # the default example: one worker can hold every group
+    assert fleet_bound(STALENESS, G, None) == 8  # fleet unknown: the staleness bound
+    assert fleet_bound(STALENESS, G, 0) == 8  # no worker yet: admit for the first that comes
+    assert [fleet_bound(STALENESS, G, n * TICKETS) for n in (1, 2, 3, 4)] == [4, 6, 8, 8]
+    assert fleet_bound(1, 16, 64) == 32  # the default example: one worker can hold every group
     with pytest.raises(AdmissionError):
-        fleet_bound(1, 0, 1, 4)
+        fleet_bound(1, 0, 4)
+
+
+def _beat(instance: str, age_s: float, tickets: float | None = None, state: str = "running") -> Heartbeat:
+    gauges = {TICKETS_GAUGE: tickets} if tickets is not None else {}
+    return Heartbeat(run_id="r", service="rollout", instance=instance, host="h", pid=1, state=state, started_at=0.0,
+                     metrics=gauges, created_at=time.time() - age_s)
+
+
+def test_the_fleet_holds_what_its_live_workers_advertise():
+    beats = [_beat("a", 1.0, 8), _beat("b", 1.0, 2),
+             _beat("c", 1.0),  # an older rollout without the gauge: the default
+             _beat("d", 60.0, 100),  # silent for a minute: gone
+             _beat("e", 1.0, 100, state="draining")]
+    assert live_workers(beats, "rollout", time.time(), 3.0) == 3
+    assert fleet_tickets(beats, "rollout", time.time(), 3.0) == 8 + 2 + DEFAULT_TICKETS
+    assert fleet_bound(3, 16, fleet_tickets(beats[1:2], "rollout", time.time(), 3.0)) == 18
 
 
 def test_resize_takes_nothing_back_and_admits_again_under_the_new_bound():
@@ -50,8 +74,9 @@ def test_resize_takes_nothing_back_and_admits_again_under_the_new_bound():
         a.resize(0)
 
 
-def fleet(url: str, run: str) -> int:
-    """Live rollout workers of ``run`` by their heartbeats (younger than three heartbeat periods)."""
+def fleet(url: str, run: str, tickets: bool = False) -> int:
+    """Live rollout workers of ``run`` by their heartbeats (younger than three heartbeat periods); ``tickets``:
+    the prompt groups they advertise they hold at once instead."""
     async def go() -> int:
         nc = await nats.connect(url)
         try:
@@ -61,7 +86,7 @@ def fleet(url: str, run: str) -> int:
             for key in await bus.kv_keys(js, catalog.MEMBERS.bucket, f"{run}.rollout."):
                 entry = await kv.get(key)
                 beats.append(codec.decode(entry.value, Heartbeat))
-            return live_workers(beats, "rollout", time.time(), timeout_s=3.0)
+            return (fleet_tickets if tickets else live_workers)(beats, "rollout", time.time(), 3.0)
         except Exception:  # the bucket or a key is not there yet (no worker started), or just deleted
             return -1
         finally:
@@ -85,8 +110,8 @@ def test_bound_rises_when_a_second_rollout_worker_joins_and_falls_when_it_leaves
             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
 
     def bound() -> int:
-        n = fleet(nats_url, run)
-        return fleet_bound(STALENESS, G, n if n >= 0 else None, TICKETS)
+        n = fleet(nats_url, run, tickets=True)  # each worker advertises its max_tickets (TICKETS)
+        return fleet_bound(STALENESS, G, n if n >= 0 else None)
 
     try:
         start(0)
@@ -145,7 +170,7 @@ def test_trainer_admission_bound_follows_a_joining_rollout_worker(tmp_path, nats
         start("rollout", "rollout-1")
         wait_for(lambda: trainer_bound(nats_url, run) == 2 * TICKETS + G, 300, "the bound for two workers",
                  interval=0.5)
-        assert "admission bound 4 -> 6 groups (2 live rollout workers)" in (tmp_path / "trainer-0.log").read_text()
+        assert "admission bound 4 -> 6 groups (the live rollout workers hold 4 at once)" in (tmp_path / "trainer-0.log").read_text()
         assert all(p.poll() is None for p in procs)
     finally:
         for p in procs:
