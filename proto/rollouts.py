@@ -119,17 +119,22 @@ def ticket_of(r: Rollout, msg_id: str) -> PromptTicket:
                         is_eval=r.is_eval)
 
 
-class RolloutGroup(Envelope, kw_only=True, tag="rollout_group"):
-    """Rollouts of one prompt group (all of them, or one part when the whole group exceeds the size limit):
-    the ticket they were generated for, once, and what is per sample."""
+class TicketGroup(Envelope, kw_only=True):
+    """A message of one prompt group's samples: the ticket they were generated for, once (layout 2)."""
 
     schema: int = 2
     ticket: PromptTicket
-    rollouts: list[RolloutSample]
 
     @property
     def group_id(self) -> str:
         return self.ticket.group_id
+
+
+class RolloutGroup(TicketGroup, kw_only=True, tag="rollout_group"):
+    """Rollouts of one prompt group (all of them, or one part when the whole group exceeds the size limit):
+    the ticket they were generated for, once, and what is per sample."""
+
+    rollouts: list[RolloutSample]
 
     def records(self) -> list[Rollout]:
         """One :class:`Rollout` per sample, the ticket's fields joined in."""

@@ -18,8 +18,7 @@ import msgspec
 
 from proto import codec
 from proto.envelope import Envelope
-from proto.prompts import PromptTicket
-from proto.rollouts import Rollout, RolloutSample, joined, split, ticket_of
+from proto.rollouts import Rollout, RolloutSample, TicketGroup, joined, split, ticket_of
 
 FAMILY = "trajectories"
 
@@ -57,17 +56,11 @@ def scored(s: RolloutSample, reward: float, scores: list[GraderScore], judge: st
     return ScoredSample(**msgspec.structs.asdict(s), reward=reward, scores=scores, judge=judge)
 
 
-class ScoredGroup(Envelope, kw_only=True, tag="scored_group"):
+class ScoredGroup(TicketGroup, kw_only=True, tag="scored_group"):
     """Scored trajectories of one prompt group (or of one part of it), published by one judge: the ticket
     once, and what is per sample."""
 
-    schema: int = 2
-    ticket: PromptTicket
     trajectories: list[ScoredSample]
-
-    @property
-    def group_id(self) -> str:
-        return self.ticket.group_id
 
     def records(self) -> list[ScoredTrajectory]:
         """One :class:`ScoredTrajectory` per sample, its rollout joined with the ticket."""
