@@ -36,20 +36,20 @@ def offline_overrides(eval_every: int) -> dict[str, object]:
     so those shrink to one prompt, one sample: the start round would otherwise compete with the first steps
     (the end round comes after the last step, off the clock)."""
     return {
-        "services.trainer.eval_every": 0,
-        "services.trainer.eval_prompts": 1,
-        "services.trainer.eval_samples": 1,
+        "services.trainer.eval.every": 0,
+        "services.trainer.eval.prompts": 1,
+        "services.trainer.eval.samples": 1,
         "services.trainer.checkpoint_every": eval_every,
     }
 
 
 def held_out_reward(model: Any, tokenizer: Any, task: Any, eval_set: list[Any], cfg: Any) -> float:
-    """One evaluation: ``evaluate_task`` (HF ``generate``) on ``eval_set``, ``cfg.eval_samples`` samples a
-    prompt at ``cfg.eval_temperature``, the trainer's completion length. Torch threads are the caller's."""
+    """One evaluation: ``evaluate_task`` (HF ``generate``) on ``eval_set``, ``cfg.eval.samples`` samples a
+    prompt at ``cfg.eval.temperature``, the trainer's completion length. Torch threads are the caller's."""
     from services.tasks.evaluate import evaluate_task
 
-    return evaluate_task(model, tokenizer, task, eval_set, samples_per_prompt=cfg.eval_samples,
-                         temperature=cfg.eval_temperature, max_new_tokens=cfg.max_new_tokens or task.max_new_tokens)
+    return evaluate_task(model, tokenizer, task, eval_set, samples_per_prompt=cfg.eval.samples,
+                         temperature=cfg.eval.temperature, max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens)
 
 
 def evaluate_versions(cfg: Any, versions: dict[int, Path], *, eval_prompts: int, threads: int,

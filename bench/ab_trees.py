@@ -2,13 +2,13 @@
 
     .venv/bin/python bench/ab_trees.py --before 8d2b9ec --rounds 2 -- addition \\
         --set services.trainer.total_steps=200 --set services.trainer.max_wall_s=0.0 \\
-        --set services.trainer.eval_every=0 --set services.trainer.checkpoint_every=0
+        --set services.trainer.eval.every=0 --set services.trainer.checkpoint_every=0
 
 When a change renames run-file keys, ``--before-set KEY=VALUE`` (repeatable) gives the before side its own
 spelling of the overrides, replacing the ``--set`` arguments after ``--`` on that side only::
 
     .venv/bin/python bench/ab_trees.py --before 468a3fe --rounds 2 \\
-        --before-set services.trainer.total_steps=200 --before-set services.trainer.eval_every=0 ... \\
+        --before-set services.trainer.total_steps=200 --before-set services.trainer.eval.every=0 ... \\
         -- addition --set services.trainer.total_steps=200 --set services.trainer.eval.every=0 ...
 
 ``--before`` is a git revision, checked out once into a temporary worktree; ``--after`` is this

@@ -20,7 +20,7 @@ eval reward (default: the lower of the pair's final rewards, after ``--smooth``;
 comparison per seed and adds the means over seeds.
 
 ``--set KEY=VALUE`` sets a config key on every side (a bare KEY is a trainer key:
-``--set ppo_epochs=2`` is ``services.trainer.ppo_epochs=2``); ``--variant
+``--set ppo_epochs=2`` is ``services.trainer.optim.ppo_epochs=2``); ``--variant
 NAME:KEY=VALUE,KEY=VALUE`` adds an asynchronous side NAME with those keys on top, e.g.
 ``--variant decoupled:ppo_epochs=2,minibatches=2,is_mode=decoupled``. ``--reuse`` reads
 a side whose run directory (``WORK/seed<N>/<side>``) already holds a finished run
@@ -141,11 +141,11 @@ def overrides(args: argparse.Namespace, staleness: int, threads: int, seed: int)
         "run.seed": seed,
         "services.trainer.total_steps": args.steps,
         "services.trainer.max_wall_s": 0.0,  # the sample budget, not a clock, ends both runs
-        "services.trainer.eval_every": args.eval_every,
-        "services.trainer.eval_prompts": args.eval_prompts,
+        "services.trainer.eval.every": args.eval_every,
+        "services.trainer.eval.prompts": args.eval_prompts,
         "services.trainer.checkpoint_every": 0,  # only the final model: no checkpoint cost on either side
         "services.trainer.max_staleness": staleness,
-        "services.trainer.num_threads": threads,
+        "services.trainer.devices.num_threads": threads,
         "services.lib.engine.base.num_threads": threads,
         "common.drain_timeout_s": 2.0,  # after the run has finished: shutdown only
         **dict(parse_set(item) for item in args.sets),

@@ -48,7 +48,7 @@ def reference(steps: int) -> dict[str, float]:
 
 def through_rlbus(steps: int, run_dir: Path) -> dict[str, float]:
     result = run_rlbus("sync", run_dir, {"services.trainer.max_staleness": 0, "services.trainer.total_steps": steps,
-                                         "services.trainer.eval_every": 0})
+                                         "services.trainer.eval.every": 0})
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "trainer/version" in r]
     kept = rows[len(rows) // 5:]  # start-up and the first compiles left out
     stats = run_stats(kept)

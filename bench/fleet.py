@@ -39,7 +39,7 @@ def main() -> None:
     for r in range(args.rounds):
         for n in counts if r % 2 == 0 else counts[::-1]:
             keys = {"services.trainer.total_steps": args.steps, "services.trainer.max_wall_s": 0.0,
-                    "services.trainer.eval_every": 0, "services.trainer.eval_prompts": 16,
+                    "services.trainer.eval.every": 0, "services.trainer.eval.prompts": 16,
                     "services.trainer.checkpoint_every": 0,
                     "launcher.services.rollout": n}
             res = run_rlbus(f"rollout{n}-{r}", root / f"rollout{n}-{r}", keys)

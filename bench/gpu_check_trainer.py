@@ -99,10 +99,10 @@ def measure(model_dir: Path, name: str, args: argparse.Namespace, dtype: str) ->
     from services.trainer.config import TrainerConfig
     from services.trainer.learner import Learner
 
-    cfg = msgspec.convert({"device": args.device, "dtype": dtype, "lr": 1e-5, "micro_batch_size": 64,
-                           "max_tokens_per_micro_batch": args.max_tokens, "gradient_checkpointing": args.checkpointing,
-                           "num_threads": args.threads}, TrainerConfig)
-    placement = devices.resolve(cfg)
+    cfg = msgspec.convert({"devices": {"device": args.device, "num_threads": args.threads},
+                           "optim": {"lr": 1e-5, "micro_batch_size": 64, "max_tokens_per_micro_batch": args.max_tokens,
+                                     "gradient_checkpointing": args.checkpointing}}, TrainerConfig)
+    placement = devices.resolve(cfg, dtype=dtype)  # the run's [model] dtype
     if placement.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     learner = Learner(cfg, model_dir, placement)

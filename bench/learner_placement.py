@@ -97,7 +97,7 @@ def make_batch(cfg: Any, tokenizer: Any, step: int) -> list[ScoredTrajectory]:
         for i in range(cfg.group_size):
             right = i % 3 == 0 or rng.random() < 0.3  # every group mixes right (1) and wrong (0) sums
             text = str(answer if right else answer + rng.choice([-11, -10, -1, 1, 10]))
-            ids = list(tokenizer.encode(text, add_special_tokens=False))[: cfg.max_new_tokens - 1]
+            ids = list(tokenizer.encode(text, add_special_tokens=False))[: cfg.sampling.max_new_tokens - 1]
             ids.append(tokenizer.eos_token_id)
             turn = Turn(role="assistant", token_ids=ids, logprobs=[-rng.uniform(0.01, 2.5) for _ in ids],
                         versions=[step] * len(ids), text=text)

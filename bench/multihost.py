@@ -43,8 +43,8 @@ SERVICES = (("a", "trainer"), ("b", "rollout"), ("b", "judge"))  # (namespaced h
 
 def overrides(steps: int, run_dir: Path, run_id: str) -> dict[str, object]:
     return {"run.dir": str(run_dir), "run.id": run_id, "services.trainer.total_steps": steps,
-            "services.trainer.max_wall_s": 0.0, "services.trainer.eval_every": 0,
-            "services.trainer.eval_prompts": 16, "services.trainer.checkpoint_every": 0}
+            "services.trainer.max_wall_s": 0.0, "services.trainer.eval.every": 0,
+            "services.trainer.eval.prompts": 16, "services.trainer.checkpoint_every": 0}
 
 
 def steps_done(metrics: Path) -> int:

@@ -54,8 +54,8 @@ def recovery(root: Path, nodes: int, down_s: float, warm_steps: int) -> dict[str
 
     run_dir = root / f"recovery-{nodes}"
     overrides = [f'run.dir="{run_dir}"', f'run.id="recovery{nodes}"', "services.trainer.total_steps=100000",
-                 "services.trainer.max_wall_s=0.0", "services.trainer.eval_every=0",
-                 "services.trainer.eval_prompts=16", f"launcher.nats_cluster={nodes if nodes > 1 else 0}"]
+                 "services.trainer.max_wall_s=0.0", "services.trainer.eval.every=0",
+                 "services.trainer.eval.prompts=16", f"launcher.nats_cluster={nodes if nodes > 1 else 0}"]
     sup = Supervisor(str(EXAMPLE), overrides, quiet=True)
     metrics = run_dir / "metrics.jsonl"
     try:
@@ -116,7 +116,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     root = Path(tempfile.mkdtemp(prefix="rlbus-bench-cluster-"))
     base = {"services.trainer.total_steps": args.steps, "services.trainer.max_wall_s": 0.0,
-            "services.trainer.eval_every": 0, "services.trainer.eval_prompts": 16,
+            "services.trainer.eval.every": 0, "services.trainer.eval.prompts": 16,
             "services.trainer.checkpoint_every": 0}
     s_per_step: dict[str, list[float]] = {"single": [], "r3": []}
     if not args.skip_throughput:

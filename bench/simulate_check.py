@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     dirs = {}
     for label, keys in VARIANTS.items():
         run_rlbus(label, root / label, {**keys, "services.trainer.total_steps": args.steps,
-                                        "services.trainer.eval_every": 0})
+                                        "services.trainer.eval.every": 0})
         dirs[label] = root / label
     shape, measured = shape_of(dirs["async"]), measure(dirs["async"])
     fitted, rates, reproduced = fit(shape, measured)

@@ -96,7 +96,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     receiver = Receiver()
     common = {"services.trainer.total_steps": args.steps, "services.trainer.max_wall_s": 0,
-              "services.trainer.eval_every": 0, "services.trainer.checkpoint_every": 0}
+              "services.trainer.eval.every": 0, "services.trainer.checkpoint_every": 0}
     per_step: dict[str, list[float]] = {"on": [], "off": []}
     scrapes = 0
     with tempfile.TemporaryDirectory() as tmp:

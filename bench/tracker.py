@@ -100,7 +100,7 @@ def main() -> None:
         print(json.dumps({**after, "steps": args.steps, "load_average": [round(x, 2) for x in os.getloadavg()]}))
         return
     common = {"services.trainer.total_steps": args.steps, "services.trainer.max_wall_s": 0,
-              "services.trainer.eval_every": 0, "services.trainer.checkpoint_every": 0}
+              "services.trainer.eval.every": 0, "services.trainer.checkpoint_every": 0}
     per_step: dict[str, list[float]] = {"on": [], "off": []}
     after: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:

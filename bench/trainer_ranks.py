@@ -47,10 +47,11 @@ async def child(args: argparse.Namespace) -> dict[str, float]:
     from services.trainer.learner import Learner
     from services.trainer.ranks import RankGroup
 
-    cfg = msgspec.convert({"device": "cpu", "world_size": args.world, "num_threads": args.threads, "lr": 1e-5,
-                           "micro_batch_size": 64, "max_tokens_per_micro_batch": args.max_tokens}, TrainerConfig)
+    cfg = msgspec.convert({"devices": {"device": "cpu", "world_size": args.world, "num_threads": args.threads},
+                           "optim": {"lr": 1e-5, "micro_batch_size": 64, "max_tokens_per_micro_batch": args.max_tokens}},
+                          TrainerConfig)
     out = Path(args.out)
-    group = RankGroup.start(cfg, out) if cfg.world_size > 1 else None
+    group = RankGroup.start(cfg, out) if cfg.devices.world_size > 1 else None
     try:
         if group is not None:
             group.init(Path(args.model_dir))

@@ -269,8 +269,8 @@ def example_trainer_config(example: Path = EXAMPLE, comparison: Comparison | Non
     if cfg.task != comp.task or cfg.model != comp.model:
         raise TrlUnavailable(f"{example}: this bench compares on task {comp.task} with model {comp.model}, "
                              f"the example has {cfg.task!r} / {cfg.model!r}")
-    if cfg.aggregation not in TRL_LOSS_TYPE:
-        raise TrlUnavailable(f"{example}: aggregation {cfg.aggregation!r} has no TRL loss_type counterpart")
+    if cfg.loss.aggregation not in TRL_LOSS_TYPE:
+        raise TrlUnavailable(f"{example}: aggregation {cfg.loss.aggregation!r} has no TRL loss_type counterpart")
     return cfg
 
 
@@ -315,7 +315,7 @@ def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
     torch.set_num_threads(args.trl_threads)
     torch.manual_seed(args.seed)
     task = get_task(cfg.task, **cfg.task_options)
-    max_new_tokens = cfg.max_new_tokens or task.max_new_tokens
+    max_new_tokens = cfg.sampling.max_new_tokens or task.max_new_tokens
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     eval_set = held_out_set(args, cfg, task)
@@ -332,19 +332,19 @@ def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
     batch = cfg.groups_per_step * cfg.group_size
     # one optimiser step per batch on both sides; the batch in forward/backward passes of the example's
     # micro_batch_size (gradient accumulation, as the rlbus trainer does), the whole batch on the tiny model
-    micro = trl_micro_batch(args.model, batch, cfg.micro_batch_size)
+    micro = trl_micro_batch(args.model, batch, cfg.optim.micro_batch_size)
     config = GRPOConfig(
         output_dir=str(out_dir), use_cpu=True, bf16=bf16, report_to="none", seed=args.seed,
         max_steps=args.steps, per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
         num_generations=cfg.group_size, max_completion_length=max_new_tokens,
-        temperature=cfg.temperature, top_p=cfg.top_p, top_k=0, learning_rate=cfg.lr,
-        lr_scheduler_type=cfg.lr_schedule, warmup_steps=cfg.lr_warmup_steps, weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.max_grad_norm, beta=cfg.kl_coef, num_iterations=1,
-        epsilon=cfg.clip_low, epsilon_high=cfg.clip_high, loss_type=TRL_LOSS_TYPE[cfg.aggregation],
-        scale_rewards="group" if cfg.normalize_std else "none",
+        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=0, learning_rate=cfg.optim.lr,
+        lr_scheduler_type=cfg.optim.lr_schedule, warmup_steps=cfg.optim.lr_warmup_steps, weight_decay=cfg.optim.weight_decay,
+        max_grad_norm=cfg.optim.max_grad_norm, beta=cfg.loss.kl_coef, num_iterations=1,
+        epsilon=cfg.loss.clip_low, epsilon_high=cfg.loss.clip_high, loss_type=TRL_LOSS_TYPE[cfg.loss.aggregation],
+        scale_rewards="group" if cfg.loss.normalize_std else "none",
         shuffle_dataset=False, save_strategy="no", logging_steps=1, disable_tqdm=True,
         dataloader_num_workers=0, log_completions=False,
-        gradient_checkpointing=cfg.gradient_checkpointing,  # TRL's default is on; rlbus's example decides
+        gradient_checkpointing=cfg.optim.gradient_checkpointing,  # TRL's default is on; rlbus's example decides
     )
 
     class EvalClock(TrainerCallback):
@@ -419,7 +419,7 @@ def rlbus_offline_curve(args: argparse.Namespace, cfg: Any, model_dir: Path,
 def eval_prompt_count(args: argparse.Namespace, cfg: Any) -> int:
     """Held-out prompts per evaluation on both sides: ``--eval-prompts``, where 0 means the example's
     ``eval_prompts`` (itself 0: all the task has)."""
-    return args.eval_prompts or cfg.eval_prompts
+    return args.eval_prompts or cfg.eval.prompts
 
 
 def rlbus_overrides(args: argparse.Namespace, cfg: Any | None = None) -> dict[str, object]:
@@ -429,8 +429,8 @@ def rlbus_overrides(args: argparse.Namespace, cfg: Any | None = None) -> dict[st
         "services.trainer.total_steps": args.steps,
         # the sample budget ends the run, as on the TRL side, unless --max-wall-s stops both sides earlier
         "services.trainer.max_wall_s": float(args.max_wall_s),
-        "services.trainer.eval_every": args.eval_every,
-        "services.trainer.eval_prompts": args.eval_prompts if cfg is None else eval_prompt_count(args, cfg),
+        "services.trainer.eval.every": args.eval_every,
+        "services.trainer.eval.prompts": args.eval_prompts if cfg is None else eval_prompt_count(args, cfg),
         "services.trainer.checkpoint_every": 0,  # TRL saves nothing either
         "common.drain_timeout_s": 2.0,  # after the run has finished: shutdown only
     }
@@ -515,10 +515,10 @@ def main(argv: list[str] | None = None) -> int:
         "samples_per_step": cfg.groups_per_step * cfg.group_size,
         "sample_budget": args.steps * cfg.groups_per_step * cfg.group_size,
         "group_size": cfg.group_size,
-        "max_new_tokens": cfg.max_new_tokens,
-        "temperature": cfg.temperature,
-        "lr": cfg.lr,
-        "eval_samples": cfg.eval_samples,
+        "max_new_tokens": cfg.sampling.max_new_tokens,
+        "temperature": cfg.sampling.temperature,
+        "lr": cfg.optim.lr,
+        "eval_samples": cfg.eval.samples,
         "rlbus_eval": args.rlbus_eval,
         "eval_every": args.eval_every,
         "eval_prompts": args.eval_prompts,
@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
             # TRL / rlbus seconds per step at the same batch: the throughput figure, real even in --quick
             "step_time_ratio": ratio(trl_sps or None, rlbus_sps or None),
             "trl_steps_done": sides.get("trl", {}).get("steps"), "rlbus_steps_done": sides.get("rlbus", {}).get("steps"),
-            "max_wall_s": args.max_wall_s, "kl_coef": cfg.kl_coef, "dtype": cfg.dtype,
+            "max_wall_s": args.max_wall_s, "kl_coef": cfg.loss.kl_coef, "dtype": cfg.dtype,
             "groups_per_step": cfg.groups_per_step,
         })
         if args.quick:

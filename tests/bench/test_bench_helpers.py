@@ -152,7 +152,7 @@ def test_run_stats_from_step_lines() -> None:
 
 def test_set_args_parse_back_as_toml() -> None:
     values = {"run.dir": '/tmp/a "quoted" dir', "services.trainer.total_steps": 300,
-              "services.trainer.max_wall_s": 0.0, "services.trainer.normalize_std": True}
+              "services.trainer.max_wall_s": 0.0, "services.trainer.loss.normalize_std": True}
     args = set_args(values)
     assert args[0::2] == ["--set"] * len(values)
     for arg, (key, value) in zip(args[1::2], values.items(), strict=True):
@@ -233,7 +233,7 @@ def test_vs_trl_offline_mode_evaluates_nothing_in_the_loop_and_keeps_every_eval_
     apply_defaults(args)
     assert args.rlbus_eval == "offline"
     assert rlbus_eval_overrides(args) == {
-        "services.trainer.eval_every": 0, "services.trainer.eval_prompts": 1, "services.trainer.eval_samples": 1,
+        "services.trainer.eval.every": 0, "services.trainer.eval.prompts": 1, "services.trainer.eval.samples": 1,
         "services.trainer.checkpoint_every": args.eval_every}
     inloop = parse_args(["--rlbus-eval", "inloop"])
     apply_defaults(inloop)
@@ -249,5 +249,5 @@ def test_async_vs_sync_evaluates_every_side_offline_by_default() -> None:
     args.steps, args.eval_prompts = 50, 20
     # what a side runs with offline: its own keys, then no evaluation in the loop and a checkpoint every 7 steps
     keys = {**overrides(args, 1, 1, 0), **offline_overrides(args.eval_every)}
-    assert keys["services.trainer.eval_every"] == 0 and keys["services.trainer.checkpoint_every"] == 7
+    assert keys["services.trainer.eval.every"] == 0 and keys["services.trainer.checkpoint_every"] == 7
     assert keys["services.trainer.max_staleness"] == 1 and keys["services.trainer.total_steps"] == 50

@@ -97,14 +97,14 @@ def test_rlbus_side_gets_the_same_budget_wall_and_eval_set():
     over = rlbus_overrides(args, cfg)
     assert over["services.trainer.total_steps"] == 12
     assert over["services.trainer.max_wall_s"] == 300.0
-    assert over["services.trainer.eval_every"] == 4
-    assert over["services.trainer.eval_prompts"] == cfg.eval_prompts
+    assert over["services.trainer.eval.every"] == 4
+    assert over["services.trainer.eval.prompts"] == cfg.eval_prompts
     assert over["services.trainer.checkpoint_every"] == 0
     # the tiny comparison as before: the sample budget alone ends the run, its own eval size
     tiny = parse_args([])
     apply_defaults(tiny)
     assert rlbus_overrides(tiny)["services.trainer.max_wall_s"] == 0.0
-    assert rlbus_overrides(tiny)["services.trainer.eval_prompts"] == 200
+    assert rlbus_overrides(tiny)["services.trainer.eval.prompts"] == 200
 
 
 def test_wall_clock_stop_and_seconds_per_step():

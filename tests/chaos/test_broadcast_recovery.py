@@ -28,7 +28,8 @@ def test_broadcast_run_survives_engine_and_trainer_kills(tmp_path, loop_model_di
     cfg = run_file(tmp_path, loop_model_dir, run_id="bcastchaos",
                    services={"trainer": 1, "rollout": 2, "judge": 1}, launcher={"max_restarts": 20}, common={"heartbeat_s": 1.0, "drain_timeout_s": 3.0},
                    trainer={"groups_per_step": 2, "total_steps": 100000, "max_staleness": 1,
-                            "eval_prompts": 4, "checkpoint_every": 2, "group_timeout_s": 30},
+                            "checkpoint_every": 2, "group_timeout_s": 30,
+                            "eval": {"prompts": 4}},
                    rollout={"max_tickets": 8, "version_wait_s": 20}, weights=transport)
     metrics = run_dir / "metrics.jsonl"
     sup = Supervisor(str(cfg), quiet=True)

@@ -96,8 +96,9 @@ def test_chaos_kills_every_role_and_nothing_is_lost(tmp_path, loop_model_dir):
                    launcher={"max_restarts": 50, "heartbeat_timeout_s": 40},
                    common={"heartbeat_s": 1.0, "drain_timeout_s": 3.0},
                    trainer={"groups_per_step": 4, "total_steps": 100000, "max_staleness": 1,
-                            "eval_prompts": 16, "checkpoint_every": 5, "group_timeout_s": 45,
-                            "world_size": 2, "device": "cpu"},
+                            "checkpoint_every": 5, "group_timeout_s": 45,
+                            "eval": {"prompts": 16},
+                            "devices": {"world_size": 2, "device": "cpu"}},
                    rollout={"max_tickets": 16})
     sup = Supervisor(str(cfg), quiet=True)
     metrics = run_dir / "metrics.jsonl"

@@ -42,7 +42,8 @@ def test_the_rollout_fleet_grows_on_its_consumers_lag(tmp_path, loop_model_dir):
     cfg = run_file(tmp_path, loop_model_dir, run_id="autoscale", services={"trainer": 1, "rollout": 1, "judge": 1},
                    launcher={"autoscale": {"rollout": {"min": 1, "max": 2, "target_pending": 2, "period_s": 1.0}}},
                    common={"heartbeat_s": 1.0, "drain_timeout_s": 3.0},
-                   trainer={"groups_per_step": 4, "total_steps": 100000, "max_staleness": 1, "eval_prompts": 8},
+                   trainer={"groups_per_step": 4, "total_steps": 100000, "max_staleness": 1,
+                            "eval": {"prompts": 8}},
                    rollout={"max_tickets": 2})
     sup = Supervisor(str(cfg), quiet=True)
     try:

@@ -52,8 +52,9 @@ def scale(cfg: Path, *counts: str) -> subprocess.CompletedProcess:
 def test_scale_rollout_1_to_3_to_1_mid_run_loses_nothing(tmp_path, loop_model_dir):
     cfg = run_file(tmp_path, loop_model_dir, run_id="elastic", services={"trainer": 1, "rollout": 1, "judge": 1},
                    common={"heartbeat_s": 1.0, "drain_timeout_s": 5.0},
-                   trainer={"groups_per_step": 4, "total_steps": 100000, "max_staleness": 1, "eval_prompts": 8,
-                            "checkpoint_every": 5, "group_timeout_s": 60},
+                   trainer={"groups_per_step": 4, "total_steps": 100000, "max_staleness": 1,
+                            "checkpoint_every": 5, "group_timeout_s": 60,
+                            "eval": {"prompts": 8}},
                    rollout={"max_tickets": 4, "report_every_s": 1.0})
     run_dir = tmp_path / "run"
     metrics = run_dir / "metrics.jsonl"

@@ -46,8 +46,9 @@ def test_loop_on_r3_cluster_survives_a_node_kill_and_loses_nothing(tmp_path, loo
                    services={"trainer": 1, "rollout": 1, "judge": 1},
                    launcher={"nats_cluster": 3, "heartbeat_timeout_s": 60},
                    common={"heartbeat_s": 1.0, "drain_timeout_s": 3.0},
-                   trainer={"groups_per_step": 4, "total_steps": 100000, "max_staleness": 1, "eval_prompts": 8,
-                            "checkpoint_every": 5, "group_timeout_s": 60},
+                   trainer={"groups_per_step": 4, "total_steps": 100000, "max_staleness": 1,
+                            "checkpoint_every": 5, "group_timeout_s": 60,
+                            "eval": {"prompts": 8}},
                    rollout={"max_tickets": 16})
     metrics = tmp_path / "run" / "metrics.jsonl"
     sup = Supervisor(str(cfg), quiet=True)

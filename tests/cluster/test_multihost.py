@@ -51,8 +51,9 @@ def test_loop_across_namespaced_hosts_survives_a_cut_link(tmp_path, loop_model_d
     procs: list[subprocess.Popen] = []
     cfg = run_file(tmp_path, loop_model_dir, run_id="multihost",
                    common={"heartbeat_s": 1.0, "drain_timeout_s": 3.0},
-                   trainer={"groups_per_step": 4, "total_steps": 100000, "max_staleness": 1, "eval_prompts": 8,
-                            "checkpoint_every": 5, "group_timeout_s": 60},
+                   trainer={"groups_per_step": 4, "total_steps": 100000, "max_staleness": 1,
+                            "checkpoint_every": 5, "group_timeout_s": 60,
+                            "eval": {"prompts": 8}},
                    rollout={"max_tickets": 8},
                    extra="[nats]\nconnect_timeout_s = 2.0\nreconnect_wait_s = 0.5\nping_interval_s = 1.0\n"
                          "max_outstanding_pings = 3\n")

@@ -151,7 +151,7 @@ def test_kueue_admits_the_trainer_group_as_one_workload(rendered):
     assert docs[("LocalQueue", queue)]["spec"]["clusterQueue"] in {n for k, n in docs if k == "ClusterQueue"}
     assert job["spec"]["suspend"] is True  # Kueue unsuspends it on admission
     c = job["spec"]["template"]["spec"]["containers"][0]
-    world = int(next(e["value"] for e in c["env"] if e["name"] == "RLBUS__SERVICES__TRAINER__WORLD_SIZE"))
+    world = int(next(e["value"] for e in c["env"] if e["name"] == "RLBUS__SERVICES__TRAINER__DEVICES__WORLD_SIZE"))
     assert c["resources"]["requests"]["nvidia.com/gpu"] == world  # the whole rank group or nothing
 
 

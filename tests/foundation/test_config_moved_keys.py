@@ -61,3 +61,28 @@ def test_the_new_keys_load_and_default_to_the_store():
     assert (default.retry_for_s, default.recheck_s) == (300.0, 10.0)
     broadcast = load_service_config("rollout", RolloutConfig, None, env={}, overrides=['weights.type="broadcast"'])
     assert isinstance(broadcast.weights, BroadcastConfig) and broadcast.weights.world_size == 0  # the launcher's
+
+
+@pytest.mark.parametrize(("env", "overrides", "old", "new"), [
+    ({}, ["services.trainer.lr=1e-5"], "services.trainer.lr", "services.trainer.optim.lr"),
+    ({"RLBUS__SERVICES__TRAINER__EVAL_EVERY": "5"}, [], "services.trainer.eval_every", "services.trainer.eval.every"),
+    ({"RLBUS__SERVICES__TRAINER__WORLD_SIZE": "2"}, [], "services.trainer.world_size",
+     "services.trainer.devices.world_size"),
+    ({}, ["services.trainer.kl_coef=0.1"], "services.trainer.kl_coef", "services.trainer.loss.kl_coef"),
+], ids=["set-trainer-lr", "env-trainer-eval-every", "env-trainer-world-size", "set-trainer-kl-coef"])
+def test_flat_trainer_keys_name_their_group(env, overrides, old, new):
+    with pytest.raises(ConfigError, match=f"config key {old} was replaced by {new} "):
+        load_tree(None, env=env, overrides=overrides)
+
+
+def test_a_flat_trainer_key_in_a_file_names_its_group_and_the_grouped_keys_load(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[services.trainer]\nmax_new_tokens = 8\n")
+    with pytest.raises(ConfigError, match=r"services.trainer.max_new_tokens was replaced by "
+                                          r"services.trainer.sampling.max_new_tokens \(\[services.trainer.sampling\]"):
+        load_service_config("trainer", TrainerConfig, cfg, env={})
+    cfg.write_text("[services.trainer.sampling]\nmax_new_tokens = 8\n[services.trainer.eval]\nevery = 3\n")
+    trainer = load_service_config("trainer", TrainerConfig, cfg, env={"RLBUS__SERVICES__TRAINER__OPTIM__LR": "2e-5"},
+                                  overrides=["services.trainer.devices.world_size=2"]).service
+    assert (trainer.sampling.max_new_tokens, trainer.eval.every, trainer.optim.lr) == (8, 3, 2e-5)
+    assert trainer.devices.world_size == 2 and trainer.eval.samples == 1  # the rest of each group: defaults

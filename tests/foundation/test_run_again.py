@@ -40,7 +40,8 @@ def test_states_of_a_run_directory(tmp_path):
 @pytest.mark.slow
 def test_a_finished_run_is_not_silently_run_again(tmp_path, loop_model_dir):
     cfg = run_file(tmp_path, loop_model_dir, run_id="again", services={"trainer": 1, "rollout": 1, "judge": 1},
-                   trainer={"groups_per_step": 2, "total_steps": 2, "max_staleness": 0, "eval_prompts": 4},
+                   trainer={"groups_per_step": 2, "total_steps": 2, "max_staleness": 0,
+                            "eval": {"prompts": 4}},
                    rollout={"max_tickets": 8})
     cli = [sys.executable, "-m", "services.launcher.cli", "run", str(cfg)]
     first = subprocess.run(cli, capture_output=True, text=True, timeout=600)
@@ -74,7 +75,8 @@ def test_a_finished_run_is_not_silently_run_again(tmp_path, loop_model_dir):
 def test_no_nats_error_on_a_clean_stop(tmp_path, loop_model_dir):
     """The launcher's own connections close before its NATS server stops: nothing says "unexpected EOF"."""
     cfg = run_file(tmp_path, loop_model_dir, run_id="quiet", services={"trainer": 1, "rollout": 1, "judge": 1},
-                   trainer={"groups_per_step": 2, "total_steps": 1, "max_staleness": 0, "eval_prompts": 2},
+                   trainer={"groups_per_step": 2, "total_steps": 1, "max_staleness": 0,
+                            "eval": {"prompts": 2}},
                    rollout={"max_tickets": 8})
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
                        text=True, timeout=600)

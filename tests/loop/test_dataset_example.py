@@ -26,8 +26,8 @@ def test_dataset_example_trains_and_scores_with_named_rewards(tmp_path, loop_mod
         "model.name": loop_model_dir,
         "services.trainer.total_steps": STEPS, "services.trainer.max_wall_s": 0,
         "services.trainer.groups_per_step": GROUPS, "services.trainer.group_size": GROUP_SIZE,
-        "services.trainer.eval_every": 3, "services.trainer.eval_prompts": EVAL_PROMPTS,
-        "services.trainer.eval_samples": 1, "services.trainer.checkpoint_every": 0,
+        "services.trainer.eval.every": 3, "services.trainer.eval.prompts": EVAL_PROMPTS,
+        "services.trainer.eval.samples": 1, "services.trainer.checkpoint_every": 0,
     }
     command = [sys.executable, "-m", "services.launcher.cli", "run", "examples/dataset.toml"]
     for key, value in short.items():

@@ -24,9 +24,10 @@ def test_short_run_end_to_end(tmp_path, loop_model_dir):
     run_dir = tmp_path / "run"
     cfg = run_file(tmp_path, loop_model_dir, run_id="e2e",
                    services={"trainer": 1, "rollout": 1, "judge": 2, "weightsync": 1},
-                   trainer={"groups_per_step": 4, "total_steps": 6, "max_staleness": 1, "eval_every": 3,
-                            "eval_prompts": 16, "checkpoint_every": 3,
-                            "transport": {"type": "store", "encoding": {"anchor_every": 2}}},
+                   trainer={"groups_per_step": 4, "total_steps": 6, "max_staleness": 1,
+                            "checkpoint_every": 3,
+                            "transport": {"type": "store", "encoding": {"anchor_every": 2}},
+                            "eval": {"every": 3, "prompts": 16}},
                    rollout={"max_tickets": 16})
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
                        text=True, timeout=600)

@@ -30,8 +30,9 @@ RUN = "failrun"
 @pytest.mark.slow
 async def test_failed_rollout_is_dropped_with_its_error_and_siblings_train(nats_url, tmp_path, loop_model_dir):
     cfg = run_file(tmp_path, loop_model_dir, run_id=RUN, nats_url=nats_url,
-                   trainer={"groups_per_step": 1, "group_size": 3, "max_new_tokens": 4, "total_steps": 1,
-                            "max_staleness": 0, "eval_prompts": 2})
+                   trainer={"groups_per_step": 1, "group_size": 3, "total_steps": 1, "max_staleness": 0,
+                            "sampling": {"max_new_tokens": 4},
+                            "eval": {"prompts": 2}})
     cfg_cls, factory = registry.load("trainer")
     loaded = load_service_config("trainer", cfg_cls, cfg)
     trainer = asyncio.create_task(service.serve("trainer", factory, loaded, "trainer-0"))

@@ -49,9 +49,10 @@ async def _stored_manifests(run_dir):
 def test_a_lora_run_learns_and_sends_only_adapters(tmp_path, warm_model_dir):
     run_dir = tmp_path / "run"
     cfg = run_file(tmp_path, warm_model_dir, run_id=RUN, services={"trainer": 1, "rollout": 1, "judge": 1},
-                   trainer={"groups_per_step": 16, "group_size": 8, "total_steps": 60, "lr": 1e-3,
-                            "max_staleness": 1, "eval_prompts": 200, "eval_samples": 2,
-                            "lora": {"r": 8, "alpha": 16.0}},
+                   trainer={"groups_per_step": 16, "group_size": 8, "total_steps": 60, "max_staleness": 1,
+                            "lora": {"r": 8, "alpha": 16.0},
+                            "optim": {"lr": 1e-3},
+                            "eval": {"prompts": 200, "samples": 2}},
                    rollout={"max_tickets": 32}, weights={"type": "store", "encoding": {"anchor_every": 10}})
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
                        text=True, timeout=900)

@@ -17,7 +17,8 @@ from tests.conftest import run_file
 @pytest.mark.slow
 def test_recorded_steps_recompute_bit_identically(tmp_path, loop_model_dir):
     cfg = run_file(tmp_path, loop_model_dir, run_id="replayed", services={"trainer": 1, "rollout": 1, "judge": 1},
-                   trainer={"groups_per_step": 3, "total_steps": 3, "max_staleness": 1, "eval_prompts": 4},
+                   trainer={"groups_per_step": 3, "total_steps": 3, "max_staleness": 1,
+                            "eval": {"prompts": 4}},
                    rollout={"max_tickets": 8})
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
                        text=True, timeout=600)

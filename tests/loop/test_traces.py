@@ -40,7 +40,8 @@ def test_one_group_is_traced_from_admission_to_the_engine_applying_its_step(tmp_
     try:
         cfg = run_file(tmp_path, loop_model_dir, run_id="traced",
                        services={"trainer": 1, "rollout": 1, "judge": 1},
-                       trainer={"groups_per_step": 2, "total_steps": 3, "max_staleness": 0, "eval_prompts": 4},
+                       trainer={"groups_per_step": 2, "total_steps": 3, "max_staleness": 0,
+                                "eval": {"prompts": 4}},
                        rollout={"max_tickets": 8})
         env = {**__import__("os").environ, "OTEL_TRACES_EXPORTER": "otlp",
                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,

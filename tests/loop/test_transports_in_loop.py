@@ -42,8 +42,8 @@ def _run_three_steps(tmp_path, model_dir, run_id: str, services: dict[str, int],
     """`rlbus run` of 3 synchronous steps of the tiny model; returns the service logs by file name."""
     run_dir = tmp_path / "run"
     cfg = run_file(tmp_path, model_dir, run_id=run_id, services=services, extra=extra, weights=weights,
-                   trainer={"groups_per_step": 2, "total_steps": 3, "max_staleness": 0, "eval_prompts": 4,
-                            **(trainer_extra or {})},
+                   trainer={"groups_per_step": 2, "total_steps": 3, "max_staleness": 0,
+                            **(trainer_extra or {}), "eval": {"prompts": 4}},
                    rollout={"max_tickets": 8, **(rollout_extra or {})})
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
                        text=True, timeout=600)

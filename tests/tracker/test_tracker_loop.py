@@ -28,8 +28,8 @@ def test_short_run_with_the_tracker(tmp_path, loop_model_dir):
     blocker.write_text("no directory can be made under a file")
     cfg = run_file(tmp_path, loop_model_dir, run_id="trk-loop",
                    services={"trainer": 1, "rollout": 1, "judge": 1, "tracker": 1},
-                   trainer={"groups_per_step": 4, "total_steps": 4, "max_staleness": 1, "eval_every": 2,
-                            "eval_prompts": 8},
+                   trainer={"groups_per_step": 4, "total_steps": 4, "max_staleness": 1,
+                            "eval": {"every": 2, "prompts": 8}},
                    rollout={"max_tickets": 16},
                    extra=f"""
 [services.tracker]

@@ -18,8 +18,8 @@ def test_the_loop_runs_on_the_vllm_engine(tmp_path, loop_model_dir):
     run_dir = tmp_path / "run"
     cfg = run_file(tmp_path, loop_model_dir, run_id="vllmloop",
                    services={"trainer": 1, "rollout": 1, "judge": 1},
-                   trainer={"groups_per_step": 4, "total_steps": 4, "max_staleness": 1, "eval_every": 0,
-                            "eval_prompts": 8},
+                   trainer={"groups_per_step": 4, "total_steps": 4, "max_staleness": 1,
+                            "eval": {"every": 0, "prompts": 8}},
                    rollout={"max_tickets": 16, "initial_weights_timeout_s": 300.0,
                             "engine": {"type": "vllm", "max_num_seqs": 64, "kv_cache_gib": 0.25,
                                        "enforce_eager": True}})
@@ -53,8 +53,9 @@ def test_the_vllm_engine_takes_versions_from_every_transport(tmp_path, loop_mode
                                                               "backend": "gloo", "timeout_s": 120}
     services = {"trainer+rollout": 1, "judge": 1} if kind == "inproc" else {"trainer": 1, "rollout": 1, "judge": 1}
     cfg = run_file(tmp_path, loop_model_dir, run_id=f"vllm{kind}", services=services,
-                   trainer={"groups_per_step": 2, "total_steps": 3, "max_staleness": 0, "eval_every": 0,
-                            "eval_prompts": 4, "transport": transport},
+                   trainer={"groups_per_step": 2, "total_steps": 3, "max_staleness": 0,
+                            "transport": transport,
+                            "eval": {"every": 0, "prompts": 4}},
                    rollout={"max_tickets": 8, "initial_weights_timeout_s": 300.0, "transport": transport,
                             "engine": {"type": "vllm", "max_num_seqs": 32, "kv_cache_gib": 0.25,
                                        "enforce_eager": True}})
