@@ -59,37 +59,40 @@ class Measured(msgspec.Struct, kw_only=True):
 
 
 def shape_of(run_dir: Path, cores: float | None = None) -> Shape:
-    """The run's batch, staleness and fleet, from ``config.resolved.json``."""
+    """The run's batch, staleness and fleet, from ``config.resolved.json`` (every key, defaults included)."""
+    from services.launcher.runfile import RunFile
+    from services.runtime.config import ConfigError
+
     path = run_dir / "config.resolved.json"
     if not path.is_file():
         raise FitError(f"{run_dir} has no config.resolved.json: not a run directory (rlbus run writes one)")
-    cfg = json.loads(path.read_text())
-    services = cfg.get("launcher", {}).get("services", {})
-    trainer = cfg["services"]["trainer"]
-    rollout = cfg["services"].get("rollout", {})
-    engine = rollout.get("engine", {})
+    try:
+        rf = RunFile.from_tree(json.loads(path.read_text()))
+    except (ConfigError, ValueError) as e:
+        raise FitError(f"{path} does not load in this rlbus (written by an older one?): {e}") from None
+    trainer, rollout, services = rf.services.trainer, rf.services.rollout, rf.launcher.services
+    engine = rollout.engine
     return Shape(
-        groups_per_step=trainer.get("groups_per_step", 16), group_size=trainer.get("group_size", 8),
-        max_new_tokens=(trainer.get("sampling") or {}).get("max_new_tokens") or 64, max_staleness=trainer.get("max_staleness", 1),
+        groups_per_step=trainer.groups_per_step, group_size=trainer.group_size,
+        max_new_tokens=trainer.sampling.max_new_tokens or _task_budget(rf), max_staleness=trainer.max_staleness,
         engines=max(1, services.get("rollout", 1)), judges=max(1, services.get("judge", 1)),
-        max_tickets=rollout.get("max_tickets", 64), max_batch=engine.get("max_batch_size", 256),
-        engine_threads=float(engine.get("num_threads", 1) or 1),
-        trainer_threads=float((trainer.get("devices") or {}).get("num_threads", 1) or 1),
-        overlap_publish=bool(trainer.get("overlap_publish", _overlapped(run_dir))),
+        max_tickets=rollout.max_tickets,
+        max_batch=getattr(engine, "max_batch_size", None) or getattr(engine, "max_num_seqs", None) or 128,
+        engine_threads=float(getattr(engine, "num_threads", 1) or 1),
+        trainer_threads=float(trainer.devices.num_threads or 1),
+        overlap_publish=trainer.overlap_publish,
         cores=float(os.cpu_count() or 1) if cores is None else cores)
 
 
-def _overlapped(run_dir: Path) -> bool:
-    """Whether a run that left ``overlap_publish`` at its default published beside its next step: the default
-    (on) since the trainer reports ``time/settle_s``; runs from before that were serial."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return True
-    with open(path) as f:
-        for line in f:
-            if '"time/step_s"' in line:
-                return '"time/settle_s"' in line
-    return True
+def _task_budget(rf: Any) -> int:
+    """The task's own completion budget (``[services.trainer] sampling.max_new_tokens = 0``); 64 when the task
+    cannot be built here."""
+    from services.tasks import get_task
+
+    try:
+        return int(get_task(rf.task.name, **rf.task.options).max_new_tokens)
+    except Exception:  # a task of another package, or options pointing at data not on this machine
+        return 64
 
 
 def measure(run_dir: Path) -> Measured:

@@ -22,8 +22,8 @@ def test_scale_rollout_up_with_the_broadcast_transport_grows_the_group(tmp_path,
     bc = {"type": "broadcast", "world_size": 2, "backend": "gloo", "timeout_s": 30}
     cfg = run_file(tmp_path, loop_model_dir, run_id="bcscale", services={"trainer": 1, "rollout": 1, "judge": 1},
                    common={"heartbeat_s": 1.0, "drain_timeout_s": 5.0},
-                   trainer={"groups_per_step": 2, "total_steps": 100000, "max_staleness": 1, "transport": bc},
-                   rollout={"max_tickets": 4, "transport": bc})
+                   trainer={"groups_per_step": 2, "total_steps": 100000, "max_staleness": 1},
+                   rollout={"max_tickets": 4}, weights=bc)
     run_dir = tmp_path / "run"
     metrics, logs = run_dir / "metrics.jsonl", run_dir / "logs"
     up = subprocess.Popen([*CLI, "up", str(cfg)], cwd=ROOT, stdout=open(tmp_path / "up.log", "wb"),

@@ -264,8 +264,8 @@ def test_loop_across_two_regions_sends_one_copy_per_version_and_rides_out_a_cut(
                      rollout={"max_tickets": 4})
     region_store = {"type": "fs", "root": str(store), "fsync": False}
     cfg_b = run_file(tmp_path / "b", loop_model_dir, run_id=run, nats_url=leaf.url, common=common, trainer=trainer,
-                     rollout={"max_tickets": 2, "transport": {"type": "store", "scope": "regionb", "recheck_s": 2.0,
-                                                              "store": region_store}},
+                     rollout={"max_tickets": 2, "weights_from": {"scope": "regionb", "store": region_store}},
+                     weights={"type": "store", "recheck_s": 2.0},
                      extra="[services.weightsync]\ngc_upstream = false\nrecheck_s = 2.0\n"
                            f"relay = {{ scope = \"regionb\", keep_anchors = 1000, store = {{ type = \"fs\", "
                            f"root = {json.dumps(str(store))}, fsync = false }} }}\n")

@@ -25,10 +25,8 @@ def test_short_run_end_to_end(tmp_path, loop_model_dir):
     cfg = run_file(tmp_path, loop_model_dir, run_id="e2e",
                    services={"trainer": 1, "rollout": 1, "judge": 2, "weightsync": 1},
                    trainer={"groups_per_step": 4, "total_steps": 6, "max_staleness": 1,
-                            "checkpoint_every": 3,
-                            "transport": {"type": "store", "encoding": {"anchor_every": 2}},
-                            "eval": {"every": 3, "prompts": 16}},
-                   rollout={"max_tickets": 16})
+                            "checkpoint_every": 3, "eval": {"every": 3, "prompts": 16}},
+                   rollout={"max_tickets": 16}, weights={"type": "store", "encoding": {"anchor_every": 2}})
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -154,16 +154,27 @@ def test_a_fit_to_an_asynchronous_run_predicts_a_synchronous_one(tmp_path, loop_
     assert abs(error) <= 0.25, (predicted.steps_per_s, target, measured, rates)
 
 
-def test_a_fit_reads_whether_the_run_published_beside_its_next_step(tmp_path):
-    def run(name: str, trainer: dict, step_line: dict) -> Path:
+def test_a_fit_reads_the_run_shape_from_the_resolved_run_file(tmp_path):
+    """config.resolved.json holds every key with its default (the typed run file), so a fit reads the run's
+    shape as the run had it, defaults included; a file an older rlbus wrote is refused saying so."""
+    from services.launcher.runfile import RunFile
+    from services.launcher.simulate_fit import FitError
+
+    def run(name: str, overrides: list[str]) -> Path:
         d = tmp_path / name
         d.mkdir()
-        (d / "config.resolved.json").write_text(json.dumps({"services": {"trainer": trainer}}))
-        (d / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/reward": 0.1}) + "\n" + json.dumps(step_line) + "\n")
+        resolved = RunFile.load(None, env={}, overrides=overrides).resolved()
+        (d / "config.resolved.json").write_text(json.dumps(resolved))
         return d
 
-    # the key left at its default: the trainer's default since it reports time/settle_s, serial before that
-    assert shape_of(run("now", {}, {"step": 1, "time/step_s": 0.1, "time/settle_s": 0.0})).overlap_publish
-    assert not shape_of(run("before", {}, {"step": 1, "time/step_s": 0.1})).overlap_publish
-    assert not shape_of(run("off", {"overlap_publish": False},
-                            {"step": 1, "time/step_s": 0.1, "time/settle_s": 0.0})).overlap_publish
+    default = shape_of(run("default", []))
+    assert default.overlap_publish and default.groups_per_step == 16 and default.max_tickets == 64
+    assert default.max_new_tokens == 6  # 0 in the file: the addition task's own budget
+    off = shape_of(run("off", ["services.trainer.overlap_publish=false", "services.trainer.sampling.max_new_tokens=9",
+                               'services.rollout.engine={type="torch",max_batch_size=32,num_threads=2}']))
+    assert not off.overlap_publish and off.max_new_tokens == 9 and off.max_batch == 32 and off.engine_threads == 2
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.resolved.json").write_text(json.dumps({"services": {"trainer": {"eval_every": 3}}}))
+    with pytest.raises(FitError, match="older one"):
+        shape_of(old)
