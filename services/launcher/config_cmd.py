@@ -53,8 +53,8 @@ def _print_toml(tree: dict[str, Any], path: str = "") -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from services.launcher.run_cmd import resolve_target
     from services.launcher.config_doc import main as doc_main
+    from services.launcher.run_cmd import resolve_target
     from services.launcher.runfile import RunFile
 
     if args.what == "doc":

@@ -11,8 +11,8 @@ import logging
 import nats
 import torch
 
-from services.runtime.weights_config import BroadcastConfig
 from services.lib.weights.transport import make_receiver, make_sender
+from services.runtime.weights_config import BroadcastConfig
 from tests.conftest import wait_for_async
 from tests.weightsync.helpers import assert_bit_identical, make_state, perturb
 

@@ -26,11 +26,11 @@ from proto import catalog
 from services.launcher.accounting import accounting, read_channel
 from services.launcher.status import members
 from services.lib.weights.client import WeightPublisher
-from services.runtime.weights_config import EncodingConfig, FsStoreConfig, StoreTransportConfig
 from services.lib.weights.index import VersionIndex
 from services.lib.weights.objstore import ObjectStoreBlobs
 from services.lib.weights.transport import StoreReceiver
 from services.runtime.natsd import free_port, hub_and_leaf
+from services.runtime.weights_config import EncodingConfig, FsStoreConfig, StoreTransportConfig
 from services.weightsync.config import RelayConfig, WeightsyncConfig
 from services.weightsync.service import WeightsyncService
 from tests.conftest import run_file, trainer_records, wait_for, wait_for_async
