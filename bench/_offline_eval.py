@@ -45,26 +45,36 @@ def offline_overrides(eval_every: int) -> dict[str, object]:
 
 def held_out_reward(model: Any, tokenizer: Any, task: Any, eval_set: list[Any], cfg: Any) -> float:
     """One evaluation: ``evaluate_task`` (HF ``generate``) on ``eval_set``, ``cfg.eval.samples`` samples a
-    prompt at ``cfg.eval.temperature``, the trainer's completion length. Torch threads are the caller's."""
+    prompt at ``cfg.eval.temperature``, the trainer's completion length (``cfg``: a ``TrainerConfig``, the
+    run file's ``[services.trainer]``). Torch threads are the caller's."""
     from services.tasks.evaluate import evaluate_task
 
     return evaluate_task(model, tokenizer, task, eval_set, samples_per_prompt=cfg.eval.samples,
                          temperature=cfg.eval.temperature, max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens)
 
 
-def evaluate_versions(cfg: Any, versions: dict[int, Path], *, eval_prompts: int, threads: int,
+def run_task(runfile: Any) -> Any:
+    """The run file's ``[task]``, built with its options."""
+    from services.tasks import get_task
+
+    name = runfile.task.name
+    return get_task(name, **runfile.task.options_for(name))
+
+
+def evaluate_versions(runfile: Any, versions: dict[int, Path], *, eval_prompts: int, threads: int,
                       seed: int) -> dict[int, float]:
     """``{step: reward}`` of model directories ``{step: dir}`` (step 0: the initial model), each loaded in
-    float32 and evaluated with :func:`held_out_reward` on the task's first ``eval_prompts`` held-out prompts
-    (0: all), on ``threads`` torch threads, the torch RNG seeded once with ``seed``."""
+    float32 and evaluated with :func:`held_out_reward` (the run file's ``[services.trainer]`` eval settings)
+    on its ``[task]``'s first ``eval_prompts`` held-out prompts (0: all), on ``threads`` torch threads, the
+    torch RNG seeded once with ``seed``."""
     import torch
 
     from services.lib.model_io import load_policy
-    from services.tasks import get_task
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    task = get_task(cfg.task, **cfg.task_options)
+    cfg = runfile.services.trainer
+    task = run_task(runfile)
     eval_set = task.eval_prompts()[: eval_prompts or None]
     rewards = {}
     for step, path in sorted(versions.items()):
@@ -75,10 +85,10 @@ def evaluate_versions(cfg: Any, versions: dict[int, Path], *, eval_prompts: int,
     return rewards
 
 
-def run_curve(r: RunResult, cfg: Any, model_dir: Path, *, eval_every: int, eval_prompts: int, threads: int,
+def run_curve(r: RunResult, runfile: Any, model_dir: Path, *, eval_every: int, eval_prompts: int, threads: int,
               seed: int) -> tuple[list[EvalPoint], dict[str, Any]]:
     """The run's curve from its kept versions (every ``eval_every``-th step and the last) and the initial
-    model ``model_dir``, placed at the steps' trainer clock times; and figures about it (checkpoint cost,
+    model ``model_dir``, evaluated on ``runfile``'s task and eval settings (:func:`evaluate_versions`), placed at the steps' trainer clock times; and figures about it (checkpoint cost,
     offline eval time, versions the keeper missed)."""
     metrics = read_metrics(r.run_dir / "metrics.jsonl")
     done = [int(m["step"]) for m in metrics if "trainer/version" in m]
@@ -90,7 +100,7 @@ def run_curve(r: RunResult, cfg: Any, model_dir: Path, *, eval_every: int, eval_
     if missing:
         log.warning("%s: versions of steps %s were pruned before the bench kept them", r.label, missing)
     t0 = time.monotonic()
-    curve = offline_curve(metrics, evaluate_versions(cfg, versions, eval_prompts=eval_prompts, threads=threads,
+    curve = offline_curve(metrics, evaluate_versions(runfile, versions, eval_prompts=eval_prompts, threads=threads,
                                                      seed=seed))
     writes = [v for s, v in r.checkpoint_write_s.items() if s < last]  # the last one is written after the clock
     return curve, {

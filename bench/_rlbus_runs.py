@@ -107,6 +107,41 @@ def set_args(overrides: Mapping[str, object]) -> list[str]:
     return out
 
 
+def example_run_file(example: Path = EXAMPLE, overrides: Sequence[str] = ()) -> Any:
+    """``example`` as the launcher reads it: a :class:`~services.launcher.runfile.RunFile`, every default
+    filled in, ``key=value`` ``overrides`` on top (no ``RLBUS__`` variables: the bench's settings are the
+    file's). Raises ``ConfigError`` naming the key when it does not load."""
+    from services.launcher.runfile import RunFile
+
+    return RunFile.load(example, env={}, overrides=overrides)
+
+
+def resolved_run_file(run_dir: Path) -> Any | None:
+    """The run file a finished run ran with (its ``config.resolved.json``: every key, defaults included),
+    or None when the directory has none or it does not load in this rlbus (written by an older one)."""
+    from services.launcher.runfile import RunFile
+    from services.runtime.config import ConfigError
+
+    path = run_dir / "config.resolved.json"
+    if not path.is_file():
+        return None
+    try:
+        return RunFile.from_tree(json.loads(path.read_text()))
+    except (ConfigError, ValueError) as e:
+        log.warning("%s does not load in this rlbus: %s", path, e)
+        return None
+
+
+def example_model_dir(runfile: Any, seed: int, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The local directory of the run file's ``[model]`` for ``seed`` (builtin models are built and cached on
+    first use), in ``cache_dir`` when given, else the file's ``[model] cache_dir``, else rlbus's cache."""
+    from services.tasks.models import resolve_model
+
+    model = runfile.model
+    cache = str(cache_dir) if cache_dir else (model.cache_dir or None)
+    return resolve_model(model.name, cache, seed=seed, revision=model.revision or None)
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of a ``metrics.jsonl`` (a torn last line is skipped)."""
     records = []

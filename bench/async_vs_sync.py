@@ -19,8 +19,10 @@ eval reward (default: the lower of the pair's final rewards, after ``--smooth``;
 <= 1.1x), and the mean eval reward over the run. ``--seeds 0,1,2`` repeats the whole
 comparison per seed and adds the means over seeds.
 
-``--set KEY=VALUE`` sets a config key on every side (a bare KEY is a trainer key:
-``--set ppo_epochs=2`` is ``services.trainer.optim.ppo_epochs=2``); ``--variant
+``--set KEY=VALUE`` sets a config key on every side (a bare KEY is a trainer key, found in its
+group: ``--set ppo_epochs=2`` is ``services.trainer.optim.ppo_epochs=2``, ``--set loss.kl_coef=0.01``
+is ``services.trainer.loss.kl_coef=0.01``); every side's keys are checked against the example before
+the first run; ``--variant
 NAME:KEY=VALUE,KEY=VALUE`` adds an asynchronous side NAME with those keys on top, e.g.
 ``--variant decoupled:ppo_epochs=2,minibatches=2,is_mode=decoupled``. ``--reuse`` reads
 a side whose run directory (``WORK/seed<N>/<side>``) already holds a finished run
@@ -62,11 +64,16 @@ from bench._rlbus_runs import (  # noqa: E402
     compare,
     curve_json,
     default_target,
+    example_model_dir,
+    example_run_file,
     ratio,
     read_run,
+    resolved_run_file,
     run_rlbus,
     smooth_curve,
+    toml_value,
 )
+from services.runtime.config import ConfigError  # noqa: E402
 
 log = logging.getLogger("rlbus.bench.async_vs_sync")
 
@@ -94,7 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--async-threads", type=int, default=1,
                    help="torch threads of the async run's trainer and of its rollout engine (each; default 1)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config key on every side (bare KEY: services.trainer.KEY); repeatable")
+                   help="a config key on every side (a bare KEY is the trainer's: total_steps, or ppo_epochs for "
+                        "services.trainer.optim.ppo_epochs); repeatable")
     p.add_argument("--variant", dest="variants", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                    help="an extra asynchronous side NAME with these keys on top; repeatable")
     p.add_argument("--reuse", action="store_true",
@@ -111,14 +119,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def trainer_key(key: str) -> str:
+    """The full config key of ``key`` as ``--set`` takes it: a trainer key (``total_steps``), one of a trainer
+    group's keys by its bare name (``ppo_epochs``: ``services.trainer.optim.ppo_epochs``) or by group
+    (``loss.kl_coef``), else ``key`` as given (``run.seed``, ``services.rollout.max_tickets``). A bare name
+    no group has stays a trainer key (loading it then names the key, or where a moved one went).
+
+    Raises:
+        ValueError: a bare name that two groups have (``temperature``: sampling or eval).
+    """
+    import msgspec
+
+    from services.trainer.config import TrainerConfig
+
+    fields = TrainerConfig.__struct_fields__
+    head = key.partition(".")[0]
+    if "." in key:
+        return f"services.trainer.{key}" if head in fields else key
+    if key in fields:
+        return f"services.trainer.{key}"
+    defaults = TrainerConfig()
+    groups = [g for g in fields if isinstance(getattr(defaults, g), msgspec.Struct)
+              and key in getattr(defaults, g).__struct_fields__]
+    if len(groups) > 1:
+        raise ValueError(f"--set {key}: a key of {' and '.join(groups)}: name one (e.g. {groups[0]}.{key})")
+    return f"services.trainer.{groups[0]}.{key}" if groups else f"services.trainer.{key}"
+
+
 def parse_set(item: str) -> tuple[str, object]:
-    """``KEY=VALUE`` as a config key and a value (a TOML literal, else the text itself)."""
+    """``KEY=VALUE`` as a config key (:func:`trainer_key`) and a value (a TOML literal, else the text itself)."""
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ValueError(f"expected KEY=VALUE, got {item!r}")
-    if "." not in key:
-        key = f"services.trainer.{key}"
+    key = trainer_key(key)
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -146,25 +180,24 @@ def overrides(args: argparse.Namespace, staleness: int, threads: int, seed: int)
         "services.trainer.checkpoint_every": 0,  # only the final model: no checkpoint cost on either side
         "services.trainer.max_staleness": staleness,
         "services.trainer.devices.num_threads": threads,
-        "services.lib.engine.base.num_threads": threads,
+        "services.rollout.engine.num_threads": threads,
         "common.drain_timeout_s": 2.0,  # after the run has finished: shutdown only
         **dict(parse_set(item) for item in args.sets),
     }
 
 
+def check_keys(keys: dict[str, object]) -> None:
+    """Raise ``ConfigError`` naming the key when the example with ``keys`` set would not load."""
+    example_run_file(EXAMPLE, [f"{k}={toml_value(v)}" for k, v in keys.items()])
+
+
 def evaluate_offline(args: argparse.Namespace, seed: int, r: RunResult) -> tuple[list[EvalPoint], dict[str, object]]:
     """The run's curve from its kept versions and the initial model (the example's model for ``seed``),
-    every side evaluated alike: one torch thread, the torch RNG seeded with ``seed``."""
-    import msgspec
-
-    from services.tasks.models import default_cache_dir, resolve_model
-    from services.trainer.config import TrainerConfig
-
-    tree = tomllib.loads(EXAMPLE.read_text())
-    cfg = msgspec.convert(tree.get("services", {}).get("trainer", {}), TrainerConfig)
-    model_dir = resolve_model(cfg.model, str(default_cache_dir()), seed=seed)
-    return run_curve(r, cfg, model_dir, eval_every=args.eval_every, eval_prompts=args.eval_prompts, threads=1,
-                     seed=seed)
+    every side evaluated alike, on the example's task and eval settings: one torch thread, the torch RNG
+    seeded with ``seed``."""
+    runfile = example_run_file(EXAMPLE)
+    return run_curve(r, runfile, example_model_dir(runfile, seed), eval_every=args.eval_every,
+                     eval_prompts=args.eval_prompts, threads=1, seed=seed)
 
 
 def side_json(r: RunResult) -> dict[str, object]:
@@ -256,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds else [args.seed]
     try:
         variants = dict(parse_variant(v) for v in args.variants)
-        overrides(args, 0, 1, 0)  # every --set parses before the first run
-    except ValueError as e:
+        for keys in [{}, *variants.values()]:  # every side's keys load on the example before the first run
+            check_keys({**overrides(args, 0, 1, 0), **keys})
+    except (ValueError, ConfigError) as e:
         print(f"async_vs_sync: {e}", file=sys.stderr)
         return 2
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="rlbus-async-vs-sync-"))
@@ -285,10 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         "final_reward": {n: mean([s["final_reward"][n] for s in per_seed]) for n in names},  # type: ignore[index]
         "eval_reward_mean": {n: mean([s["eval_reward_mean"][n] for s in per_seed]) for n in names},  # type: ignore[index]
     }
-    cfg_path = work / f"seed{seeds[0]}" / "sync" / "config.resolved.json"
-    trainer_cfg = json.loads(cfg_path.read_text()).get("services", {}).get("trainer", {}) if cfg_path.is_file() else {}
-    samples_per_step = (trainer_cfg["groups_per_step"] * trainer_cfg["group_size"]
-                        if "groups_per_step" in trainer_cfg and "group_size" in trainer_cfg else None)
+    ran = resolved_run_file(work / f"seed{seeds[0]}" / "sync")  # the batch the sync side trained with
+    samples_per_step = ran.services.trainer.groups_per_step * ran.services.trainer.group_size if ran else None
     out = {
         "bench": "async_vs_sync",
         "quick": args.quick,

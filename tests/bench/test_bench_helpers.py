@@ -251,3 +251,51 @@ def test_async_vs_sync_evaluates_every_side_offline_by_default() -> None:
     keys = {**overrides(args, 1, 1, 0), **offline_overrides(args.eval_every)}
     assert keys["services.trainer.eval.every"] == 0 and keys["services.trainer.checkpoint_every"] == 7
     assert keys["services.trainer.max_staleness"] == 1 and keys["services.trainer.total_steps"] == 50
+
+
+def test_async_vs_sync_set_finds_each_bare_trainer_key_in_its_group() -> None:
+    from bench.async_vs_sync import parse_set, parse_variant, trainer_key
+
+    assert trainer_key("total_steps") == "services.trainer.total_steps"
+    assert trainer_key("ppo_epochs") == "services.trainer.optim.ppo_epochs"
+    assert trainer_key("is_mode") == "services.trainer.loss.is_mode"
+    assert trainer_key("num_threads") == "services.trainer.devices.num_threads"
+    assert trainer_key("loss.kl_coef") == "services.trainer.loss.kl_coef"  # by group
+    assert trainer_key("services.rollout.max_tickets") == "services.rollout.max_tickets"  # a full key as given
+    assert trainer_key("run.seed") == "run.seed"
+    with pytest.raises(ValueError, match="sampling and eval"):
+        trainer_key("temperature")  # two groups have it: the caller names one
+    assert parse_set("sampling.temperature=0.7") == ("services.trainer.sampling.temperature", 0.7)
+    assert parse_variant("decoupled:ppo_epochs=2,minibatches=2,is_mode=decoupled") == ("decoupled", {
+        "services.trainer.optim.ppo_epochs": 2, "services.trainer.optim.minibatches": 2,
+        "services.trainer.loss.is_mode": "decoupled"})
+
+
+def test_async_vs_sync_checks_every_key_on_the_example_before_running() -> None:
+    from bench.async_vs_sync import check_keys, main, overrides, parse_args
+    from services.runtime.config import ConfigError
+
+    args = parse_args(["--set", "ppo_epochs=2"])
+    args.steps, args.eval_every, args.eval_prompts = 8, 4, 50
+    check_keys(overrides(args, 0, 1, 0))  # the shipped keys and the engine's threads all load
+    with pytest.raises(ConfigError, match="services.trainer.eval.every"):
+        check_keys({"services.trainer.eval_every": 3})  # a moved key names its new place
+    with pytest.raises(ConfigError, match="optim.lr"):
+        check_keys({"services.trainer.optim.lr": "fast"})
+    # main refuses such a key before any run starts (exit 2, nothing launched)
+    assert main(["--quick", "--set", "eval_every=3"]) == 2
+    assert main(["--quick", "--variant", "x:temperature=0.5"]) == 2
+
+
+def test_the_example_and_a_resolved_run_file_read_alike(tmp_path: Path) -> None:
+    from bench._rlbus_runs import EXAMPLE, example_run_file, resolved_run_file
+
+    runfile = example_run_file(EXAMPLE, ["services.trainer.groups_per_step=4"])
+    assert (runfile.model.name, runfile.task.name) == ("tiny-addition", "addition")
+    assert runfile.services.trainer.groups_per_step == 4 and runfile.services.trainer.optim.lr == 1e-4
+    assert resolved_run_file(tmp_path) is None  # not a run directory
+    # what the launcher writes (every key, defaults included) reads back as the same run file
+    (tmp_path / "config.resolved.json").write_text(json.dumps(runfile.resolved()))
+    assert resolved_run_file(tmp_path) == runfile
+    (tmp_path / "config.resolved.json").write_text(json.dumps({"services": {"trainer": {"eval_every": 3}}}))
+    assert resolved_run_file(tmp_path) is None  # written by an older rlbus: no figures from it

@@ -13,7 +13,7 @@ from bench.vs_trl import (
     TrlUnavailable,
     apply_defaults,
     eval_prompt_count,
-    example_trainer_config,
+    example_config,
     parse_args,
     past_wall,
     prompt_text,
@@ -21,16 +21,12 @@ from bench.vs_trl import (
     s_per_step,
     trl_micro_batch,
 )
-from services.judge.config import JudgeConfig
+from bench._offline_eval import run_task
 from services.launcher.cli import resolve_target
-from services.launcher.supervisor import LauncherSection
+from services.launcher.runfile import RunFile
 from services.lib.engine.config import AutoEngineConfig
-from services.rollout.config import RolloutConfig
-from services.runtime.config import convert, load_service_config, load_tree
 from services.tasks import get_task
 from services.tasks.models import model_params
-from services.trainer.config import TrainerConfig
-from services.weightsync.config import WeightsyncConfig
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "smollm2_math.toml"
@@ -38,34 +34,34 @@ EXAMPLE = REPO / "examples" / "smollm2_math.toml"
 
 def test_the_example_loads_and_names_its_services():
     assert Path(resolve_target("smollm2_math")) == EXAMPLE  # `rlbus run smollm2_math` finds it
-    tree = load_tree(EXAMPLE, env={})
-    launcher = convert(tree.get("launcher"), LauncherSection, "launcher")
-    assert launcher.services == {"trainer": 1, "rollout": 1, "judge": 1, "weightsync": 1}
-    trainer = load_service_config("trainer", TrainerConfig, EXAMPLE, env={})
-    assert trainer.run.id == "smollm2_math" and trainer.run.dir == "runs/smollm2_math"
-    cfg = trainer.service
-    assert (cfg.model, cfg.task, cfg.dtype) == ("smollm2", "word_problems", "bfloat16")
+    runfile = RunFile.load(EXAMPLE, env={})
+    runfile.check()  # the rules between sections hold for its layout
+    assert runfile.launcher.services == {"trainer": 1, "rollout": 1, "judge": 1, "weightsync": 1}
+    assert runfile.run.id == "smollm2_math" and runfile.run.dir == "runs/smollm2_math"
+    model, cfg = runfile.model, runfile.services.trainer
+    assert (model.name, runfile.task.name, model.dtype) == ("smollm2", "word_problems", "bfloat16")
     # it learns within its 30-minute budget: a wall-clock stop, evaluations on the way, the task's prompts
-    assert 0 < cfg.max_wall_s <= 1800 and cfg.eval_every > 0 and cfg.eval_prompts > 0
-    task = get_task(cfg.task, **cfg.task_options)
-    assert len(task.eval_prompts()) >= cfg.eval_prompts
-    rollout = load_service_config("rollout", RolloutConfig, EXAMPLE, env={}).service
-    assert rollout.model == cfg.model
+    assert 0 < cfg.max_wall_s <= 1800 and cfg.eval.every > 0 and cfg.eval.prompts > 0
+    assert len(run_task(runfile).eval_prompts()) >= cfg.eval.prompts
     # the faster engine for the model: auto picks vLLM for SmolLM2 (134.5 M parameters) where vLLM is installed
-    assert isinstance(rollout.engine, AutoEngineConfig) and rollout.engine.picks_vllm(model_params(rollout.model))
-    assert load_service_config("judge", JudgeConfig, EXAMPLE, env={}).service.concurrency >= 1
-    load_service_config("weightsync", WeightsyncConfig, EXAMPLE, env={})
+    engine = runfile.services.rollout.engine
+    assert isinstance(engine, AutoEngineConfig) and engine.picks_vllm(model_params(model.name))
+    assert runfile.services.judge.concurrency >= 1
 
 
 def test_vs_trl_smollm2_takes_every_matched_setting_from_the_example():
     comp = COMPARISONS["smollm2"]
     assert comp.example == EXAMPLE
-    cfg = example_trainer_config(comp.example, comp)
-    shipped = load_service_config("trainer", TrainerConfig, EXAMPLE, env={}).service
-    assert cfg == shipped
+    runfile = example_config(comp.example, comp)
+    assert runfile == RunFile.load(EXAMPLE, env={})  # the example as the launcher reads it, defaults filled in
+    assert (runfile.model.name, runfile.task.name) == (comp.model, comp.task)
     # the tiny comparison refuses this example: the bench would compare other models than it says
     with pytest.raises(TrlUnavailable, match="addition with model tiny-addition"):
-        example_trainer_config(comp.example, COMPARISONS["tiny"])
+        example_config(comp.example, COMPARISONS["tiny"])
+    # and its own example the other way round
+    assert example_config(COMPARISONS["tiny"].example).model.name == "tiny-addition"
+    with pytest.raises(TrlUnavailable, match="word_problems with model smollm2"):
+        example_config(COMPARISONS["tiny"].example, comp)
 
 
 def test_defaults_per_model_and_quick():
@@ -79,8 +75,8 @@ def test_defaults_per_model_and_quick():
     small = parse_args(["--model", "smollm2"])
     comp = apply_defaults(small)
     assert (small.steps, small.eval_every, small.trl_threads) == (30, 10, 2)
-    cfg = example_trainer_config(comp.example, comp)
-    assert eval_prompt_count(small, cfg) == cfg.eval_prompts  # 0: the example's held-out set size
+    cfg = example_config(comp.example, comp).services.trainer
+    assert eval_prompt_count(small, cfg) == cfg.eval.prompts  # 0: the example's held-out set size
     explicit = parse_args(["--model", "smollm2", "--quick", "--steps", "7", "--eval-prompts", "9",
                            "--max-wall-s", "120", "--trl-threads", "1"])
     apply_defaults(explicit)
@@ -93,12 +89,12 @@ def test_defaults_per_model_and_quick():
 def test_rlbus_side_gets_the_same_budget_wall_and_eval_set():
     args = parse_args(["--model", "smollm2", "--steps", "12", "--max-wall-s", "300", "--eval-every", "4"])
     comp = apply_defaults(args)
-    cfg = example_trainer_config(comp.example, comp)
+    cfg = example_config(comp.example, comp).services.trainer
     over = rlbus_overrides(args, cfg)
     assert over["services.trainer.total_steps"] == 12
     assert over["services.trainer.max_wall_s"] == 300.0
     assert over["services.trainer.eval.every"] == 4
-    assert over["services.trainer.eval.prompts"] == cfg.eval_prompts
+    assert over["services.trainer.eval.prompts"] == cfg.eval.prompts
     assert over["services.trainer.checkpoint_every"] == 0
     # the tiny comparison as before: the sample budget alone ends the run, its own eval size
     tiny = parse_args([])
