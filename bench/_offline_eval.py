@@ -32,7 +32,7 @@ log = logging.getLogger("rlbus.bench")
 
 def offline_overrides(eval_every: int) -> dict[str, object]:
     """Config keys of an offline-evaluated run: no evaluation in the loop, a checkpoint every ``eval_every``
-    steps. The trainer still evaluates at its start and end with ``eval_every = 0`` (no key turns that off),
+    steps. The trainer still evaluates at its start and end with ``eval.every = 0`` (no key turns that off),
     so those shrink to one prompt, one sample: the start round would otherwise compete with the first steps
     (the end round comes after the last step, off the clock)."""
     return {

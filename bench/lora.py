@@ -59,6 +59,22 @@ def step(model, optimizer, batch) -> float:
     return time.perf_counter() - t0
 
 
+def loop_run_file(run_id: str, run_dir: Path, steps: int, lr: float, lora: dict | None, cache_dir: str) -> str:
+    """The run file of one ``--loop`` run (TOML): the addition task on the tiny model, ``lora`` (None: full
+    fine-tuning) at learning rate ``lr``, the store transport with an anchor every 10 versions."""
+    trainer = f'groups_per_step = 16\ngroup_size = 8\ntotal_steps = {steps}\nmax_staleness = 1\ncheckpoint_every = 0\n'
+    if lora is not None:
+        trainer += "lora = { " + ", ".join(f"{k} = {v}" for k, v in lora.items()) + " }\n"
+    trainer += (f'optim = {{ lr = {lr} }}\nsampling = {{ max_new_tokens = 6 }}\n'
+                'eval = { every = 0, prompts = 200, samples = 2 }\ndevices = { num_threads = 1 }\n')
+    return (f'[run]\nid = "{run_id}"\ndir = "{run_dir}"\n[launcher]\n'
+            'services = { trainer = 1, rollout = 1, judge = 1 }\n'
+            f'[model]\nname = "tiny-addition"\ncache_dir = "{cache_dir}"\n[task]\nname = "addition"\n'
+            '[weights]\ntype = "store"\nencoding = { anchor_every = 10 }\n'
+            f'[services.trainer]\n{trainer}[services.rollout]\nmax_tickets = 32\n'
+            'engine = { type = "torch", max_batch_size = 128, num_threads = 1 }\n')
+
+
 def loop_run(out: Path, name: str, steps: int, lr: float, lora: dict | None, cache_dir: str,
              reuse: bool = False) -> dict:
     """One ``rlbus run`` of the addition task; its stored version sizes, step/publish times and rewards."""
@@ -67,18 +83,8 @@ def loop_run(out: Path, name: str, steps: int, lr: float, lora: dict | None, cac
 
     run_id = f"lorabench-{name}"
     run_dir = out / name
-    trainer = ('groups_per_step = 16\n'
-               f'group_size = 8\nmax_new_tokens = 6\nlr = {lr}\ntotal_steps = {steps}\nmax_staleness = 1\n'
-               'eval_every = 0\neval_prompts = 200\neval_samples = 2\ncheckpoint_every = 0\nnum_threads = 1\n')
-    if lora is not None:
-        trainer += "lora = { " + ", ".join(f"{k} = {v}" for k, v in lora.items()) + " }\n"
     cfg = out / f"{name}.toml"
-    cfg.write_text(f'[run]\nid = "{run_id}"\ndir = "{run_dir}"\n[launcher]\n'
-                   'services = { trainer = 1, rollout = 1, judge = 1 }\n'
-                   f'[model]\nname = "tiny-addition"\ncache_dir = "{cache_dir}"\n[task]\nname = "addition"\n'
-                   '[weights]\ntype = "store"\nencoding = { anchor_every = 10 }\n'
-                   f'[services.trainer]\n{trainer}[services.rollout]\nmax_tickets = 32\n'
-                   'engine = { type = "torch", max_batch_size = 128, num_threads = 1 }\n')
+    cfg.write_text(loop_run_file(run_id, run_dir, steps, lr, lora, cache_dir))
     t0 = time.perf_counter()
     reused = reuse and (run_dir / "summary.json").is_file()
     if not reused:

@@ -25,11 +25,11 @@ import nats  # noqa: E402
 from weightsync import MB, random_state, raw_loopback_MBps  # noqa: E402
 
 from services.lib.weights.client import WeightPublisher, WeightSubscriber  # noqa: E402
-from services.runtime.weights_config import EncodingConfig, ObjStoreConfig  # noqa: E402
 from services.lib.weights.encoding import encode_full  # noqa: E402
 from services.lib.weights.store import open_store  # noqa: E402
 from services.runtime.natsd import EmbeddedNats  # noqa: E402
 from services.runtime.service import install_uvloop  # noqa: E402
+from services.runtime.weights_config import EncodingConfig, ObjStoreConfig  # noqa: E402
 
 KiB = 1024
 SIZES = [512 * KiB, 2048 * KiB, 4096 * KiB, 7168 * KiB]

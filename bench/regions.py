@@ -26,10 +26,10 @@ import nats  # noqa: E402
 import torch  # noqa: E402
 
 from services.lib.weights.client import WeightPublisher  # noqa: E402
-from services.runtime.weights_config import EncodingConfig, FsStoreConfig, StoreTransportConfig  # noqa: E402
 from services.lib.weights.objstore import ObjectStoreBlobs  # noqa: E402
 from services.lib.weights.transport import StoreReceiver  # noqa: E402
 from services.runtime.natsd import hub_and_leaf  # noqa: E402
+from services.runtime.weights_config import EncodingConfig, FsStoreConfig, StoreTransportConfig  # noqa: E402
 from services.weightsync.config import RelayConfig, WeightsyncConfig  # noqa: E402
 from services.weightsync.service import WeightsyncService  # noqa: E402
 from tests.cluster.test_regions import LinkProxy, _linked  # noqa: E402

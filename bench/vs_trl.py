@@ -12,7 +12,7 @@ gradient clipping, group std normalisation, one optimiser step per batch,
 per-sequence loss averaging (TRL ``loss_type="grpo"`` = rlbus
 ``seq_mean_token_mean``), the same training prompts in the same order, and the
 same sample budget (steps x groups_per_step x group_size). Both are evaluated on
-the same held-out prompts (``eval_samples`` samples each at ``eval_temperature``,
+the same held-out prompts (``eval.samples`` samples each at ``eval.temperature``,
 exact match) every ``eval_every`` steps, at the start and after the last step.
 
 Clocks and evaluation. TRL's clock starts when ``train()`` begins and stops
@@ -23,7 +23,7 @@ see bench/_rlbus_runs.py): a version's reward counts at the moment the step that
 made it ended. ``--rlbus-eval`` says how rlbus is evaluated:
 
 * ``offline`` (the default): the exact counterpart of TRL's. The trainer runs
-  with no evaluation in the loop (``eval_every = 0``; its start and end rounds,
+  with no evaluation in the loop (``eval.every = 0``; its start and end rounds,
   which no key turns off, shrink to one prompt and one sample) and writes a
   checkpoint every ``eval_every`` steps; the bench keeps each one's model
   directory (the trainer itself keeps only the two newest) and, after the run,

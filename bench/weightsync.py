@@ -53,12 +53,6 @@ import nats  # noqa: E402
 import torch  # noqa: E402
 
 from services.lib.weights.client import WeightPublisher, WeightSubscriber, cast_for_publish  # noqa: E402
-from services.runtime.weights_config import (  # noqa: E402
-    BroadcastConfig,
-    EncodingConfig,
-    ObjStoreConfig,
-    S3StoreConfig,
-)
 from services.lib.weights.encoding import (  # noqa: E402
     DIGESTS,
     digest_hex,
@@ -71,6 +65,12 @@ from services.lib.weights.store import open_store  # noqa: E402
 from services.lib.weights.transport import make_receiver, make_sender  # noqa: E402
 from services.runtime.natsd import EmbeddedNats, free_port  # noqa: E402
 from services.runtime.service import install_uvloop  # noqa: E402
+from services.runtime.weights_config import (  # noqa: E402
+    BroadcastConfig,
+    EncodingConfig,
+    ObjStoreConfig,
+    S3StoreConfig,
+)
 from services.weightsync.config import RelayConfig, WeightsyncConfig  # noqa: E402
 from services.weightsync.service import WeightsyncService  # noqa: E402
 

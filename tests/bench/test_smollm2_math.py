@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bench._offline_eval import run_task
 from bench.vs_trl import (
     COMPARISONS,
     TrlUnavailable,
@@ -21,7 +22,6 @@ from bench.vs_trl import (
     s_per_step,
     trl_micro_batch,
 )
-from bench._offline_eval import run_task
 from services.launcher.cli import resolve_target
 from services.launcher.runfile import RunFile
 from services.lib.engine.config import AutoEngineConfig
