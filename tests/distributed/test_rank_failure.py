@@ -106,8 +106,8 @@ def test_a_rank_dying_at_start_up_stops_rank_0_long_before_the_rank_timeout(tmp_
     out = tmp_path / "out"
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"model_dir": str(loop_model_dir), "steps": [1], "out": str(out),
-                                "config": {"world_size": 2, "device": "cpu", "num_threads": 1,
-                                           "rank_timeout_s": 600}}))
+                                "config": {"devices": {"world_size": 2, "device": "cpu", "num_threads": 1,
+                                                       "rank_timeout_s": 600}}}))
     proc = subprocess.Popen([sys.executable, "-m", "tests.distributed.rank_script", str(spec)],
                             cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
