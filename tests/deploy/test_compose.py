@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from services.launcher.permissions import inbox_prefix
-from services.runtime.weights_config import ObjStoreConfig
 from services.runtime.natsd import find_nats_server, free_port
+from services.runtime.weights_config import ObjStoreConfig
 from services.sandbox.config import SandboxConfig
 from tests.conftest import wait_for
 from tests.deploy.deploy_tools import (

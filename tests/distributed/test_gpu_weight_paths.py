@@ -9,8 +9,8 @@ import hashlib
 import torch
 
 from services.lib.weights.broadcast import DeviceDigest, _hasher
-from services.runtime.weights_config import InprocConfig
 from services.lib.weights.inproc import InprocReceiver, InprocSender
+from services.runtime.weights_config import InprocConfig
 
 
 def _digest(data: torch.Tensor, cuts: list[int]) -> bytes:

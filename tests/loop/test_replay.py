@@ -40,9 +40,9 @@ def test_recorded_steps_recompute_bit_identically(tmp_path, loop_model_dir):
 
     import nats
 
-    from services.runtime.weights_config import StoreTransportConfig
     from services.lib.weights.transport import store_subscriber
     from services.runtime.natsd import EmbeddedNats
+    from services.runtime.weights_config import StoreTransportConfig
 
     async def forget_version_1() -> None:
         with EmbeddedNats(run_dir / "nats", port=None) as server:

@@ -19,8 +19,8 @@ import pytest
 
 from proto import catalog
 from services.launcher.accounting import read_channel
-from services.launcher.status import collect
 from services.launcher.runfile import RunFile
+from services.launcher.status import collect
 from services.runtime.config import ConfigError
 from services.runtime.natsd import EmbeddedNats
 from tests.conftest import run_file

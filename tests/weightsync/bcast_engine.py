@@ -8,8 +8,8 @@ import sys
 import nats
 import safetensors.torch
 
-from services.runtime.weights_config import BroadcastConfig
 from services.lib.weights.transport import make_receiver
+from services.runtime.weights_config import BroadcastConfig
 
 
 async def main(url: str, run_id: str, out_prefix: str, versions: int) -> None:

@@ -21,8 +21,8 @@ import torch
 from proto.weights import ChunkRef, TensorEntry, WeightManifest
 from services.lib.weights.blobs import WeightIntegrityError
 from services.lib.weights.client import WeightPublisher, WeightSubscriber
-from services.runtime.weights_config import EncodingConfig, FsStoreConfig, ObjStoreConfig
 from services.lib.weights.store import open_store
+from services.runtime.weights_config import EncodingConfig, FsStoreConfig, ObjStoreConfig
 from tests.weightsync.helpers import assert_bit_identical, make_state, perturb
 
 KEY = b"k" * 32

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from services.lib.weights.client import WeightIntegrityError, WeightPublisher, WeightSubscriber
-from services.runtime.weights_config import EncodingConfig, ObjStoreConfig
 from services.lib.weights.objstore import ObjectStoreBlobs
+from services.runtime.weights_config import EncodingConfig, ObjStoreConfig
 from tests.conftest import wait_for_async
 from tests.weightsync.helpers import assert_bit_identical, make_state
 

@@ -9,14 +9,14 @@ import torch
 
 from proto.weights import WeightManifest
 from services.lib.weights.client import WeightPublisher, WeightSubscriber
+from services.lib.weights.objstore import ObjectStoreBlobs
+from services.lib.weights.store import open_store
 from services.runtime.weights_config import (
     EncodingConfig,
     FsStoreConfig,
     ObjStoreConfig,
     StoreTransportConfig,
 )
-from services.lib.weights.objstore import ObjectStoreBlobs
-from services.lib.weights.store import open_store
 from services.weightsync.config import RelayConfig, WeightsyncConfig
 from services.weightsync.retention import versions_to_keep
 from services.weightsync.service import WeightsyncService

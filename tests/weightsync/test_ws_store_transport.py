@@ -9,9 +9,9 @@ import logging
 import nats
 import torch
 
-from services.runtime.weights_config import EncodingConfig, ObjStoreConfig, StoreTransportConfig
 from services.lib.weights.transport import StoreReceiver, StoreSender, make_receiver, make_sender
 from services.runtime.natsd import EmbeddedNats
+from services.runtime.weights_config import EncodingConfig, ObjStoreConfig, StoreTransportConfig
 from tests.conftest import wait_for_async
 from tests.weightsync.helpers import assert_bit_identical, make_state, perturb
 

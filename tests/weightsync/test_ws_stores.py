@@ -8,9 +8,9 @@ from moto.server import ThreadedMotoServer
 
 from services.lib.weights.blobs import WeightIntegrityError
 from services.lib.weights.client import WeightPublisher, WeightSubscriber
-from services.runtime.weights_config import EncodingConfig, FsStoreConfig, ObjStoreConfig, S3StoreConfig
 from services.lib.weights.store import open_store
 from services.runtime.natsd import free_port
+from services.runtime.weights_config import EncodingConfig, FsStoreConfig, ObjStoreConfig, S3StoreConfig
 from tests.weightsync.helpers import assert_bit_identical, make_state, perturb
 
 RUN = "ws2"

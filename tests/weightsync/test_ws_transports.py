@@ -15,8 +15,8 @@ import safetensors.torch
 import torch
 
 from services.lib.weights.broadcast import BroadcastError
-from services.runtime.weights_config import BroadcastConfig, InprocConfig, TransportConfig
 from services.lib.weights.transport import make_receiver, make_sender
+from services.runtime.weights_config import BroadcastConfig, InprocConfig, TransportConfig
 from tests.weightsync.helpers import assert_bit_identical, make_state, perturb
 
 REPO = Path(__file__).resolve().parents[2]

@@ -57,7 +57,6 @@ from proto.weights import (
     broadcast_ready_key,
 )
 from services.lib.weights.blobs import WeightIntegrityError
-from services.runtime.weights_config import ConfigError
 from services.lib.weights.broadcast_group import (  # noqa: F401  (DeviceDigest, _hasher: re-exported)
     _DIGEST_BYTES,
     _REFORM_PAUSE_S,
@@ -71,12 +70,12 @@ from services.lib.weights.broadcast_group import (  # noqa: F401  (DeviceDigest,
     _raw,
 )
 from services.lib.weights.client import cast_for_publish
-from services.runtime.weights_config import BroadcastConfig
 from services.lib.weights.encoding import layout, torch_dtype
 from services.lib.weights.index import VersionIndex, stop_watch
 from services.lib.weights.transport import Weights, follow
 from services.runtime import tracing
 from services.runtime.natsd import free_port
+from services.runtime.weights_config import BroadcastConfig, ConfigError
 
 log = logging.getLogger("rlbus.weightsync.broadcast")
 

@@ -47,7 +47,6 @@ from services.lib.weights.blobs import (
     verify_signature,
     write_chunks,
 )
-from services.runtime.weights_config import EncodingConfig
 from services.lib.weights.encoding import (
     DELTA_ENCODING,
     FULL_ENCODING,
@@ -66,6 +65,7 @@ from services.lib.weights.encoding import (
 from services.lib.weights.index import VersionIndex
 from services.lib.weights.store import BlobStore
 from services.runtime import tracing
+from services.runtime.weights_config import EncodingConfig
 
 __all__ = [
     "WeightIntegrityError",

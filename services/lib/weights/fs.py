@@ -12,8 +12,8 @@ import os
 import uuid
 from pathlib import Path
 
-from services.runtime.weights_config import FsStoreConfig
 from services.lib.weights.store import BlobNotFound, StoreError, StoreStats
+from services.runtime.weights_config import FsStoreConfig
 
 _TMP_MARK = ".tmp-"
 

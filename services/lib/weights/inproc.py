@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Mapping
 
 import torch
 
-from services.runtime.weights_config import InprocConfig
 from services.lib.weights.transport import Weights, follow
 from services.runtime import tracing
+from services.runtime.weights_config import InprocConfig
 
 
 class InprocChannel:

@@ -28,9 +28,9 @@ from nats.js import api
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
 from proto.weights import object_bucket
-from services.runtime.weights_config import ObjStoreConfig
 from services.lib.weights.rawpull import RawPullError, RawPullReader, open_raw_reader
 from services.lib.weights.store import BlobNotFound, StoreError, StoreStats
+from services.runtime.weights_config import ObjStoreConfig
 
 log = logging.getLogger("rlbus.weightsync.objstore")
 

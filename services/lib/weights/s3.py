@@ -17,8 +17,8 @@ import aioboto3
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
 
-from services.runtime.weights_config import S3StoreConfig
 from services.lib.weights.store import BlobNotFound, StoreError, StoreStats
+from services.runtime.weights_config import S3StoreConfig
 
 log = logging.getLogger("rlbus.weightsync.s3")
 

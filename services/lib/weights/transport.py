@@ -46,6 +46,7 @@ from nats.aio.client import Client as NATS
 from proto.weights import WeightAnnouncement, WeightManifest
 from services.lib.weights.blobs import WeightIntegrityError
 from services.lib.weights.client import WeightPublisher, WeightSubscriber
+from services.lib.weights.store import BlobNotFound, open_store
 from services.runtime.weights_config import (
     BroadcastConfig,
     InprocConfig,
@@ -53,7 +54,6 @@ from services.runtime.weights_config import (
     TransportConfig,
     load_hmac_key,
 )
-from services.lib.weights.store import BlobNotFound, open_store
 
 log = logging.getLogger("rlbus.weightsync.transport")
 
