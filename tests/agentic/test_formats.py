@@ -107,8 +107,8 @@ def test_the_example_config_parses_for_every_service():
         load_service_config(name, cls, path)
     judge: JudgeConfig = load_service_config("judge", JudgeConfig, path).service
     assert [type(g) for g in judge.graders["coding"]] == [SandboxTestsSpec, RewardGraderSpec]
-    rollout = load_service_config("rollout", registry.load("rollout")[0], path).service
-    assert rollout.agent.max_turns >= 2 and rollout.model == "smollm2"
+    rollout = load_service_config("rollout", registry.load("rollout")[0], path)
+    assert rollout.service.agent.max_turns >= 2 and rollout.model.name == "smollm2"
     spec = load_service_config("judge", JudgeConfig, None, overrides=[
         'services.judge.graders={coding=[{type="llm_judge",rubric="r",judge={type="openai",base_url="http://x/v1",'
         'model="m"}}]}']).service.graders["coding"][0]

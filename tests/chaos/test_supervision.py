@@ -12,6 +12,7 @@ import time
 import pytest
 
 from services.launcher.supervisor import Supervisor
+from services.runtime.config import ConfigError
 from services.runtime.natsd import free_port
 from services.runtime.service import CONFIG_ERROR_EXIT
 from tests.conftest import wait_for
@@ -89,12 +90,23 @@ def test_a_crash_loop_is_reported_with_its_count_and_last_log_lines(tmp_path):
     assert child(sup, "rollout-0").given_up
 
 
-def test_a_configuration_error_is_reported_and_not_restarted(tmp_path):
-    # a config key the echo service does not know: restarting cannot help, the run file must change
-    cfg = write_run(tmp_path, "services = { echo = 1 }\nmax_restarts = 2\nrestart_window_s = 600",
-                    extra="[services.echo]\nno_such_key = 1\n")
+def test_an_unknown_key_stops_the_launcher_before_anything_starts(tmp_path):
+    # the whole run file is typed: a key no service knows is refused at once, naming it, nothing started
+    cfg = write_run(tmp_path, "services = { echo = 1 }", extra="[services.echo]\nno_such_key = 1\n")
+    with pytest.raises(ConfigError, match="services.echo.no_such_key: unknown key"):
+        Supervisor(cfg, quiet=True)
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_a_configuration_error_is_reported_and_not_restarted(tmp_path, monkeypatch):
+    # a setting only the service can check (the environment variable its HMAC key is read from is unset):
+    # restarting cannot help, the run file (or the environment) must change
+    monkeypatch.delenv("RLBUS_TEST_UNSET_HMAC_KEY", raising=False)
+    cfg = write_run(tmp_path, "services = { weightsync = 1 }\nmax_restarts = 2\nrestart_window_s = 600",
+                    extra='[weights]\nhmac_key_env = "RLBUS_TEST_UNSET_HMAC_KEY"\n')
     sup, report = first_event(cfg, "config_error", 120)
-    assert report["child"] == "echo-0" and report["code"] == CONFIG_ERROR_EXIT
-    assert any("services.echo.no_such_key" in line for line in report["last_lines"]), report
-    assert [e["code"] for e in sup.events if e["event"] == "exit" and e["child"] == "echo-0"] == [CONFIG_ERROR_EXIT]
-    assert child(sup, "echo-0").given_up
+    assert report["child"] == "weightsync-0" and report["code"] == CONFIG_ERROR_EXIT
+    assert any("RLBUS_TEST_UNSET_HMAC_KEY" in line for line in report["last_lines"]), report
+    assert [e["code"] for e in sup.events if e["event"] == "exit" and e["child"] == "weightsync-0"] == \
+        [CONFIG_ERROR_EXIT]
+    assert child(sup, "weightsync-0").given_up

@@ -12,7 +12,7 @@ import pytest
 
 from proto import catalog, weights
 from services.launcher.auth import generate_auth
-from services.launcher.supervisor import provision_run
+from services.launcher.runfile import RunFile, provision_run
 from services.runtime import bus
 from services.runtime.config import ConfigError, NatsSection, convert
 
@@ -36,7 +36,7 @@ def test_url_takes_a_list_or_commas_and_replicas_are_checked():
 async def test_run_streams_buckets_and_consumers_get_replicas_never_lowered(nats_cluster, tmp_path, caplog):
     nc = await bus.connect(NatsSection(url=nats_cluster.url, replicas=3), "test-r3")
     js = nc.jetstream()
-    tree = {"services": {"weightsync": {"relay": {"scope": "edge"}}}}
+    tree = RunFile.from_tree({"services": {"weightsync": {"relay": {"scope": "edge"}}}})
     await provision_run(js, tree)
     for name in catalog.STREAMS:
         assert await replicas(js, name) == 3, name

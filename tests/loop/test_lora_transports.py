@@ -29,7 +29,7 @@ def test_lora_versions_through_a_direct_transport(tmp_path, loop_model_dir, kind
     services, transport = LAYOUTS[kind]
     run_id = f"lora-{kind}"
     logs = _run_three_steps(tmp_path, loop_model_dir, run_id, services, weights=transport,
-                            trainer_extra={"lora": {"r": 4, "alpha": 8.0}, "lr": 1e-2})
+                            trainer_extra={"lora": {"r": 4, "alpha": 8.0}, "optim": {"lr": 1e-2}})
     run_dir = tmp_path / "run"
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 3
     engine_log = logs["rollout-0.log" if kind == "broadcast" else "trainer+rollout-0.log"]

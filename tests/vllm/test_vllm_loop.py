@@ -54,9 +54,8 @@ def test_the_vllm_engine_takes_versions_from_every_transport(tmp_path, loop_mode
     services = {"trainer+rollout": 1, "judge": 1} if kind == "inproc" else {"trainer": 1, "rollout": 1, "judge": 1}
     cfg = run_file(tmp_path, loop_model_dir, run_id=f"vllm{kind}", services=services,
                    trainer={"groups_per_step": 2, "total_steps": 3, "max_staleness": 0,
-                            "transport": transport,
-                            "eval": {"every": 0, "prompts": 4}},
-                   rollout={"max_tickets": 8, "initial_weights_timeout_s": 300.0, "transport": transport,
+                            "eval": {"every": 0, "prompts": 4}}, weights=transport,
+                   rollout={"max_tickets": 8, "initial_weights_timeout_s": 300.0,
                             "engine": {"type": "vllm", "max_num_seqs": 32, "kv_cache_gib": 0.25,
                                        "enforce_eager": True}})
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
