@@ -97,7 +97,7 @@ async def accounting(js: Any, run_id: str) -> dict[str, Any]:
     in_flight = sorted((ids for seq, ids in open_msgs if floor < seq <= delivered), key=len, reverse=True)
     held = sum(map(len, undelivered)) + sum(map(len, in_flight[:unacked]))
     counts = {k: sum(1 for o in outcomes if o.outcome == k) for k in ("trained", "dropped", "eval")}
-    dead_lettered = sum(1 for t in dead if t.msg_id not in by_id)
+    dead_lettered = len(dead)
     return {
         "published": len(trajectories),
         "unique_published": len(published),
@@ -109,7 +109,7 @@ async def accounting(js: Any, run_id: str) -> dict[str, Any]:
         "outcomes_without_trajectory": len(set(by_id) - published),
         "multiple_outcomes": sum(1 for v in by_id.values() if len(v) > 1),
         "dropped_reasons": sorted({o.reason.split(":")[0] for o in outcomes if o.outcome == "dropped"}),
-        # trajectories of messages the trainer refused (dead-lettered) that have no outcome
+        # trajectories of messages the trainer refused (dead-lettered): never admitted, or copies of ones with an outcome
         "dead_lettered": dead_lettered,
         "identity_holds": len(trajectories) == sum(counts.values()) + len(no_outcome) + dead_lettered,
         # the identity: nothing vanished (a trajectory without an outcome whose message the trainer acked)
