@@ -174,9 +174,9 @@ class Collector:
             return
         for s in samples:
             displaced = self.buffer.add(s, s.item.rollout.group_size)
-            if displaced is not None:  # a redelivery of a sample already held: the newer delivery is kept
-                self.ledger.count("duplicate")
-                await displaced.settle()
+            if displaced is not None:  # a redelivery of a sample already held: the newer delivery is kept, and
+                self.ledger.count("duplicate")  # the older settles with it (acking it now would ack the message)
+                s.copies.append(displaced)
         self.arrived.set()
 
     async def drop(self, samples: list[Sample], reason: str) -> None:
