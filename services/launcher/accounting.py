@@ -2,8 +2,14 @@
 
 Every trajectory ever published (stream TRAJECTORIES) was trained on, dropped
 with a recorded reason, used for evaluation (stream OUTCOMES has one outcome per
-trajectory), or is still pending on the trainer's durable consumer. Nothing else.
-Messages carry groups (``catalog.members``); every figure here counts trajectories.
+trajectory), or is still pending on the trainer's durable consumer; or its message was refused and
+dead-lettered by the trainer (a group it never admitted, a copy of a finished one: DLQ names the message's
+stream sequence). Nothing else:
+
+    published = trained + dropped + eval + pending + dead_lettered      (``identity_holds``)
+
+with no trajectory holding more than one outcome (``multiple_outcomes``). Messages carry groups
+(``catalog.members``); every figure here counts trajectories.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from nats.js import api
 
 from proto import catalog, codec
 from proto.accounting import TrajectoryOutcome
+from proto.deadletter import DeadLetter
 from proto.trajectories import ScoredTrajectory
 
 
@@ -52,6 +59,16 @@ async def read_channel(js: Any, channel: catalog.Channel, run_id: str) -> list[A
     return [r for m in msgs for r in catalog.members(m)]
 
 
+async def _refused_seqs(js: Any, run_id: str, stream: str) -> set[int]:
+    """Stream sequences of ``stream``'s messages that were dead-lettered (the trainer's family: trajectories)."""
+    subject = catalog.DEAD_LETTERS.subject(run_id, "trajectories")
+    try:
+        letters = await read_all(js, catalog.DLQ_STREAM.name, subject, DeadLetter)
+    except Exception:  # no DLQ stream: nothing was refused
+        return set()
+    return {d.stream_seq for d in letters if d.stream == stream}
+
+
 async def accounting(js: Any, run_id: str) -> dict[str, Any]:
     """The identity's terms, in trajectories. A message of the trajectories stream carries a prompt group;
     the trainer's consumer counts messages, so what it still holds is found per message: those it was not
@@ -64,8 +81,10 @@ async def accounting(js: Any, run_id: str) -> dict[str, Any]:
     by_id: dict[str, list[TrajectoryOutcome]] = {}
     for o in outcomes:
         by_id.setdefault(o.trajectory_id, []).append(o)
+    refused = await _refused_seqs(js, run_id, ch.stream.name)
+    dead = [t for seq, m in msgs if seq in refused for t in catalog.members(m)]
     published = {t.msg_id for t in trajectories}
-    no_outcome = published - set(by_id)
+    no_outcome = published - set(by_id) - {t.msg_id for t in dead}
     try:
         cdef = catalog.TRAINER_TRAJECTORIES.for_run(run_id)
         ci = await js.consumer_info(cdef.stream, cdef.durable)
@@ -78,6 +97,7 @@ async def accounting(js: Any, run_id: str) -> dict[str, Any]:
     in_flight = sorted((ids for seq, ids in open_msgs if floor < seq <= delivered), key=len, reverse=True)
     held = sum(map(len, undelivered)) + sum(map(len, in_flight[:unacked]))
     counts = {k: sum(1 for o in outcomes if o.outcome == k) for k in ("trained", "dropped", "eval")}
+    dead_lettered = len(dead)
     return {
         "published": len(trajectories),
         "unique_published": len(published),
@@ -89,6 +109,9 @@ async def accounting(js: Any, run_id: str) -> dict[str, Any]:
         "outcomes_without_trajectory": len(set(by_id) - published),
         "multiple_outcomes": sum(1 for v in by_id.values() if len(v) > 1),
         "dropped_reasons": sorted({o.reason.split(":")[0] for o in outcomes if o.outcome == "dropped"}),
+        # trajectories of messages the trainer refused (dead-lettered): never admitted, or copies of ones with an outcome
+        "dead_lettered": dead_lettered,
+        "identity_holds": len(trajectories) == sum(counts.values()) + len(no_outcome) + dead_lettered,
         # the identity: nothing vanished (a trajectory without an outcome whose message the trainer acked)
         "lost": len(no_outcome) - held,
     }

@@ -3,8 +3,9 @@
 Everything comes from the run directory: the resolved config (``config.resolved.json``), the run's stored
 JetStream (started read-only-in-effect on a free port: nothing is published), its OUTCOMES (which
 trajectories step N trained on, in batch order: ``batch_index``), its TRAJECTORIES (tokens, behaviour
-logprobs, rewards), the weight version step N started from (``N - 1`` from the run's weight store; version
-0 is the model the run started with) and ``metrics.jsonl`` (the loss and gradient norm step N recorded).
+logprobs, rewards), the weight version step N started from (one before the version its outcomes name, from the
+run's weight store: ``N - 1`` unless a restart moved the numbers on; version 0 is the model the run started
+with) and ``metrics.jsonl`` (the loss and gradient norm step N recorded).
 
 The step is recomputed with the trainer's own :class:`~services.trainer.learner.Learner` (one rank on the
 CPU, the run's thread count): micro-batches, loss, backward, the gradient norm before clipping; no
@@ -33,13 +34,15 @@ class Replayed:
     samples: int
     recorded: dict[str, float]
     recomputed: dict[str, float]
+    #: the weight version the step started from
+    start_version: int = -1
 
     @property
     def identical(self) -> bool:
         return all(self.recomputed.get(k) == v for k, v in self.recorded.items())
 
     def report(self) -> str:
-        lines = [f"step {self.step}: {self.samples} trajectories, weights of version {self.step - 1}"]
+        lines = [f"step {self.step}: {self.samples} trajectories, weights of version {self.start_version}"]
         for key, rec in self.recorded.items():
             new = self.recomputed.get(key, math.nan)
             same = "identical" if new == rec else f"differs by {abs(new - rec):.3g}"
@@ -64,7 +67,8 @@ def _recorded(run_dir: Path, step: int) -> dict[str, float]:
     raise ReplayError(f"{path} records no train step {step} (eval rows and other steps only)")
 
 
-async def _batch_and_weights(run_dir: Path, run_id: str, transport: Any, step: int) -> tuple[list[Any], dict | None]:
+async def _batch_and_weights(run_dir: Path, run_id: str, transport: Any,
+                             step: int) -> tuple[list[Any], dict | None, int]:
     from proto import catalog
     from services.launcher.accounting import read_channel
     from services.launcher.connect import with_stored_streams
@@ -74,7 +78,7 @@ async def _batch_and_weights(run_dir: Path, run_id: str, transport: Any, step: i
     store = run_dir / "nats"
     if not store.is_dir():
         raise ReplayError(f"{store} is missing: the run's JetStream store is not in its run directory")
-    async def read(nc: Any, _run: str) -> tuple[list[Any], dict | None]:
+    async def read(nc: Any, _run: str) -> tuple[list[Any], dict | None, int]:
         js = nc.jetstream()
         outcomes = await read_channel(js, catalog.OUTCOMES, run_id)
         used = sorted((o for o in outcomes if o.outcome == "trained" and o.step == step),
@@ -92,20 +96,23 @@ async def _batch_and_weights(run_dir: Path, run_id: str, transport: Any, step: i
             raise ReplayError(f"{len(missing)} of step {step}'s {len(used)} trajectories are no longer in the "
                               f"TRAJECTORIES stream (retention removed them), e.g. {missing[0]}")
         batch = [trajectories[o.trajectory_id] for o in used]
+        start = used[0].version - 1  # each step sends one version: the one it produced, named by its outcomes
         weights = None
-        if step - 1 > 0:
+        if start > 0:
             if not isinstance(transport, StoreTransportConfig):
                 raise ReplayError(f"the run's weight transport is {type(transport).__name__}: it stores no "
-                                  f"versions, so the weights of version {step - 1} are not on record")
+                                  f"versions, so the weights of version {start} (step {step} started from) "
+                                  "are not on record")
             sub = store_subscriber(transport, nc, run_id)
             await sub.ensure()
-            manifest = await sub.index.manifest(step - 1)
+            manifest = await sub.index.manifest(start)
             if manifest is None:
                 kept = await sub.index.versions()
-                raise ReplayError(f"weight version {step - 1} is not in the run's weight store (kept: "
+                raise ReplayError(f"weight version {start}, which step {step} started from (it produced version "
+                                  f"{start + 1}), is not in the run's weight store (kept: "
                                   f"{kept[:10]}{' ...' if len(kept) > 10 else ''}): retention removed it")
             weights = await sub.fetch(manifest)
-        return batch, weights
+        return batch, weights, start
 
     return await with_stored_streams(store.parent, run_id, read)
 
@@ -142,7 +149,7 @@ def replay_step(run_dir: str | Path, step: int) -> Replayed:
                           "steps only")
     recorded = _recorded(run_dir, step)
     run_id = tree.get("run", {}).get("id", "default")
-    batch, weights = asyncio.run(_batch_and_weights(run_dir, run_id, transport, step))
+    batch, weights, start = asyncio.run(_batch_and_weights(run_dir, run_id, transport, step))
     model_dir = resolve_model(model.name, model.cache_dir or None, seed=int(tree.get("run", {}).get("seed", 0)),
                               revision=model.revision or None)
     learner = Learner(cfg, model_dir, Placement("cpu", "cpu", "gloo", dtype=model.dtype))
@@ -154,7 +161,7 @@ def replay_step(run_dir: str | Path, step: int) -> Replayed:
     if passes:
         with torch.no_grad():
             recomputed["optim/grad_norm"] = clip_grad_norm(learner.model.parameters(), cfg.optim.max_grad_norm)
-    return Replayed(step, len(batch), recorded, recomputed)
+    return Replayed(step, len(batch), recorded, recomputed, start_version=start)
 
 
 # --- dead letters ------------------------------------------------------------------------------------------

@@ -182,11 +182,15 @@ class Sample:
     ack: SampleAck | None = None
     #: the W3C traceparent of the span that received it (the train step that uses it links to it)
     trace: str = ""
+    #: earlier deliveries of the same sample it displaced: settled with it
+    copies: list[Sample] = field(default_factory=list)
 
     async def settle(self) -> None:
-        """Ack this sample's share of its message (the message is acked once every share is)."""
+        """Ack this sample's share of its message (the message is acked once every share is), and its copies'."""
         if self.ack is not None:
             await self.ack.ack()
+        for c in self.copies:
+            await c.settle()
 
 
 @dataclass

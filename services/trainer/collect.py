@@ -29,22 +29,25 @@ from typing import Any
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from proto import catalog, codec
+from proto.accounting import TrajectoryOutcome
 from proto.membership import Heartbeat
 from proto.trajectories import ScoredGroup, ScoredTrajectory
-from services.runtime import bus, tracing
-from services.runtime.consume import Delivery
+from services.runtime import bus, metrics, tracing
+from services.runtime.consume import Delivery, Poison
 from services.runtime.service import ServiceContext
 from services.tasks.base import Prompt
 from services.trainer.admission import GroupBuffer, Sample, SampleAck, fleet_bound, fleet_tickets, is_stale
 from services.trainer.config import TrainerConfig
 from services.trainer.evaluation import Evaluations
 from services.trainer.ledger import Ledger
-from services.trainer.outbox import Outcomes, Tickets
+from services.trainer.outbox import Outcomes, Tickets, TicketTooLarge, indices
 
 log = logging.getLogger("rlbus.trainer.collect")
 
 #: how often collect() re-checks staleness and group timeouts while nothing arrives
 RECHECK_S = 5.0
+#: samples refused (never admitted, a copy of a finished group, malformed): dead-lettered, never trained
+_REJECTED = metrics.counter("trainer_rejected_samples", "samples dead-lettered by the trainer, by reason")
 #: how often the admission bound is fitted to the live rollout fleet
 FLEET_EVERY_S = 2.0
 
@@ -88,13 +91,22 @@ class Collector:
         self.arrived = asyncio.Event()
         self.fleet = fleet
         self._fleet_at = float("-inf")
+        #: groups taken by a step whose version is not yet sent -> redelivered copies settled with that step
+        self._stepping: dict[str, list[Sample]] = {}
 
     # --- trajectories in ---------------------------------------------------------------------------
 
     async def handle(self, msg: ScoredGroup, d: Delivery[Any]) -> None:
         """The consume handler: returns at once; the message is settled through its deferred ack, shared by
-        the samples it carries (a scored group: its samples are trained or dropped together)."""
+        the samples it carries (a scored group: its samples are trained or dropped together). A message with a
+        sample the trainer must not train (a group never admitted, a copy of a finished one) is dead-lettered
+        whole, with the reason (``Poison``)."""
         trajs: list[ScoredTrajectory] = msg.records()  # each joined with the group's ticket
+        refused = self._refused(trajs, redelivered=d.num_delivered > 1)
+        if refused:
+            self.ledger.count("rejected", len(trajs))
+            _REJECTED(len(trajs), reason=refused.split(":", 1)[0])
+            raise Poison(refused)
         acks = SampleAck.split(d.defer(), len(trajs))
         trace = tracing.traceparent()
         groups: dict[str, list[Sample]] = {}
@@ -106,18 +118,52 @@ class Collector:
         for group_id, samples in groups.items():
             await self._receive(group_id, samples)
 
+    def _refused(self, trajs: list[ScoredTrajectory], redelivered: bool) -> str:
+        """Why a message's training samples must not be taken (rule 3 of :mod:`services.trainer.ledger`); "" if
+        they may."""
+        for t in trajs:
+            r = t.rollout
+            if r.is_eval:
+                continue
+            if r.group_size != self.cfg.group_size or not 0 <= r.sample_index < r.group_size:
+                return (f"malformed: sample {r.sample_index} of group {r.group_id} of size {r.group_size}; this "
+                        f"trainer issues groups of {self.cfg.group_size}")
+            status = self.ledger.status(r.group_id, r.sample_index)
+            if status == "never":
+                return (f"never admitted: group {r.group_id} was not issued by this trainer (next data position "
+                        f"{self.ledger.state.data_position}); its samples are never trained")
+            copy = status in ("outcome", "forgotten") or (r.group_id in self._stepping and not redelivered)
+            if copy and not redelivered:
+                return (f"group already finished: sample {r.sample_index} of {r.group_id} already has its outcome; "
+                        "a new message carrying it (replayed or forged) is never trained")
+        return ""
+
     async def _receive(self, group_id: str, samples: list[Sample]) -> None:
         """Samples of one group: evaluated, dropped (their group went stale), or buffered until trained."""
         evals = [s for s in samples if s.item.rollout.is_eval]
         if evals:
             await self.evals.receive(evals)
-            await self.outcomes.record(evals, "eval")
+            await self.outcomes.record(evals, "eval", save=False)
             await asyncio.gather(*(s.settle() for s in evals))
             samples = [s for s in samples if not s.item.rollout.is_eval]
             if not samples:
                 return
-        if group_id in self.buffer.dropped_groups:
-            await self.drop(samples, "group already dropped for staleness")
+        stepping = self._stepping.get(group_id)
+        if stepping is not None:  # redelivered while its step's version is sent: settled with that step
+            self.ledger.count("duplicate", len(samples))
+            stepping.extend(samples)
+            return
+        status = {s.key: self.ledger.status(group_id, s.sample_index) for s in samples}
+        copies = [s for s in samples if status[s.key] in ("outcome", "forgotten")]
+        if copies:  # redelivered after its outcome was written (a lost ack): settled, no second outcome
+            self.ledger.count("duplicate", len(copies))
+            await asyncio.gather(*(s.settle() for s in copies))
+        late = [s for s in samples if status[s.key] == "finished"]
+        if late:
+            await self.drop(late, "group already dropped for staleness" if group_id in self.buffer.dropped_groups
+                            else "group already finished")
+        samples = [s for s in samples if status[s.key] == "in_flight"]
+        if not samples:
             return
         version, max_staleness = self.ledger.state.version, self.cfg.max_staleness
         stale = next((s for s in samples if is_stale(s.version, version, max_staleness)), None)
@@ -128,21 +174,20 @@ class Collector:
             return
         for s in samples:
             displaced = self.buffer.add(s, s.item.rollout.group_size)
-            if displaced is not None:  # a redelivery of a sample already held: the newer delivery is kept
-                self.ledger.count("duplicate")
-                await displaced.settle()
+            if displaced is not None:  # a redelivery of a sample already held: the newer delivery is kept, and
+                self.ledger.count("duplicate")  # the older settles with it (acking it now would ack the message)
+                s.copies.append(displaced)
         self.arrived.set()
 
     async def drop(self, samples: list[Sample], reason: str) -> None:
-        """Record ``dropped`` outcomes, make the freed admission slots durable, then ack."""
-        await self.outcomes.record(samples, "dropped", reason)
-        # a restarted trainer must not wait for groups whose trajectories were taken off the stream
-        await self.ledger.save()
+        """Record ``dropped`` outcomes (one per trajectory: a redelivered copy and the one held are one), make
+        them and the freed admission slots durable, then ack."""
+        await self.outcomes.record(list({s.key: s for s in samples}.values()), "dropped", reason)
         await asyncio.gather(*(s.settle() for s in samples))
         self.arrived.set()  # a slot may be free: admit more
 
     def _give_up(self, group_id: str) -> list[Sample]:
-        self.ledger.release(group_id)
+        self.ledger.abandon(group_id)
         return self.buffer.drop_group(group_id)
 
     # --- batches out -------------------------------------------------------------------------------
@@ -158,7 +203,10 @@ class Collector:
             await self._top_up()
             await self._expire()
             if len(self.buffer.complete_groups()) >= n:
-                return self.buffer.take(n)
+                taken = self.buffer.take(n)
+                for g in taken:  # until its step commits, a redelivered copy is held with it
+                    self._stepping[g[0].group_id] = []
+                return taken
             self.arrived.clear()
             arrived = asyncio.create_task(self.arrived.wait(), name="trainer-arrived")
             stopped = asyncio.create_task(stop.wait(), name="trainer-stopped")
@@ -167,21 +215,32 @@ class Collector:
             stopped.cancel()
         return []
 
-    async def record_failed(self, failed: list[Sample]) -> None:
+    def failed_outcomes(self, failed: list[Sample]) -> list[TrajectoryOutcome]:
         """Rollouts that failed (sandbox died, engine error) are dropped with their error, never trained on."""
-        await asyncio.gather(*(self.outcomes.record([s], "dropped", f"rollout failed: {s.item.rollout.error[:300]}")
-                               for s in failed))
+        return [o for s in failed for o in self.outcomes.records([s], "dropped",
+                                                                 f"rollout failed: {s.item.rollout.error[:300]}")]
 
-    async def commit(self, groups: list[list[Sample]], failed: list[Sample], trained: list[Sample]) -> None:
-        """The step is durable (its version sent): free the groups' slots, record the trained outcomes, save
-        the state, ack the trajectories; then admit prompt groups into the freed room at once (a commit that
-        runs beside the next learner step, ``overlap_publish``, would otherwise leave the room empty until
-        the next collect(), and the rollouts idle for a whole learner step)."""
+    async def fail_groups(self, groups: list[list[Sample]], failed: list[Sample]) -> None:
+        """A batch with nothing to train (every rollout failed): its groups end with their failed outcomes."""
         for g in groups:
-            self.ledger.release(g[0].group_id)
-        await self.outcomes.record(trained, "trained")
+            self.ledger.abandon(g[0].group_id)
+        self.ledger.owe(self.failed_outcomes(failed), indices(failed))
+        await self._settle_groups(groups)
+
+    async def commit(self, groups: list[list[Sample]]) -> None:
+        """The staged step's version is sent: its groups are released and its outcomes owed (the ledger), the
+        state saved, the outcomes published, the trajectories acked; then prompt groups are admitted into the
+        freed room at once (a commit that runs beside the next learner step, ``overlap_publish``, would
+        otherwise leave the room empty until the next collect(), and the rollouts idle for a whole learner
+        step)."""
+        self.ledger.commit_pending()
+        await self._settle_groups(groups)
+
+    async def _settle_groups(self, groups: list[list[Sample]]) -> None:
         await self.ledger.save()
-        await asyncio.gather(*(s.settle() for s in failed + trained))
+        await self.outcomes.flush()
+        held = [s for g in groups for s in g + self._stepping.pop(g[0].group_id, [])]
+        await asyncio.gather(*(s.settle() for s in held))
         await self._top_up()
 
     async def _fit_to_fleet(self) -> None:
@@ -205,7 +264,13 @@ class Collector:
         while self.admission.room() > 0:
             prompt = next(self.prompts)
             group_id = self.ledger.admit_next()
-            await self.tickets.publish(prompt, group_id, self.ledger.state.version)
+            try:
+                await self.tickets.publish(prompt, group_id, self.ledger.state.version)
+            except TicketTooLarge as e:  # the row costs only itself: dead-lettered, counted, passed over
+                self.ledger.abandon(group_id)
+                self.ledger.count("prompts_dead_lettered")
+                log.warning("prompt %s skipped (%s): %s", prompt.id, group_id, e)
+                await self.tickets.dead_letter(prompt, group_id, str(e))
 
     async def _expire(self) -> None:
         """Drop groups that went stale while waiting, and free slots of groups that never came back."""

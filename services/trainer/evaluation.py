@@ -18,7 +18,7 @@ from proto.trajectories import ScoredTrajectory
 from services.tasks.base import Prompt
 from services.trainer.admission import Sample
 from services.trainer.ledger import Ledger
-from services.trainer.outbox import Reporter, Tickets
+from services.trainer.outbox import Reporter, Tickets, TicketTooLarge
 
 log = logging.getLogger("rlbus.trainer.eval")
 
@@ -63,7 +63,16 @@ class Evaluations:
         """A round for the ledger's current version: its tickets go out now."""
         version = self.ledger.state.version
         for group_id, prompt in self.open_round(version, self.ledger.state.step):
-            await self.tickets.publish(prompt, group_id, version, is_eval=True)
+            try:
+                await self.tickets.publish(prompt, group_id, version, is_eval=True)
+            except TicketTooLarge as e:  # the round goes on without it: dead-lettered, counted
+                rnd = self.open[version]
+                rnd.expected -= self.samples
+                if rnd.expected <= 0:
+                    del self.open[version]
+                self.ledger.count("prompts_dead_lettered")
+                log.warning("eval prompt %s skipped: %s", prompt.id, e)
+                await self.tickets.dead_letter(prompt, group_id, str(e))
 
     def record(self, traj: ScoredTrajectory) -> EvalRound | None:
         """Count an eval trajectory; returns its round when this completed it (closed, in the ledger)."""

@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import msgspec
+from nats.errors import MaxPayloadError
 
-from proto import catalog
+from proto import catalog, codec
 from proto.accounting import OutcomeBatch, TrajectoryOutcome
+from proto.deadletter import DeadLetter
 from proto.prompts import PromptTicket, Sampling
 from services.lib.weights.transport import WeightSender
 from services.runtime import metrics, tracing
@@ -77,35 +80,87 @@ class Tickets:
         # deterministic msg id: a retried publish (or a resumed trainer) is de-duplicated by JetStream
         ticket.msg_id = f"{self.ctx.run_id}-{group_id}"
         # a trace per prompt group starts here: rollout, sandbox execs, judge and trainer are its spans
+        size, limit = len(codec.encode(ticket)), self.ctx.cfg.common.max_message_bytes
+        if size > limit:
+            raise TicketTooLarge(f"prompt {prompt.id!r} makes a {size}-byte ticket, over [common] max_message_bytes "
+                                 f"{limit}: shorten or drop the row")
         with tracing.span("admit group", root=True, group_id=group_id, eval=is_eval, version=version,
                           group_size=group_size):
-            await self.ctx.publish(catalog.PROMPTS, ticket)
+            try:
+                await self.ctx.publish(catalog.PROMPTS, ticket)
+            except MaxPayloadError as e:
+                raise TicketTooLarge(f"prompt {prompt.id!r} makes a {size}-byte ticket, over the NATS server's "
+                                     f"max_payload: shorten or drop the row") from e
+
+    async def dead_letter(self, prompt: Prompt, group_id: str, reason: str) -> None:
+        """A prompt whose ticket cannot be published: a dead letter on ``dlq.prompts`` naming it (its text's
+        start), so the run goes on without it."""
+        head = f"prompt_id={prompt.id}\n{prompt.text[:4096]}".encode(errors="replace")
+        letter = DeadLetter(run_id=self.ctx.run_id, service="trainer", original_subject=catalog.PROMPTS.subject(
+            self.ctx.run_id), reason=reason, error_type="TicketTooLarge", payload=head,
+            msg_id=f"{self.ctx.run_id}-{group_id}-dead")
+        try:
+            await self.ctx.publish(catalog.DEAD_LETTERS, letter, "prompts")
+        except Exception as e:  # the dead-letter path must not stop the run
+            log.warning("could not dead-letter prompt %s (%s): %s", prompt.id, reason, e)
+
+
+class TicketTooLarge(Exception):
+    """A prompt's ticket cannot be published (over the message size limit): its prompt is skipped."""
 
 
 class Outcomes:
-    """Records what became of trajectories (stream OUTCOMES) and counts it in the ledger."""
+    """Decides outcomes (stream OUTCOMES): owed in the ledger first, published under fixed ids, then written off
+    (the rule: :mod:`services.trainer.ledger`)."""
 
     def __init__(self, ctx: ServiceContext, ledger: Ledger) -> None:
         self.ctx = ctx
         self.ledger = ledger
 
-    async def record(self, samples: list[Sample], outcome: str, reason: str = "") -> None:
-        """One outcome per sample, the lot published as one message (parts when over the size limit)."""
-        self.ledger.count(outcome, len(samples))
+    def records(self, samples: list[Sample], outcome: str, reason: str = "") -> list[TrajectoryOutcome]:
+        """One outcome per sample at the ledger's current step and version (``trained``: in batch order)."""
+        step, version = self.ledger.state.step, self.ledger.state.version
+        return [TrajectoryOutcome(run_id=self.ctx.run_id, trajectory_id=s.key, group_id=s.group_id,
+                                  outcome=outcome, reason=reason, step=step, version=version,  # type: ignore[arg-type]
+                                  sample_version=s.version, batch_index=i if outcome == "trained" else -1,
+                                  msg_id=f"{s.key}-outcome") for i, s in enumerate(samples)]
+
+    async def record(self, samples: list[Sample], outcome: str, reason: str = "", *, save: bool = True) -> None:
+        """Decide one outcome per sample: owed (and the state saved, ``save``), then published."""
         if not samples:
             return
-        # the reason's kind (its text before the first colon) keeps the label set small
-        _OUTCOMES(len(samples), outcome=outcome, reason=reason.split(":", 1)[0][:40] if reason else "")
-        step, version = self.ledger.state.step, self.ledger.state.version
-        records = [TrajectoryOutcome(run_id=self.ctx.run_id, trajectory_id=s.key, group_id=s.group_id,
-                                     outcome=outcome, reason=reason, step=step, version=version,
-                                     sample_version=s.version, batch_index=i if outcome == "trained" else -1,
-                                     msg_id=f"{s.key}-outcome") for i, s in enumerate(samples)]
-        try:  # an id per first trajectory and size: a restarted trainer recording the same lot is de-duplicated
-            await self.ctx.publish_parts(catalog.OUTCOMES, records, lambda part: OutcomeBatch(
-                run_id=self.ctx.run_id, outcomes=part, msg_id=f"{part[0].msg_id}-{len(part)}"))
-        except Exception as e:  # accounting must not stop training; the trajectories themselves are safe
-            log.warning("could not record the outcomes of %d trajectories (%s): %s", len(samples), outcome, e)
+        groups = indices(s for s in samples if not s.item.rollout.is_eval)
+        self.ledger.owe(self.records(samples, outcome, reason), groups)
+        if save:
+            await self.ledger.save()
+        await self.flush()
+
+    async def flush(self) -> None:
+        """Publish every owed batch (one message each, parts when over the size limit, ids fixed by the batch:
+        a batch published again after a crash or a timed-out publish is stored once); what fails stays owed."""
+        for batch in list(self.ledger.state.owed):
+            if not batch:
+                self.ledger.written(batch)
+                continue
+            # the reason's kind (its text before the first colon) keeps the label set small
+            o = batch[0]
+            try:
+                await self.ctx.publish_parts(catalog.OUTCOMES, batch, lambda part: OutcomeBatch(
+                    run_id=self.ctx.run_id, outcomes=part, msg_id=f"{part[0].msg_id}-{len(part)}"))
+            except Exception as e:  # accounting must not stop training: owed in the saved state, retried
+                log.warning("could not record the outcomes of %d trajectories (%s), retried later: %s", len(batch),
+                            o.outcome, e)
+                return
+            _OUTCOMES(len(batch), outcome=o.outcome, reason=o.reason.split(":", 1)[0][:40] if o.reason else "")
+            self.ledger.written(batch)
+
+
+def indices(samples: Iterable[Sample]) -> dict[str, list[int]]:
+    """Group id -> the sample indices of ``samples``."""
+    out: dict[str, list[int]] = {}
+    for s in samples:
+        out.setdefault(s.group_id, []).append(s.sample_index)
+    return out
 
 
 class Reporter:

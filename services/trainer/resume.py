@@ -8,11 +8,15 @@ Three durable things survive a trainer crash:
 * the **weights the transport keeps** (``WeightSender.latest()``): the store transport keeps every
   version it published; broadcast and inproc keep none.
 
-The trainer continues from the saved state when it is newer than the checkpoint and the transport
-still holds exactly that version's weights (only the optimiser moments then come from the older
-checkpoint). Otherwise it continues from the checkpoint, and versions published after it belong to
-a lost timeline: the checkpoint's weights go out under a newer version number, so every engine
-takes them.
+The bookkeeping never goes back past a published version (the rule: :mod:`services.trainer.ledger`). The
+saved state, when newer than the checkpoint's, is what the trainer continues from: its step numbers, data
+position, groups in flight and owed outcomes. A step it staged (``pending``) is committed when the transport
+keeps that step's version and discarded otherwise. The weights are the kept version when it is the state's
+(only the optimiser moments then come from the older checkpoint); otherwise (a transport that keeps none,
+or an unreadable one) they are the checkpoint's, sent under a version number above every one published, and
+the steps since that checkpoint are a lost timeline for the weights only: their outcomes stand (they were
+trained by versions that went out). Step N always starts from version ``v - 1`` where ``v`` is the version it
+produced (the one its outcomes name), which is what ``rlbus replay step N`` reads.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from services.runtime.config import ModelSection, TaskSection
 from services.tasks import get_task
 from services.tasks.base import Task
 from services.tasks.models import resolve_model
+from services.trainer import ledger
 from services.trainer.config import TrainerConfig
 from services.trainer.devices import Placement
 from services.trainer.learner import Learner
@@ -80,18 +85,23 @@ async def continue_from_saved(start: Start, saved: TrainerState | None, sender: 
     if saved is None:
         return  # the run's first start
     kept = await _latest_kept(sender)
-    if saved.state == "running" and saved.step > start.state.step and kept is not None and kept[0] == saved.version:
-        await asyncio.to_thread(start.learner.load_weights, kept[1])
+    kept_version = kept[0] if kept is not None else None
+    staged = saved.pending.version if saved.pending is not None else -1
+    if saved.state == "running" and saved.step >= start.state.step:
+        ledger.resolve_pending(saved, published=kept_version is not None and kept_version == staged)
         start.state = saved
-        start.version_kept = True
-        log.info("resumed at step %d from kept version %d (optimiser from %s)", saved.step, saved.version,
-                 start.checkpoint or "scratch")
-        return
-    newest = max(saved.version, kept[0] if kept is not None else -1)
+        if kept is not None and kept_version == saved.version:
+            await asyncio.to_thread(start.learner.load_weights, kept[1])
+            start.version_kept = True
+            log.info("resumed at step %d from kept version %d (optimiser from %s)%s", saved.step, saved.version,
+                     start.checkpoint or "scratch", "; the step being sent was published" if staged ==
+                     saved.version else "")
+            return
+    newest = max(saved.version, staged, kept_version if kept_version is not None else -1)
     if newest >= start.state.version:
         start.state.version = newest + 1
-    log.info("resumed from %s: step %d, now version %d", start.checkpoint or "the initial model",
-             start.state.step, start.state.version)
+    log.info("resumed from the weights of %s: step %d, now version %d (kept version: %s)",
+             start.checkpoint or "the initial model", start.state.step, start.state.version, kept_version)
 
 
 async def _latest_kept(sender: WeightSender) -> tuple[int, dict[str, Any]] | None:

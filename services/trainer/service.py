@@ -32,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +52,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.evaluation import Evaluations
 from services.trainer.learner import Learner
 from services.trainer.ledger import Ledger
-from services.trainer.outbox import Outcomes, Reporter, Tickets, Versions
+from services.trainer.outbox import Outcomes, Reporter, Tickets, Versions, indices
 from services.trainer.ranks import RankGroup
 from services.trainer.state import load_from_kv, summary_of
 
@@ -124,6 +126,7 @@ class Trainer:
         if not self.version_kept:  # the engines' first version (or the checkpoint's under a new number)
             await self.versions.send(await asyncio.to_thread(self.learner.state_dict))
         await self.ledger.save()
+        await self.outcomes.flush()  # what a crash left owed (ledger.py, rule 1)
         if isinstance(self.task, TaskMetrics):  # figures about the task's data (its prompts are built by now)
             await self.reporter.emit(self.task.metrics(), step=state.step)
         consumer = asyncio.create_task(ctx.consume(catalog.TRAJECTORIES, self.collector.handle, concurrency=64),
@@ -152,8 +155,7 @@ class Trainer:
         samples = [s for s in samples if not s.item.rollout.error]
         if not samples:
             await self._settle()
-            await self.collector.record_failed(failed)
-            await self.collector.commit(groups, failed, [])
+            await self.collector.fail_groups(groups, failed)
             return
         # one span for the step, linked to every trajectory it trains on; the version it sends carries its
         # context to the engines (their "apply weights" spans link back to it)
@@ -166,19 +168,21 @@ class Trainer:
             t_settle = time.perf_counter()
             await self._settle()
             metrics["time/settle_s"] = time.perf_counter() - t_settle  # what the overlap did not hide
-            await self.collector.record_failed(failed)
             # versions each sample's oldest token is behind the trainer (unlike step_input.behind_freshest)
             version_lag = [state.version - s.version for s in samples]
             for v in version_lag:
                 _STALENESS(v)
             self.ledger.advance()
+            # the step's bookkeeping waits with its version: committed once it is sent (ledger.py, rule 2)
+            self.ledger.stage(indices(s for g in groups for s in g),
+                              self.outcomes.records(samples, "trained") + self.collector.failed_outcomes(failed))
             t0 = time.perf_counter()
             # sent while the next step computes: a copy it cannot change (never while colocated engines sleep)
             overlap = self.cfg.overlap_publish and DEVICE_SHARE.engines == 0
             weights = await asyncio.to_thread(self.learner.snapshot if overlap else self.learner.state_dict)
             metrics["time/snapshot_s"] = time.perf_counter() - t0
             metrics["time/wait_s"] = wait_s  # blocked in collect for this batch
-            done = self._publish_and_commit(groups, failed, samples, weights, metrics, version_lag)
+            done = self._publish_and_commit(groups, weights, metrics, version_lag)
             if overlap:
                 self._pending = asyncio.create_task(done, name=f"trainer-publish-{state.version}")
             else:
@@ -200,15 +204,17 @@ class Trainer:
                 raise
             log.exception("sending the last version or committing its batch failed")
 
-    async def _publish_and_commit(self, groups: list[list[Sample]], failed: list[Sample], samples: list[Sample],
-                                  weights: dict[str, Any], metrics: dict[str, float], version_lag: list[int]) -> None:
-        """Send the step's version (durable before anything is acked), commit its batch, report it, and
-        start an evaluation round when one is due."""
+    async def _publish_and_commit(self, groups: list[list[Sample]], weights: dict[str, Any],
+                                  metrics: dict[str, float], version_lag: list[int]) -> None:
+        """Save the staged step, send its version (durable before anything is acked), commit its batch,
+        report it, and start an evaluation round when one is due."""
         state = self.ledger.state
+        await self.ledger.save()  # the staged step first: a restart finds it whether or not the send finished
         with tracing.span("publish weights", version=state.version):  # a child of "train step" (a task copies the context)
             metrics["time/publish_s"] = await self.versions.send(weights)
+        _fault_point(self.run_dir, state.version)
         t_commit = time.perf_counter()
-        await self.collector.commit(groups, failed, samples)  # and the freed room is filled now
+        await self.collector.commit(groups)  # and the freed room is filled now
         metrics["time/commit_s"] = time.perf_counter() - t_commit  # outcomes, state, acks
         # the names keep "staleness" (of the version lag): the dashboard and the simulator's fit read them
         metrics.update(self.ledger.figures(), **{"trainer/staleness_mean": sum(version_lag) / len(version_lag),
@@ -243,6 +249,21 @@ class Trainer:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         await self.ledger.save()
         log.info("finished: %d steps, final model in %s", self.ledger.state.step, final)
+
+
+#: a fault point for the chaos tests: the trainer SIGKILLs itself once, right after sending this version
+FAULT_ENV = "RLBUS_TRAINER_KILL_AFTER_SENDING"
+
+
+def _fault_point(run_dir: Path, version: int) -> None:
+    """With ``$RLBUS_TRAINER_KILL_AFTER_SENDING = v``: die (SIGKILL) after sending version ``v`` and before its
+    step's state is saved, the first time only (a marker file in the run directory)."""
+    want = os.environ.get(FAULT_ENV, "")
+    marker = run_dir / f"fault-killed-after-v{version}"
+    if want.isdigit() and int(want) == version and not marker.exists():
+        marker.touch()
+        log.warning("fault point: killed after sending version %d, before saving its step", version)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def build(loaded: Loaded) -> TrainerService:

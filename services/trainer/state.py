@@ -7,7 +7,10 @@ It lives in two places, written by the same code:
   and what ``rlbus run`` / ``rlbus status`` watch;
 * ``trainer_state.json`` inside each checkpoint (JSON), next to the optimiser moments.
 
-:mod:`services.trainer.resume` decides which of the two a restarted trainer uses.
+:mod:`services.trainer.resume` decides which of the two a restarted trainer uses. What makes every
+trajectory end with exactly one outcome across crashes is kept here too (the rule: :mod:`services.trainer.ledger`):
+the step whose weights are being sent (``pending``), the outcomes owed to OUTCOMES (``owed``) and the sample
+indices of recently finished groups (``finished``).
 """
 
 from __future__ import annotations
@@ -19,8 +22,21 @@ from typing import Any, Literal
 import msgspec
 
 from proto import codec
+from proto.accounting import TrajectoryOutcome
 
 Phase = Literal["running", "finished", "failed"]
+
+
+class PendingStep(msgspec.Struct, kw_only=True):
+    """A step whose weight version was being sent when the state was saved: its bookkeeping, applied when the
+    version turns out to be published (the step happened) and discarded when it does not (it never did)."""
+
+    step: int
+    version: int
+    #: the groups the step trained on or dropped (released when it commits), with their samples' indices
+    groups: dict[str, list[int]] = {}
+    #: the step's outcomes: its trained batch (in batch order) and its failed rollouts (dropped)
+    outcomes: list[TrajectoryOutcome] = []
 
 
 class TrainerState(msgspec.Struct, kw_only=True):
@@ -39,6 +55,12 @@ class TrainerState(msgspec.Struct, kw_only=True):
     counters: dict[str, int] = {}
     #: (version, held-out reward) of every finished evaluation round
     eval_history: list[tuple[int, float]] = []
+    #: the step whose version is being sent (``step``/``version`` above are already its own); None: none is
+    pending: PendingStep | None = None
+    #: outcome batches decided and not yet known to be on OUTCOMES (each published under its own fixed id)
+    owed: list[list[TrajectoryOutcome]] = []
+    #: recently finished training groups -> the indices of their samples that have an outcome (newest last)
+    finished: dict[str, list[int]] = {}
     final_model: str = ""
     reason: str = ""
     updated_at: float = msgspec.field(default_factory=time.time)
