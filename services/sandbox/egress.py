@@ -174,8 +174,9 @@ class EgressPolicy:
             elif ip is not None and port in self.local_bus_ports and _is_local(ip):
                 why = "is this host's address at the bus's port"
             if why is not None:
+                shown = f"[{host}]" if ":" in host else host
                 raise InvalidRequest(
-                    f"egress entry '{host}:{port}' {why}: sandboxes may not reach loopback, link-local or bus "
+                    f"egress entry '{shown}:{port}' {why}: sandboxes may not reach loopback, link-local or bus "
                     "addresses whatever the allowlist says (an operator may open a named one with "
                     "egress_open_internal in [services.sandbox])")
 
