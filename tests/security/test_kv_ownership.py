@@ -14,7 +14,7 @@ import nats.errors
 import pytest
 
 from proto import catalog, codec
-from services.launcher.status import collect, render
+from services.launcher.status import collect, format_status
 from services.runtime import bus, gang
 from services.runtime.gang import GangSection, GangState
 from tests.security.conftest import RUN
@@ -27,11 +27,12 @@ FAILED = codec.encode(GangState(state="failed", missing={"judge": 1}))
 
 
 async def refused_put(c, key: str, value: bytes) -> None:
-    """A KV put of ``key`` with ``c``'s credentials: the server refuses it (no ack, a permissions violation)."""
-    kv = await c.js.key_value(catalog.RUNS.bucket)
+    """A KV put of ``key`` with ``c``'s credentials (the JetStream publish ``KeyValue.put`` makes, with a short
+    timeout): the server refuses it (no ack, a permissions violation)."""
+    subject = f"$KV.{catalog.RUNS.bucket}.{key}"
     with pytest.raises(nats.errors.TimeoutError):
-        await kv.put(key, value, timeout=1.0)
-    await c.violation("publish", f"$KV.{catalog.RUNS.bucket}.{key}")
+        await c.js.publish(subject, value, timeout=1.0)
+    await c.violation("publish", subject)
 
 
 async def test_no_role_overwrites_another_roles_run_keys(login, server):
@@ -64,7 +65,7 @@ async def test_no_role_overwrites_another_roles_run_keys(login, server):
             st = await collect(ac.nc, RUN)
             assert st["gang"]["state"] == "admitted" and st["gang"]["ignored_later"] == {"judge": "failed"}
             assert st["trainer"] == {"state": "running", "step": 3, "version": 3}
-            assert "gang: " in render(st) and "'admitted'" in render(st)
+            assert "gang: " in format_status(st) and "'admitted'" in format_status(st)
             # a member that starts later (a restarted judge) follows the decision, not the judge's late write
             assert (await gang.barrier(jctx.js, RUN, "judge", section, poll_s=0.1)).state == "admitted"
 
