@@ -14,6 +14,8 @@ with no trajectory holding more than one outcome (``multiple_outcomes``). Messag
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 import nats
@@ -24,15 +26,45 @@ from proto.accounting import TrajectoryOutcome
 from proto.deadletter import DeadLetter
 from proto.trajectories import ScoredTrajectory
 
+log = logging.getLogger("rlbus.accounting")
+
+
+@dataclass
+class Undecodable:
+    """Stored messages a reader skipped because they do not decode as their channel's type (hostile or
+    corrupt bytes): how many per stream, and the first few stream sequences with why."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, stream: str, seq: int, error: Exception) -> None:
+        self.counts[stream] = self.counts.get(stream, 0) + 1
+        if len(self.examples) < 5:
+            self.examples.append(f"{stream} #{seq}: {str(error)[:120]}")
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def note(self) -> str:
+        """One line for a report ("" when nothing was skipped)."""
+        if not self.total:
+            return ""
+        per = ", ".join(f"{n} in {s}" for s, n in sorted(self.counts.items()))
+        return (f"skipped {self.total} undecodable stored message(s) ({per}; e.g. {self.examples[0]}); "
+                "`rlbus tap --raw` shows them")
+
 
 async def read_all(js: Any, stream: str, subject: str, typ: Any, idle_s: float = 2.0,
-                   with_seq: bool = False) -> list[Any]:
+                   with_seq: bool = False, skipped: Undecodable | None = None) -> list[Any]:
     """Every stored message of ``subject`` in ``stream``, decoded (ordered consumer from the start);
-    ``with_seq``: as ``(stream sequence, message)`` pairs."""
+    ``with_seq``: as ``(stream sequence, message)`` pairs. A message that does not decode is skipped,
+    counted in ``skipped`` and logged (a warning per read with the count), never raised."""
     info = await js.stream_info(stream)
     if info.state.messages == 0:
         return []
     out = []
+    bad = Undecodable()
     sub = await js.subscribe(subject, stream=stream, ordered_consumer=True,
                              config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL))
     try:
@@ -41,21 +73,34 @@ async def read_all(js: Any, stream: str, subject: str, typ: Any, idle_s: float =
                 m = await sub.next_msg(timeout=idle_s)
             except nats.errors.TimeoutError:
                 break
-            msg = codec.decode(m.data, typ, max_bytes=None)
-            out.append((m.metadata.sequence.stream, msg) if with_seq else msg)
+            seq = m.metadata.sequence.stream
+            try:
+                msg = codec.decode(m.data, typ, max_bytes=None)
+            except codec.DecodeError as e:
+                bad.add(stream, seq, e)
+            else:
+                out.append((seq, msg) if with_seq else msg)
             if m.metadata.num_pending == 0:
                 break
     finally:
         await sub.unsubscribe()
+    if bad.total:
+        log.warning("%s (subject %s)", bad.note(), subject)
+        if skipped is not None:
+            for name, n in bad.counts.items():
+                skipped.counts[name] = skipped.counts.get(name, 0) + n
+            skipped.examples += bad.examples[:max(0, 5 - len(skipped.examples))]
     return out
 
 
-async def read_channel(js: Any, channel: catalog.Channel, run_id: str) -> list[Any]:
+async def read_channel(js: Any, channel: catalog.Channel, run_id: str,
+                       skipped: Undecodable | None = None) -> list[Any]:
     """Every record stored on one run's ``channel`` (a stream channel), decoded as its type, one record each:
-    a group message gives its rollouts, scored trajectories or outcomes (``catalog.members``)."""
+    a group message gives its rollouts, scored trajectories or outcomes (``catalog.members``). Messages that
+    do not decode are skipped and counted in ``skipped``."""
     if channel.stream is None:
         raise ValueError(f"channel {channel.name} is not stored in a stream")
-    msgs = await read_all(js, channel.stream.name, channel.wildcard(run_id), channel.msg_type)
+    msgs = await read_all(js, channel.stream.name, channel.wildcard(run_id), channel.msg_type, skipped=skipped)
     return [r for m in msgs for r in catalog.members(m)]
 
 
@@ -75,9 +120,10 @@ async def accounting(js: Any, run_id: str) -> dict[str, Any]:
     yet delivered, and those delivered but not acked (above its ack floor) whose trajectories have no outcome."""
     ch = catalog.TRAJECTORIES
     assert ch.stream is not None
-    msgs = await read_all(js, ch.stream.name, ch.wildcard(run_id), ch.msg_type, with_seq=True)
+    skipped = Undecodable()
+    msgs = await read_all(js, ch.stream.name, ch.wildcard(run_id), ch.msg_type, with_seq=True, skipped=skipped)
     trajectories: list[ScoredTrajectory] = [t for _, m in msgs for t in catalog.members(m)]
-    outcomes: list[TrajectoryOutcome] = await read_channel(js, catalog.OUTCOMES, run_id)
+    outcomes: list[TrajectoryOutcome] = await read_channel(js, catalog.OUTCOMES, run_id, skipped)
     by_id: dict[str, list[TrajectoryOutcome]] = {}
     for o in outcomes:
         by_id.setdefault(o.trajectory_id, []).append(o)
@@ -112,6 +158,9 @@ async def accounting(js: Any, run_id: str) -> dict[str, Any]:
         # trajectories of messages the trainer refused (dead-lettered): never admitted, or copies of ones with an outcome
         "dead_lettered": dead_lettered,
         "identity_holds": len(trajectories) == sum(counts.values()) + len(no_outcome) + dead_lettered,
+        # stored messages that do not decode (garbage published on the streams): skipped, not counted above;
+        # the trainer dead-letters such a trajectories message, so it carries no trajectory to account for
+        "undecodable": dict(skipped.counts),
         # the identity: nothing vanished (a trajectory without an outcome whose message the trainer acked)
         "lost": len(no_outcome) - held,
     }

@@ -33,7 +33,10 @@ service's own durable consumer (named ``<role>-<run>``), KV and object-store
 access bucket by bucket (``$KV.<bucket>.<key>`` for writes, ``DIRECT.GET`` /
 ``STREAM.MSG.GET`` / ephemeral consumers plus ``$JS.FC`` flow control for
 reads). With a run id, every rlbus subject, KV key and consumer name is pinned
-to that run, so the users of one run cannot touch another run's work.
+to that run, so the users of one run cannot touch another run's work. Within a
+run each role writes only its own KV keys: its members' keys, its gang proposal
+``<run>.gang.<role>``, and for the trainer ``<run>.state``; only the launcher
+writes every key of the run (gang reset, release).
 
 Private inboxes
 ---------------
@@ -122,8 +125,9 @@ def _harness(role: str, s: Scope) -> list[Grant]:
         _publish("membership: own keys in the members bucket", f"$KV.{membership.MEMBERS_BUCKET}.{s.run}.{role}.>"),
         _stream_read(f"KV_{membership.MEMBERS_BUCKET}", "gang start: read the run's members"),
         _stream_read(f"KV_{catalog.RUNS.bucket}", "gang start: read the run's gang decision"),
-        _publish("gang start: admit the run or mark it failed (atomic create of <run>.gang)",
-                 f"$KV.{catalog.RUNS.bucket}.{s.run}.gang"),
+        _publish("gang start: propose admission or failure under the role's own key (atomic create of "
+                 "<run>.gang.<role>; the first stored proposal decides, no role can overwrite another's)",
+                 f"$KV.{catalog.RUNS.bucket}.{s.run}.gang.{role}"),
     ]
 
 
@@ -235,7 +239,8 @@ def channel_grants(role: str, s: Scope) -> list[Grant]:
 def _trainer(s: Scope) -> list[Grant]:
     return [
         *_harness("trainer", s),
-        _publish("run state", f"$KV.{catalog.RUNS.bucket}.{s.run}.>"),
+        _publish("run state: its own key <run>.state (what a restarted trainer resumes from)",
+                 f"$KV.{catalog.RUNS.bucket}.{s.run}.state"),
         *_weights_write(weights.MAIN_SCOPE, s),
     ]
 

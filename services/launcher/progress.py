@@ -91,7 +91,12 @@ async def follow(nats_url: str, run_id: str, total_steps: int | None, stop: asyn
                 continue
             if entry is None or entry.value is None:
                 continue
-            state = codec.msgspec.msgpack.decode(entry.value)
+            try:
+                state = codec.msgspec.msgpack.decode(entry.value)
+            except codec.msgspec.DecodeError:
+                continue  # not a state record: skipped (only the trainer and the launcher may write the key)
+            if not isinstance(state, dict):
+                continue
             if state.get("state") == "running":
                 seen_running = True
             # the watch starts with the stored state: a finished run being extended (--resume) says

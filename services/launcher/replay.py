@@ -36,6 +36,8 @@ class Replayed:
     recomputed: dict[str, float]
     #: the weight version the step started from
     start_version: int = -1
+    #: what the streams held that did not decode (skipped), as one line; "" when nothing was skipped
+    skipped: str = ""
 
     @property
     def identical(self) -> bool:
@@ -47,6 +49,8 @@ class Replayed:
             new = self.recomputed.get(key, math.nan)
             same = "identical" if new == rec else f"differs by {abs(new - rec):.3g}"
             lines.append(f"  {key:<16} recorded {rec!r:<24} recomputed {new!r:<24} {same}")
+        if self.skipped:
+            lines.append(f"  note: {self.skipped}")
         return "\n".join(lines)
 
 
@@ -67,8 +71,8 @@ def _recorded(run_dir: Path, step: int) -> dict[str, float]:
     raise ReplayError(f"{path} records no train step {step} (eval rows and other steps only)")
 
 
-async def _batch_and_weights(run_dir: Path, run_id: str, transport: Any,
-                             step: int) -> tuple[list[Any], dict | None, int]:
+async def _batch_and_weights(run_dir: Path, run_id: str, transport: Any, step: int,
+                             skipped: Any = None) -> tuple[list[Any], dict | None, int]:
     from proto import catalog
     from services.launcher.accounting import read_channel
     from services.launcher.connect import with_stored_streams
@@ -80,7 +84,7 @@ async def _batch_and_weights(run_dir: Path, run_id: str, transport: Any,
         raise ReplayError(f"{store} is missing: the run's JetStream store is not in its run directory")
     async def read(nc: Any, _run: str) -> tuple[list[Any], dict | None, int]:
         js = nc.jetstream()
-        outcomes = await read_channel(js, catalog.OUTCOMES, run_id)
+        outcomes = await read_channel(js, catalog.OUTCOMES, run_id, skipped)
         used = sorted((o for o in outcomes if o.outcome == "trained" and o.step == step),
                       key=lambda o: o.batch_index)
         if not used:
@@ -89,7 +93,7 @@ async def _batch_and_weights(run_dir: Path, run_id: str, transport: Any,
             raise ReplayError(f"step {step}'s outcomes carry no batch order (recorded by an older rlbus): "
                               "its batch cannot be rebuilt exactly")
         wanted = {o.trajectory_id for o in used}
-        trajectories = {t.msg_id: t for t in await read_channel(js, catalog.TRAJECTORIES, run_id)
+        trajectories = {t.msg_id: t for t in await read_channel(js, catalog.TRAJECTORIES, run_id, skipped)
                         if t.msg_id in wanted}
         missing = [o.trajectory_id for o in used if o.trajectory_id not in trajectories]
         if missing:
@@ -122,6 +126,7 @@ def replay_step(run_dir: str | Path, step: int) -> Replayed:
     import msgspec
     import torch
 
+    from services.launcher.accounting import Undecodable
     from services.runtime.config import ModelSection
     from services.runtime.weights_config import TransportConfig
     from services.tasks.models import resolve_model
@@ -149,7 +154,8 @@ def replay_step(run_dir: str | Path, step: int) -> Replayed:
                           "steps only")
     recorded = _recorded(run_dir, step)
     run_id = tree.get("run", {}).get("id", "default")
-    batch, weights, start = asyncio.run(_batch_and_weights(run_dir, run_id, transport, step))
+    skipped = Undecodable()  # garbage on the streams is skipped (a trained trajectory always decoded)
+    batch, weights, start = asyncio.run(_batch_and_weights(run_dir, run_id, transport, step, skipped))
     model_dir = resolve_model(model.name, model.cache_dir or None, seed=int(tree.get("run", {}).get("seed", 0)),
                               revision=model.revision or None)
     learner = Learner(cfg, model_dir, Placement("cpu", "cpu", "gloo", dtype=model.dtype))
@@ -161,7 +167,7 @@ def replay_step(run_dir: str | Path, step: int) -> Replayed:
     if passes:
         with torch.no_grad():
             recomputed["optim/grad_norm"] = clip_grad_norm(learner.model.parameters(), cfg.optim.max_grad_norm)
-    return Replayed(step, len(batch), recorded, recomputed, start_version=start)
+    return Replayed(step, len(batch), recorded, recomputed, start_version=start, skipped=skipped.note())
 
 
 # --- dead letters ------------------------------------------------------------------------------------------
@@ -178,8 +184,10 @@ class Letter:
                 f"{d.error_type}: {d.reason[:200]}")
 
 
-async def dead_letters(nc: Any, run_id: str, family: str) -> list[Letter]:
-    """Every dead letter of ``family`` the run's DLQ stream holds, oldest first."""
+async def dead_letters(nc: Any, run_id: str, family: str, skipped: Any = None) -> list[Letter]:
+    """Every dead letter of ``family`` the run's DLQ stream holds, oldest first. A stored message that is not
+    a dead letter (garbage on the DLQ subject) is skipped and counted in ``skipped``
+    (:class:`services.launcher.accounting.Undecodable`)."""
     from nats.js import api
 
     from proto import catalog, codec
@@ -203,7 +211,13 @@ async def dead_letters(nc: Any, run_id: str, family: str) -> list[Letter]:
             except Exception:  # nats' TimeoutError: nothing more
                 break
             for m in msgs:
-                out.append(Letter(m.metadata.sequence.stream, codec.decode(m.data, DeadLetter, max_bytes=None)))
+                try:
+                    letter = codec.decode(m.data, DeadLetter, max_bytes=None)
+                except codec.DecodeError as e:
+                    if skipped is not None:
+                        skipped.add(catalog.DLQ_STREAM.name, m.metadata.sequence.stream, e)
+                    continue
+                out.append(Letter(m.metadata.sequence.stream, letter))
             if len(msgs) < 256:
                 break
     finally:

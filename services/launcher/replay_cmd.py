@@ -45,12 +45,16 @@ def add_parser(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from services.launcher.accounting import Undecodable
     from services.launcher.replay import ReplayError, dead_letters, replay_step, republish
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.what == "dlq":
         async def go(nc, run_id):
-            letters = await dead_letters(nc, run_id, args.family)
+            skipped = Undecodable()
+            letters = await dead_letters(nc, run_id, args.family, skipped)
+            if skipped.total:  # said first, on stdout with the listing: a garbage entry is not a dead letter
+                print(f"note: {skipped.note()}")
             if args.seq:
                 letters = [x for x in letters if x.seq in set(args.seq)]
             for x in letters:

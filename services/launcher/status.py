@@ -7,7 +7,7 @@ from typing import Any
 
 from proto import catalog, codec
 from proto.membership import Heartbeat
-from services.runtime import bus
+from services.runtime import bus, gang
 
 
 async def collect(nc: Any, run_id: str) -> dict[str, Any]:
@@ -35,12 +35,19 @@ async def collect(nc: Any, run_id: str) -> dict[str, Any]:
     except Exception:
         runs = None
     if runs is not None:
-        for key, field in (("state", "trainer"), ("gang", "gang")):
-            try:
-                value = codec.msgspec.msgpack.decode((await runs.get(f"{run_id}.{key}")).value)
-            except Exception:
-                continue  # not there (yet), or unreadable: status shows what it can
-            out[field] = {k: value.get(k) for k in ("state", "step", "version")} if field == "trainer" else value
+        try:
+            value = codec.msgspec.msgpack.decode((await runs.get(f"{run_id}.state")).value)
+            out["trainer"] = {k: value.get(k) for k in ("state", "step", "version")}
+        except Exception:
+            pass  # not there (yet), or unreadable: status shows what it can
+        try:
+            decided = await gang.decision(js, run_id)
+        except Exception:
+            decided = None
+        if decided is not None:
+            # the first proposal stored decides; later ones that disagree are shown as ignored, never obeyed
+            out["gang"] = {**codec.msgspec.to_builtins(decided.state), "by": decided.by,
+                           **({"ignored_later": decided.ignored} if decided.ignored else {})}
     return out
 
 

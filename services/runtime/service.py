@@ -222,7 +222,7 @@ async def serve(name: str, service_factory: Callable[[Loaded], Service], loaded:
         if loaded.gang is not None and loaded.gang.roles:
             ctx.state = "waiting"
             await _publish_heartbeat_now(ctx)
-            barrier = asyncio.create_task(gang.barrier(ctx.js, ctx.run_id, loaded.gang), name=f"{name}-gang")
+            barrier = asyncio.create_task(gang.barrier(ctx.js, ctx.run_id, name, loaded.gang), name=f"{name}-gang")
             stop_wait = asyncio.create_task(ctx.stop.wait(), name=f"{name}-gang-stop")
             done, _ = await asyncio.wait({barrier, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
             stop_wait.cancel()

@@ -39,7 +39,7 @@ from services.sandbox.bwrap_exec import command_prefix, smoke_test, spawn
 from services.sandbox.bwrap_sandbox import Sandbox, Snapshot, Spec
 from services.sandbox.cgroups import Hierarchy
 from services.sandbox.config import SandboxConfig
-from services.sandbox.egress import Allowlist, EgressProxy
+from services.sandbox.egress import Allowlist, EgressPolicy, EgressProxy
 from services.sandbox.etc import write_etc
 from services.sandbox.host import base_args, check_prerequisites, reap_instance
 from services.sandbox.images import resolve_image
@@ -59,7 +59,8 @@ class BwrapBackend:
         self.sandboxes: dict[str, Sandbox] = {}
         self.snapshots: dict[str, Snapshot] = {}
         self.leases = common.LeaseTable(self._lease_expired)
-        self.egress = EgressProxy(config.egress_port, config.egress_connect_timeout_s)
+        self.egress = EgressProxy(config.egress_port, config.egress_connect_timeout_s,
+                                  EgressPolicy(list(config.egress_open_internal)))
         self._lock = common.InstanceLock(self.state_dir)
         self._tasks: set[asyncio.Task[None]] = set()
         self._base_args: dict[str, list[str]] = {}
@@ -67,6 +68,10 @@ class BwrapBackend:
         self.layers: Layers | None = None
 
     # --- lifecycle of the backend ------------------------------------------------------------
+
+    def protect_bus(self, endpoints: list[tuple[str, int]]) -> None:
+        """The bus's servers (host, port): no sandbox may reach them, whatever its allowlist says."""
+        self.egress.policy.protect_bus(endpoints)
 
     async def start(self) -> list[str]:
         """Check the host, reap orphans (a dead predecessor with this id included), take the state dir."""
@@ -190,8 +195,7 @@ class BwrapBackend:
     async def create(self, req: api.CreateRequest) -> api.CreateReply:
         if req.base not in self._base_args:
             raise InvalidRequest(f"unknown base {req.base!r}: use 'host' or one of {sorted(self.cfg.images)}")
-        allow = Allowlist(req.egress)  # validates
-        del allow
+        self.egress.policy.check_entries(list(req.egress))  # validates; refuses internal targets naming them
         spec = Spec(
             base=req.base, limits=common.resolve_limits(req.limits, self.cfg), env=common.check_env(dict(req.env)),
             egress=tuple(req.egress), lease_ttl_s=common.resolve_ttl(req.lease_ttl_s, self.cfg.default_lease_ttl_s,

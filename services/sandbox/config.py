@@ -96,6 +96,10 @@ class SandboxConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     egress_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 3128
     #: seconds the egress proxy waits to connect to an allowed host
     egress_connect_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0
+    #: ``host:port`` targets on loopback, link-local or the bus's addresses that an allowlist may name after all
+    #: (e.g. ["127.0.0.1:8080"] for a package mirror on the host); every other such target is refused whatever
+    #: a create's allowlist says
+    egress_open_internal: list[str] = []
     #: the bubblewrap and setpriv executables (names are looked up on PATH)
     bwrap_path: str = "bwrap"
     setpriv_path: str = "setpriv"
@@ -109,6 +113,10 @@ class SandboxConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"workdir {self.workdir!r} must be an absolute path other than / and /tmp")
         if not self.root_dir.startswith("/"):
             raise ValueError(f"root_dir {self.root_dir!r} must be an absolute path")
+        for entry in self.egress_open_internal:
+            host, sep, port = entry.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"egress_open_internal entry {entry!r} is not host:port (e.g. 127.0.0.1:8080)")
         if "host" in self.images:
             raise ValueError('images may not be named "host" (that name is the host base)')
         for name, field in (("default_limits", self.default_limits),):

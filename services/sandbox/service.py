@@ -202,6 +202,11 @@ class SandboxService:
             events.put(event)
 
         backend = create_backend(self.cfg, on_event)
+        protect = getattr(backend, "protect_bus", None)
+        if protect is not None:  # the bus's own addresses are never an egress target
+            servers = [*ctx.nc.servers, *([ctx.nc.connected_url] if ctx.nc.connected_url else [])]
+            endpoints = sorted({(u.hostname, u.port or 4222) for u in servers if u.hostname})
+            await asyncio.to_thread(protect, endpoints)
         try:
             try:
                 self.reaped = await backend.start()

@@ -64,20 +64,19 @@ async def test_quorum_admits_and_missing_quorum_fails_without_blocking_other_run
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     await bus.provision_all(js)
-    runs_kv = await js.key_value("rlbus_runs")
     try:
         # a single member of A must not be admitted: a-0 waits through several of its own heartbeats (every
         # 0.3 s), so through more than one quorum check of its barrier (every 0.5 s), and A is still undecided
         await waited_through_heartbeats(js, "runA", "a-0", 5)
-        assert await gang.read_state(runs_kv, "runA") is None
+        assert await gang.read_state(js, "runA") is None
         a2 = start(cfg_a, "a-1", "runA")
-        state_a = await wait_for_async(lambda: gang.read_state(runs_kv, "runA"), 20, "run A's gang state")
+        state_a = await wait_for_async(lambda: gang.read_state(js, "runA"), 20, "run A's gang state")
         assert state_a.state == "admitted"
         assert sorted(state_a.members["echo"]) == ["a-0", "a-1"]
 
         out_b = await asyncio.to_thread(b1.communicate, timeout=60)
         assert b1.returncode == gang.GANG_FAILED_EXIT, out_b[0]
-        state_b = await gang.read_state(runs_kv, "runB")
+        state_b = await gang.read_state(js, "runB")
         assert state_b.state == "failed" and state_b.missing == {"echo": 2}
         assert "echo needs 2 more" in out_b[0]
         # A is running: both members still up

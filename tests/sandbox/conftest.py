@@ -47,11 +47,12 @@ async def backend(state_root: str, events: Events) -> AsyncIterator[BwrapBackend
 
 @pytest.fixture
 def http_server_factory() -> Iterator:
-    """Start HTTP servers on 127.0.0.1 (host side) answering a fixed body; yields ``start(body) -> port``."""
+    """Start HTTP servers on 127.0.0.1 or ``host`` (host side) answering a fixed body; yields
+    ``start(body, host=...) -> port``."""
     servers: list[http.server.ThreadingHTTPServer] = []
 
-    def start(body: bytes) -> int:
-        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    def start(body: bytes, host: str = "127.0.0.1") -> int:
+        srv = http.server.ThreadingHTTPServer((host, 0), Handler)
         srv.body = body  # type: ignore[attr-defined]
         threading.Thread(target=srv.serve_forever, name="sandbox-test-http", daemon=True).start()
         servers.append(srv)

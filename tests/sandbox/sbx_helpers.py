@@ -74,4 +74,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def host_address() -> str | None:
+    """A non-loopback IPv4 address of this host (a public-looking egress target), None without one: the source
+    address of the route to a documentation address (a UDP connect sends nothing)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.123", 9))
+        except OSError:
+            return None
+        ip = s.getsockname()[0]
+    return None if ip.startswith(("127.", "0.", "169.254.")) else ip
+
+
+needs_host_address = pytest.mark.skipif(host_address() is None, reason="this host has no non-loopback address")
+
 needs_python = pytest.mark.skipif(not os.path.exists("/usr/bin/python3"), reason="needs /usr/bin/python3 on the host")

@@ -130,6 +130,12 @@ def test_every_service_subject_is_pinned_to_the_run():
     ("publish", "$JS.API.CONSUMER.MSG.NEXT.TRAJECTORIES.trainer-r1", {"trainer", "launcher"}),
     ("publish", "$JS.ACK.TRAJECTORIES.trainer-r1.1.2.3.4.0", {"trainer", "launcher"}),
     ("publish", "$JS.API.DIRECT.GET.TRAJECTORIES", {"admin", "launcher"}),
+    # the run bucket: each role only its own keys (the gang record cannot be overwritten by another role)
+    ("publish", "$KV.rlbus_runs.r1.gang", {"launcher"}),
+    ("publish", "$KV.rlbus_runs.r1.gang.trainer", {"trainer", "launcher"}),
+    ("publish", "$KV.rlbus_runs.r1.gang.judge", {"judge", "launcher"}),
+    ("publish", "$KV.rlbus_runs.r1.state", {"trainer", "launcher"}),
+    ("publish", "$KV.rlbus_runs.r1.anything", {"launcher"}),
     ("subscribe", "rlbus.r1.trajectories", {"admin", "launcher"}),
     ("subscribe", "rlbus.r1.sandbox.api.create", {"sandbox", "admin", "launcher"}),
     ("subscribe", "_INBOX_trainer.abc", {"trainer"}),

@@ -107,7 +107,8 @@ async def test_the_work_loop_runs_under_its_permissions(login, server):
                 asyncio.create_task(tctx.consume(catalog.TRAJECTORIES, on_trajectory)),
             ]
             section = GangSection(roles={"trainer": 1, "rollout": 1, "judge": 1}, timeout_s=30.0)
-            states = await asyncio.gather(*(gang.barrier(c.js, RUN, section, poll_s=0.1) for c in (tctx, rctx, jctx)))
+            states = await asyncio.gather(*(gang.barrier(c.js, RUN, c.name, section, poll_s=0.1)
+                                            for c in (tctx, rctx, jctx)))
             assert {s.state for s in states} == {"admitted"}  # gang start works under the permissions too
             runs = await bus.ensure_kv(tctx.js, catalog.RUNS)
             await runs.put(f"{RUN}.state", b"running")
