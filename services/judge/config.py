@@ -44,11 +44,11 @@ class UserCodeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     memory_mb: Annotated[int, msgspec.Meta(ge=0)] = 4096
     #: seconds a new worker may take to start (Python, the task's imports); not charged to any call
     start_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
-    #: the most worker processes: while all are busy (hung calls waiting out their timeout) a call that
-    #: waited grow_after_s starts another; 0: max(16, workers)
+    #: the most worker processes: one is started in place of each stuck one (a call running longer than
+    #: grow_after_s, such as a hang waiting out timeout_s) when a call finds none idle; 0: max(16, workers)
     max_workers: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
-    #: seconds a call waits for a busy pool before it starts one more worker (up to max_workers)
-    grow_after_s: Annotated[float, msgspec.Meta(ge=0)] = 0.5
+    #: seconds a call runs before its worker counts as stuck (and the pool may grow past it)
+    grow_after_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     #: seconds a worker beyond `workers` stays idle before it is closed
     idle_retire_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
 

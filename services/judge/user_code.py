@@ -14,9 +14,10 @@ calls wait for a free worker (the wait is not charged to the call's timeout).
 
 **A hang costs its own group, not the run** (``bench/user_code.py --pipeline`` measures it). Two rules:
 
-* *The pool grows on demand*: a call that waited ``grow_after_s`` for a worker while all of them were busy
-  starts one more (up to ``max_workers``), so calls stuck until their timeout do not queue everyone
-  else's behind them; workers beyond ``workers`` that stay idle ``idle_retire_s`` are closed.
+* *The pool grows on demand*: a worker whose call has run longer than ``grow_after_s`` counts as stuck,
+  and a call that finds no idle worker starts one in its place (up to ``max_workers``), so calls stuck
+  until their timeout do not queue everyone else's behind them; a queue of quick calls alone never grows
+  the pool. Workers beyond ``workers`` that stay idle ``idle_retire_s`` are closed.
 * *A group's first call probes for the rest*: calls made with the same ``scope`` (the judge passes the
   prompt group) to the same method wait for the first one to return; if it, or any later one, does not
   return within ``timeout_s``, the group's calls still to come fail at once with that reason instead of
@@ -55,6 +56,7 @@ class _Worker:
         self.proc: asyncio.subprocess.Process | None = None
         self.broken = False  # killed, or its pipe is out of step (a call abandoned mid-way)
         self.last_used = time.monotonic()
+        self.busy_since: float | None = None  # when its current call was sent (None: idle)
 
     @property
     def alive(self) -> bool:
@@ -201,27 +203,32 @@ class ProcessUserCode:
             if probing and not state.probe.done():
                 state.probe.set_result(None)
 
+    def _stuck(self, now: float) -> int:
+        """Workers whose call has run longer than ``grow_after_s`` (hung ones among them)."""
+        return sum(w.busy_since is not None and now - w.busy_since > self.cfg.grow_after_s for w in self.workers)
+
     async def _take(self) -> _Worker:
-        """An idle worker; after ``grow_after_s`` of waiting with every worker busy, a new one (to ``max_workers``)."""
+        """An idle worker, or a new one (up to ``max_workers``) standing in for each stuck one: the pool keeps
+        ``workers`` that are not stuck, so a queue of quick calls alone never grows it."""
         self._retire_idle()
-        try:
-            return self.idle.get_nowait()
-        except asyncio.QueueEmpty:
-            pass
-        if len(self.workers) >= self.cfg.max_workers:
-            return await self.idle.get()
-        try:
-            return await asyncio.wait_for(self.idle.get(), self.cfg.grow_after_s)
-        except TimeoutError:
-            if len(self.workers) >= self.cfg.max_workers:  # others grew the pool meanwhile
-                return await self.idle.get()
-        worker = _Worker(self.cfg, self._next_index)
-        self._next_index += 1
-        self.workers.append(worker)
-        self.grown += 1
-        log.info("all %d user-code workers busy for %g s: started worker %d (max_workers %d)",
-                 len(self.workers) - 1, self.cfg.grow_after_s, worker.index, self.cfg.max_workers)
-        return worker
+        while True:
+            try:
+                return self.idle.get_nowait()
+            except asyncio.QueueEmpty:
+                pass
+            stuck = self._stuck(time.monotonic())
+            if len(self.workers) < min(self.cfg.max_workers, self.cfg.workers + stuck):
+                worker = _Worker(self.cfg, self._next_index)
+                self._next_index += 1
+                self.workers.append(worker)
+                self.grown += 1
+                log.info("%d user-code worker(s) stuck in a call for over %g s: started worker %d (%d of at most "
+                         "%d)", stuck, self.cfg.grow_after_s, worker.index, len(self.workers), self.cfg.max_workers)
+                return worker
+            try:
+                return await asyncio.wait_for(self.idle.get(), self.cfg.grow_after_s)
+            except TimeoutError:
+                continue  # look again: a call may have become stuck meanwhile
 
     def _retire_idle(self) -> None:
         """Close workers beyond ``workers`` that were idle ``idle_retire_s`` (no awaits: the queue stays whole)."""
@@ -260,6 +267,7 @@ class ProcessUserCode:
                     await worker.kill()
                     raise
             self.calls += 1
+            worker.busy_since = time.monotonic()
             try:
                 reply = await worker.call(key, module, task_name, options, method, args)
             except TimeoutError:
@@ -274,7 +282,7 @@ class ProcessUserCode:
                             _exit_reason(code))
                 raise UserCodeError("crash", f"{method}() killed its worker process ({_exit_reason(code)})") from None
         finally:
-            worker.last_used = time.monotonic()
+            worker.busy_since, worker.last_used = None, time.monotonic()
             self.idle.put_nowait(worker)
         if reply[0] == "internal":
             raise UserCodeRunnerError(f"user-code worker {worker.index} could not take the call to "
