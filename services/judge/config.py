@@ -18,8 +18,9 @@ A task without an entry is graded by its reward function alone (``[{ type = "rew
 The tasks' own code (reward functions, hidden-test builders) runs in worker processes, each call bounded::
 
     [services.judge.user_code]
-    workers = 2
-    timeout_s = 10.0                # then the worker is killed and the sample scored failed
+    workers = 2                     # kept running; more are started while all are busy, up to max_workers
+    timeout_s = 10.0                # then the worker is killed and the sample scored failed (and its
+                                    # group's calls still to come fail at once)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Annotated
 
 import msgspec
 
+from services.runtime.config import ConfigError
 from services.tasks.grader_specs import GraderSpec
 
 
@@ -42,6 +44,20 @@ class UserCodeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     memory_mb: Annotated[int, msgspec.Meta(ge=0)] = 4096
     #: seconds a new worker may take to start (Python, the task's imports); not charged to any call
     start_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    #: the most worker processes: one is started in place of each stuck one (a call running longer than
+    #: grow_after_s, such as a hang waiting out timeout_s) when a call finds none idle; 0: max(16, workers)
+    max_workers: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    #: seconds a call runs before its worker counts as stuck (and the pool may grow past it)
+    grow_after_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    #: seconds a worker beyond `workers` stays idle before it is closed
+    idle_retire_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_workers == 0:
+            self.max_workers = max(16, self.workers)
+        elif self.max_workers < self.workers:
+            raise ConfigError(f"config key services.judge.user_code.max_workers is {self.max_workers}, below "
+                              f"workers ({self.workers}): raise it (or set 0 for max(16, workers))")
 
 
 class JudgeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -7,7 +7,8 @@ A rollout that failed upstream is scored 0 with the error recorded (it still rea
 
 **User code cannot stall the judge.** Reward functions run in worker processes with a per-call timeout
 (``[services.judge.user_code]``, ``user_code.py``): the event loop, and so the heartbeats, never wait on them.
-When the task's code raises, hangs (its worker is killed), dies, or returns NaN/inf or a value outside [0, 1],
+When the task's code raises, hangs (its worker is killed; the group's calls still to come fail at once, and
+the pool grows so other groups do not wait behind the hang), dies, or returns NaN/inf or a value outside [0, 1],
 the trajectory is published with ``rollout.error = "grading failed: <grader>: <reason>"`` so the trainer
 records it as dropped with that reason, and the failure is counted (``judge/failed/<kind>``). A rollout that
 came back more than ``poison_after_deliveries`` times without being settled (it killed or hung a judge each
@@ -138,7 +139,9 @@ class JudgeService:
         if any(g.failure is not None for g, _ in graded):
             await ctx.report({"judge/failed_total": float(sum(self.failed.values())),
                               **{f"judge/failed/{k}": float(v) for k, v in self.failed.items()},
-                              "judge/user_code_restarts": float(self.user_code.restarts)})
+                              "judge/user_code_restarts": float(self.user_code.restarts),
+                              "judge/user_code_workers": float(len(self.user_code.workers)),
+                              "judge/user_code_group_failed": float(self.user_code.group_failed)})
 
     async def _destroy(self, sandbox_id: str) -> None:
 

@@ -7,7 +7,9 @@ stderr first, so a ``print`` in user code lands in the judge's log instead of co
 
 Frames (judge → worker): ``("init", sys_path, memory_mb)`` once, then ``("call", task_key, module, name,
 options, method, args)``; worker → judge: ``("ready",)`` after init, then ``("ok", value)`` or
-``("error", "ExcType: message", traceback_tail)`` per call. The worker builds each task once (importing the
+``("error", "ExcType: message", traceback_tail)`` per call, or ``("internal", why)`` when a call's frame
+does not decode (the runner's fault: the judge does not blame the user's code for it). Frames of any size
+are read whole (a pipe hands over at most 64 KiB per read). The worker builds each task once (importing the
 module that defines it first, so tasks registered by a decorator in a plugin module are found) and keeps it.
 A call that never returns is ended by the judge killing this process.
 """
@@ -26,18 +28,44 @@ from typing import Any, BinaryIO
 HEADER = struct.Struct("!I")
 
 
+class FrameError(Exception):
+    """A frame arrived whole but does not decode (the runner's fault, not the user code's)."""
+
+
+def read_exactly(stream: BinaryIO, size: int) -> bytes:
+    """``size`` bytes from ``stream``: an unbuffered pipe returns what it holds (64 KiB at a time on Linux),
+    so one ``read(size)`` of a large frame is short; read until the frame is whole or the pipe closes."""
+    parts, got = [], 0
+    while got < size:
+        chunk = stream.read(size - got)
+        if not chunk:
+            raise EOFError(f"the judge closed the pipe ({got} of {size} bytes of a frame read)")
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
 def read_frame(stream: BinaryIO) -> Any:
-    head = stream.read(HEADER.size)
-    if len(head) < HEADER.size:
-        raise EOFError("the judge closed the pipe")
-    (size,) = HEADER.unpack(head)
-    return pickle.loads(stream.read(size))
+    (size,) = HEADER.unpack(read_exactly(stream, HEADER.size))
+    data = read_exactly(stream, size)
+    try:
+        return pickle.loads(data)
+    except Exception as e:  # the frame was read whole, so the pipe is still in step: say so and go on
+        raise FrameError(f"a {size}-byte frame from the judge does not unpickle: {type(e).__name__}: {e}") from e
+
+
+def write_all(stream: BinaryIO, data: bytes) -> None:
+    """All of ``data`` (a raw stream's ``write`` may take only part of it), then flush."""
+    view = memoryview(data)
+    while view:
+        n = stream.write(view)
+        view = view[n if n is not None else len(view):]
+    stream.flush()
 
 
 def write_frame(stream: BinaryIO, value: Any) -> None:
     data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(HEADER.pack(len(data)) + data)
-    stream.flush()
+    write_all(stream, HEADER.pack(len(data)) + data)
 
 
 def _private_pipes() -> tuple[BinaryIO, BinaryIO]:
@@ -77,6 +105,9 @@ def main() -> int:
             frame = read_frame(inp)
         except EOFError:
             return 0
+        except FrameError as e:
+            write_frame(out, ("internal", str(e)))
+            continue
         _, key, module, name, options, method, args = frame
         try:
             value = getattr(_task(tasks, key, module, name, options), method)(*args)
@@ -84,8 +115,7 @@ def main() -> int:
         except Exception as e:  # user code (MemoryError included): reported to the judge, never fatal here
             tb = traceback.format_exc().strip().splitlines()[-6:]
             data = pickle.dumps(("error", f"{type(e).__name__}: {e}", "\n".join(tb)))
-        out.write(HEADER.pack(len(data)) + data)
-        out.flush()
+        write_all(out, HEADER.pack(len(data)) + data)
 
 
 if __name__ == "__main__":

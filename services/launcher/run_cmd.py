@@ -124,6 +124,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"[rlbus] {e}", file=sys.stderr)
         return 2
     final: dict = {}
+    trainer_down: list[str] = []  # why the run was stopped because its trainer cannot go on
     try:
         sup.start()
         sup.start_heartbeat_monitor()
@@ -148,6 +149,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     if any(c.given_up and "trainer" in c.service.split("+") and c.proc is None for c in sup.children) and \
                             not (sup.run_dir / "summary.json").exists():
                         print("[rlbus] the trainer is down for good; stopping the run", file=sys.stderr)
+                        trainer_down.append("the trainer is down for good (it crashed repeatedly; see its log above)")
                         stop.set()
                     await asyncio.sleep(1.0)  # supervision check period
 
@@ -178,6 +180,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     bad = sorted({e["child"] for e in sup.events if e.get("event") == "config_error"})
     if bad:
         print(f"[rlbus] run failed: {', '.join(bad)} stopped on a configuration error (above)", file=sys.stderr)
+        return 1
+    if trainer_down and final.get("state") != "finished":
+        print(f"[rlbus] run failed: {trainer_down[0]}", file=sys.stderr)
         return 1
     return 0 if final.get("state") in ("finished", None) else 1
 

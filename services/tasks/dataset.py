@@ -10,9 +10,11 @@ Run-file form (one ``[task]`` section, read alike by the trainer, the rollout an
 written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict`` with ``split``). Each row has
 a prompt (``prompt_field``: a string, or a list of ``{"role", "content"}`` chat messages; or
 ``messages_field``) and, if ``answer_field`` is set, an answer. A row that is not an object, lacks a
-field, or holds the wrong type is skipped, counted (:attr:`DatasetTask.skipped`) and logged with its row
-number (1-based, data rows); a file that cannot be read or has no usable row stops start-up with a
-:class:`DatasetError` naming the option and the path.
+field, holds the wrong type, has a prompt that is empty or only whitespace, or (JSON Lines, CSV) is not
+UTF-8 is skipped, counted (:attr:`DatasetTask.skipped`, by reason in :attr:`DatasetTask.skipped_reasons`)
+and logged with its row number (1-based, data rows; the first 20, then a summary of every reason with its
+count); a file that cannot be read or has no usable row stops start-up with a :class:`DatasetError`
+naming the option and the path.
 
 **Order.** Eval rows are held out first: ``eval_split`` (a split of the same ``DatasetDict``) or
 ``eval_path`` (another file), else ``eval_fraction`` of the rows chosen with ``eval_seed``. The training
@@ -78,6 +80,12 @@ class _BadRow(Exception):
     pass
 
 
+def _reason_kind(reason: str) -> str:
+    """A bad row's reason without its details (``not JSON (Expecting value: ...)`` -> ``not JSON``), so the
+    skipped rows can be summarised by reason."""
+    return reason.split(" (", 1)[0].split(", got ", 1)[0]
+
+
 def _detect_format(path: Path) -> str:
     if path.is_dir():
         return "arrow"
@@ -124,27 +132,36 @@ def read_rows(path: Path, fmt: str = "auto", split: str = "train") -> Iterator[t
     as a ``_BadRow`` carrying the reason (so it can be counted), an unreadable file raises OSError/DatasetError."""
     fmt = _detect_format(path) if fmt == "auto" else fmt
     if fmt == "jsonl":
-        with path.open(encoding="utf-8") as f:
+        with path.open("rb") as f:  # decoded line by line: one line that is not UTF-8 is one bad row
             number = 0
-            for line in f:
-                if not line.strip():
+            for raw in f:
+                if not raw.strip():
                     continue
                 number += 1
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield number, _BadRow(f"not UTF-8 ({e.reason} at byte {e.start})")
+                    continue
                 try:
                     yield number, json.loads(line)
                 except ValueError as e:
                     yield number, _BadRow(f"not JSON ({e})")
     elif fmt == "json":
-        rows = json.loads(path.read_text(encoding="utf-8"))
+        rows = json.loads(path.read_text(encoding="utf-8", errors="surrogateescape"))
         if not isinstance(rows, list):
             raise DatasetError(f"task.options.path: {str(path)!r} holds a JSON {type(rows).__name__}, "
                                "not an array of rows (use JSON Lines for one object per line)")
-        yield from enumerate(rows, start=1)
+        for number, row in enumerate(rows, start=1):
+            yield number, _BadRow("not UTF-8 (invalid bytes in the row)") if _undecoded(row) else row
     elif fmt == "csv":
-        with path.open(encoding="utf-8", newline="") as f:
+        # bytes that are not UTF-8 become lone surrogates, so the row holding them is found and skipped
+        with path.open(encoding="utf-8", errors="surrogateescape", newline="") as f:
             for number, row in enumerate(csv.DictReader(f), start=1):
                 if None in row or None in row.values():
                     yield number, _BadRow("wrong number of columns")
+                elif _undecoded(row):
+                    yield number, _BadRow("not UTF-8 (invalid bytes in the row)")
                 else:
                     yield number, row
     elif fmt == "parquet":
@@ -160,6 +177,18 @@ def read_rows(path: Path, fmt: str = "auto", split: str = "train") -> Iterator[t
                     yield number, row
     else:
         raise DatasetError(f"task.options.format: {fmt!r} is not one of {', '.join(FORMATS)}")
+
+
+def _undecoded(value: Any) -> bool:
+    """Whether ``value`` (a row: strings in lists and dicts) holds bytes that did not decode as UTF-8
+    (``surrogateescape``'s lone surrogates)."""
+    if isinstance(value, str):
+        return any("\udc80" <= ch <= "\udcff" for ch in value)
+    if isinstance(value, dict):
+        return any(_undecoded(k) or _undecoded(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_undecoded(v) for v in value)
+    return False
 
 
 # --- the task --------------------------------------------------------------------------------------------
@@ -244,6 +273,8 @@ class DatasetTask:
         self.reward_spec = ", ".join(f"{n}*{w:g}" for n, w in zip(self.reward_names, self.reward_weights, strict=True))
         #: rows skipped as unusable, by file (train and eval files alike)
         self.skipped = 0
+        #: the same rows by reason (the reason without its details, e.g. ``not JSON``): the log's summary
+        self.skipped_reasons: dict[str, int] = {}
 
     def metrics(self) -> dict[str, float]:
         """``task/skipped_rows``: rows skipped as unusable so far (:class:`~services.tasks.base.TaskMetrics`)."""
@@ -257,12 +288,14 @@ class DatasetTask:
         path = Path(path_text).expanduser()
         prompts: list[tuple[int, Prompt]] = []
         bad = 0
+        reasons: dict[str, int] = {}
         try:
             for number, row in read_rows(path, self.format, split):
                 try:
                     prompts.append((number, self._row_prompt(row)))
                 except _BadRow as e:
                     bad += 1
+                    reasons[_reason_kind(str(e))] = reasons.get(_reason_kind(str(e)), 0) + 1
                     if bad <= LOGGED_BAD_ROWS:
                         log.warning("%s: row %d skipped: %s", path, number, e)
         except DatasetError:
@@ -272,11 +305,15 @@ class DatasetTask:
         except Exception as e:  # pyarrow's errors (ArrowInvalid, ...) share no base class with the above
             raise DatasetError(f"task.options.{key}: cannot read {str(path)!r}: {type(e).__name__}: {e}") from e
         self.skipped += bad
+        for kind, n in reasons.items():
+            self.skipped_reasons[kind] = self.skipped_reasons.get(kind, 0) + n
+        summary = ", ".join(f"{n} {kind}" for kind, n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])))
         if bad:
-            log.warning("%s: %d of %d rows skipped as unusable", path, bad, bad + len(prompts))
+            log.warning("%s: %d of %d rows skipped as unusable, by reason: %s%s", path, bad, bad + len(prompts),
+                        summary, f" (the first {LOGGED_BAD_ROWS} logged above)" if bad > LOGGED_BAD_ROWS else "")
         if not prompts:
             raise DatasetError(f"task.options.{key}: {str(path)!r} has no usable rows"
-                               + (f" ({bad} skipped: see the log for why)" if bad else " (it is empty)"))
+                               + (f" ({bad} skipped: {summary})" if bad else " (it is empty)"))
         return prompts
 
     def _row_prompt(self, row: Any) -> Prompt:
@@ -291,8 +328,8 @@ class DatasetTask:
         value = row[field]
         text, messages = "", None
         if isinstance(value, str) and not self.messages_field:
-            if not value:
-                raise _BadRow(f"field {field!r} is empty")
+            if not value.strip():
+                raise _BadRow(f"field {field!r} is empty or only whitespace")
             text = value
         elif isinstance(value, list):
             messages = _messages(value)
@@ -300,6 +337,8 @@ class DatasetTask:
                 messages = [{"role": "system", "content": self.system_prompt}, *messages]
             users = [m["content"] for m in messages if m["role"] == "user"]
             text = users[-1] if users else messages[-1]["content"]
+            if not text.strip():
+                raise _BadRow(f"field {field!r} is empty or only whitespace (its last user message)")
         else:
             raise _BadRow(f"field {field!r} must be a string or a list of chat messages, got {type(value).__name__}")
         metadata = {"reward": self.reward_spec}

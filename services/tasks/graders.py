@@ -135,9 +135,10 @@ class UserCodeError(Exception):
 class UserCode(Protocol):
     """Runs a task's methods (user code) on behalf of the graders."""
 
-    async def call(self, task_name: str, task: Any, method: str, *args: Any) -> Any:
+    async def call(self, task_name: str, task: Any, method: str, *args: Any, scope: str | None = None) -> Any:
         """``task.<method>(*args)``; raises :class:`UserCodeError` when it raises, does not return within the
-        runner's bound, or its process dies."""
+        runner's bound, or its process dies. ``scope`` names the prompt group the call is for: a runner
+        may fail a group's remaining calls at once after one of them hung (see the judge's runner)."""
         ...
 
 
@@ -147,11 +148,16 @@ class DirectUserCode:
     The judge service never uses it: a hang here would stop the event loop (and its heartbeats).
     """
 
-    async def call(self, task_name: str, task: Any, method: str, *args: Any) -> Any:
+    async def call(self, task_name: str, task: Any, method: str, *args: Any, scope: str | None = None) -> Any:
         try:
             return getattr(task, method)(*args)
         except Exception as e:  # user code: reported as the sample's failure, with its type
             raise UserCodeError("exception", f"{method}() raised {type(e).__name__}: {e}") from e
+
+
+def group_scope(rollout: Rollout) -> str:
+    """The prompt group a rollout belongs to, as the ``scope`` of its user-code calls."""
+    return f"{rollout.run_id}/{rollout.group_id}/{rollout.prompt_id}"
 
 
 def check_reward(r: Any, method: str = "reward") -> Reward:
@@ -217,7 +223,7 @@ class RewardGrader:
 
     async def grade(self, rollout: Rollout, task: Any) -> GraderScore:
         r = check_reward(await self.user_code.call(rollout.task, task, "reward", prompt_of(rollout),
-                                                   assistant_text(rollout)))
+                                                   assistant_text(rollout), scope=group_scope(rollout)))
         return GraderScore(grader=self.name, score=r.value, weight=self.spec.weight, explanation=r.explanation)
 
 
@@ -263,7 +269,8 @@ class SandboxTestsGrader:
                                  "was created)")
         if not isinstance(task, TestedTask):
             return _failed(self, f"task {rollout.task!r} has no hidden_tests(prompt); configure another grader")
-        tests = await self.user_code.call(rollout.task, task, "hidden_tests", prompt_of(rollout))
+        tests = await self.user_code.call(rollout.task, task, "hidden_tests", prompt_of(rollout),
+                                          scope=group_scope(rollout))
         if not isinstance(tests, HiddenTests):
             raise UserCodeError("bad_value", f"hidden_tests() returned {type(tests).__name__}, not HiddenTests")
         timeout = self.spec.timeout_s or tests.timeout_s

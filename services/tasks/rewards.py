@@ -28,12 +28,14 @@ sample with the reason, it never crashes the judge.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -217,11 +219,27 @@ LIBRARY: dict[str, RewardFn] = {
 }
 
 
+def _where(e: BaseException, module_name: str) -> str:
+    """`` (at FILE:LINE)``: where importing ``module_name`` failed: the last line of the module's own file
+    in ``e``'s traceback, else its innermost frame."""
+    if isinstance(e, SyntaxError) and e.filename:
+        return f" (at {e.filename}:{e.lineno})"
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except Exception:  # a parent package that raises too: fall back to the innermost frame
+        spec = None
+    frames = traceback.extract_tb(e.__traceback__)
+    own = [f for f in frames if spec is not None and f.filename == spec.origin]
+    frame = (own or frames or [None])[-1]
+    return f" (at {frame.filename}:{frame.lineno})" if frame is not None else ""
+
+
 def resolve_reward(spec: str) -> RewardFn:
     """The function ``spec`` names: ``"package.module:function"``, or a bare name from :data:`LIBRARY`.
 
     Raises:
-        RewardSpecError: the module cannot be imported, has no such attribute, or it is not callable.
+        RewardSpecError: the module cannot be found or raises while it is imported (the message names the
+            error and where), has no such attribute, or it is not callable.
     """
     spec = spec.strip()
     if ":" not in spec:
@@ -232,9 +250,12 @@ def resolve_reward(spec: str) -> RewardFn:
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
+    except ModuleNotFoundError as e:
         raise RewardSpecError(f"reward {spec!r}: cannot import module {module_name!r} ({e}); is it on the "
                               "PYTHONPATH of the trainer and the judge?") from e
+    except (Exception, SystemExit) as e:  # the module's own code failed: a fix in the module, not a retry
+        raise RewardSpecError(f"reward {spec!r}: importing module {module_name!r} raised {type(e).__name__}: "
+                              f"{e}{_where(e, module_name)}; fix the module (or name another reward)") from e
     fn: Any = module
     for part in attr.split("."):
         try:

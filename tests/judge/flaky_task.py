@@ -50,3 +50,28 @@ class FlakyAddition(AdditionTask):
         if what == "print":
             print(f"grading {prompt.text}{completion}")
         return super().reward(prompt, completion)
+
+
+@register_task("rare-hang-addition")
+class RareHangAddition(AdditionTask):
+    """Addition whose reward hangs on one prompt in ``hang_every`` (its position modulo ``hang_every`` is
+    ``hang_every // 2``; 0: never), spinning (``hang = "spin"``, a CPU-bound loop) or blocked (``"sleep"``,
+    a call that waits on something that never answers). ``bench/hanging_reward.py`` measures the cost."""
+
+    name = "rare-hang-addition"
+
+    def __init__(self, hang_every: int = 100, hang: str = "spin", **options) -> None:
+        super().__init__(**options)
+        self.hang_every, self.hang = hang_every, hang
+
+    def reward(self, prompt: Prompt, completion: str) -> Reward:
+        position = int(prompt.id.rsplit("/", 1)[-1])
+        if self.hang_every and position % self.hang_every == self.hang_every // 2:
+            if self.hang == "sleep":
+                import time
+
+                while True:
+                    time.sleep(3600)
+            while True:
+                pass
+        return super().reward(prompt, completion)

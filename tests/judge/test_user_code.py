@@ -166,3 +166,39 @@ async def test_a_rollout_that_hung_or_killed_judges_is_published_failed_and_dead
     (letter,) = letters
     assert letter.deliveries == 3 and letter.error_type == "Poison" and "published as failed" in letter.reason
     assert msgspec.convert(codec.decode(letter.payload, Rollout), Rollout).msg_id == "poisoned"
+
+
+async def test_a_hung_group_fails_its_other_samples_at_once_and_other_groups_are_served_meanwhile():
+    """The samples of a group share their prompt: its first call probes, and once it times out the rest of the
+    group fail at once with the reason instead of each holding a worker for ``timeout_s``; while the hung
+    call waits out its timeout, the pool grows, so another group's reward is served."""
+    pool = ProcessUserCode(UserCodeConfig(workers=1, timeout_s=6.0, grow_after_s=0.2), {})
+    task = get_task("flaky-addition")
+    graders = GraderFactory(None, JudgeCache(), user_code=pool).build("flaky-addition", [RewardGraderSpec()])
+
+    def group(prompt_id: str, group_id: str, answer: str, n: int = 4) -> list[Rollout]:
+        out = []
+        for i in range(n):
+            r = rollout(prompt_id, answer, msg_id=f"{group_id}-{i}")
+            out.append(msgspec.structs.replace(r, group_id=group_id, sample_index=i, group_size=n))
+        return out
+
+    try:
+        assert (await grade_all(graders, rollout(PROMPTS["ok"], "47"), task)).reward == 1.0  # starts worker 0
+        hung = asyncio.ensure_future(asyncio.gather(*(grade_all(graders, r, task)
+                                                      for r in group(PROMPTS["hang"], "g-hang", "0"))))
+        await asyncio.sleep(0.5)  # the probe holds the only worker
+        served = await asyncio.gather(*(grade_all(graders, r, task) for r in group(PROMPTS["ok"], "g-ok", "47")))
+        # the good group was scored by a worker the pool grew, while the hung probe still held worker 0
+        assert not hung.done() and [g.reward for g in served] == [1.0] * 4 and pool.grown >= 1
+        results = await hung
+    finally:
+        await pool.close()
+    first, *rest = results
+    assert first.failure_kind == "timeout"
+    assert first.failure == "flaky-addition.reward: reward() did not return within 6 s (its worker process was killed)"
+    for g in rest:  # failed at once: never called, no worker killed for them
+        assert g.failure_kind == "timeout" and g.reward == 0.0
+        assert g.failure == ("flaky-addition.reward: reward() was not called: it did not return within 6 s for "
+                             "another sample of this group (same prompt)")
+    assert pool.group_failed == 3

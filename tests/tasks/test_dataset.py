@@ -212,3 +212,54 @@ def test_the_judge_side_needs_no_data(user_rewards):
     p = Prompt(id="x", text="12+30=", metadata={"answer": "42", "fields": json.dumps({"level": 1}),
                                                 "reward": prompt_meta.reward_spec})
     assert prompt_meta.reward(p, "41").value == pytest.approx(0.9)
+
+
+def test_blank_prompts_and_undecodable_lines_are_bad_rows_summarised_by_reason(tmp_path, caplog):
+    """Whitespace-only prompts are not trained on; a line that is not UTF-8 is one bad row, not a refused
+    file; past the 20 rows logged one by one, the log sums up every reason with its count."""
+    good = [json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}).encode() for a in range(3)]
+    lines = [good[0],
+             json.dumps({"prompt": "   \t ", "answer": "1"}).encode(),                       # whitespace only
+             json.dumps({"prompt": [{"role": "user", "content": " \n"}], "answer": "1"}).encode(),
+             b'{"prompt": "caf\xe9+1=", "answer": "2"}',                                    # Latin-1, not UTF-8
+             good[1],
+             *[b"{not json"] * 25,
+             good[2]]
+    (tmp_path / "d.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    task = DatasetTask(path=str(tmp_path / "d.jsonl"), eval_fraction=0.0, shuffle=False)
+    with caplog.at_level(logging.WARNING, logger="rlbus.tasks.dataset"):
+        prompts = list(itertools.islice(task.train_prompts(seed=0), 3))
+    assert [p.text for p in prompts] == ["0+1=", "1+1=", "2+1="]
+    assert task.skipped == 28
+    assert task.skipped_reasons == {"not JSON": 25, "field 'prompt' is empty or only whitespace": 2,
+                                    "not UTF-8": 1}
+    log = caplog.text
+    assert "row 2 skipped: field 'prompt' is empty or only whitespace" in log
+    assert "row 4 skipped: not UTF-8 (invalid continuation byte at byte 15)" in log
+    assert "row 30 skipped" not in log  # past the first 20 ...
+    assert ("28 of 31 rows skipped as unusable, by reason: 25 not JSON, 2 field 'prompt' is empty or only "
+            "whitespace, 1 not UTF-8 (the first 20 logged above)") in log  # ... but summed up
+    # the same in a CSV file and a JSON array: the undecodable row goes, the file is read
+    (tmp_path / "d.csv").write_bytes(b"prompt,answer\n1+1=,2\ncaf\xe9,3\n  ,4\n2+2=,4\n")
+    (tmp_path / "d.json").write_bytes(b'[{"prompt": "1+1=", "answer": "2"}, {"prompt": "\xff", "answer": "3"}]')
+    for name, texts_kept, reasons in [
+            ("d.csv", ["1+1=", "2+2="], {"not UTF-8": 1, "field 'prompt' is empty or only whitespace": 1}),
+            ("d.json", ["1+1="], {"not UTF-8": 1})]:
+        other = DatasetTask(path=str(tmp_path / name), eval_fraction=0.0, shuffle=False)
+        kept = [p.text for p in itertools.islice(other.train_prompts(seed=0), len(texts_kept))]
+        assert kept == texts_kept and other.skipped_reasons == reasons, name
+
+
+def test_a_reward_module_that_raises_at_import_is_a_configuration_error_naming_the_key(tmp_path, monkeypatch):
+    (tmp_path / "broken_rewards_27.py").write_text("import os\n\nLIMIT = int(os.environ['NO_SUCH_VAR_27'])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("NO_SUCH_VAR_27", raising=False)
+    path = str(write_jsonl(tmp_path / "d.jsonl", ROWS))
+    task = DatasetTask(path=path, reward="broken_rewards_27:score")
+    with pytest.raises(DatasetError) as caught:
+        task.eval_prompts()  # what the trainer does at start-up
+    message = str(caught.value)
+    assert message.startswith("task.options.reward: reward 'broken_rewards_27:score': importing module "
+                              "'broken_rewards_27' raised KeyError: 'NO_SUCH_VAR_27' (at "), message
+    assert "broken_rewards_27.py:3)" in message
+    sys.modules.pop("broken_rewards_27", None)

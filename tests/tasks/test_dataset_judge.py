@@ -23,6 +23,10 @@ def rewards_module(tmp_path, monkeypatch):
         def hang(prompt, completion, **fields):
             while True:
                 pass
+
+        def echo_long(prompt, completion, **fields):  # a reply as large as what it was sent
+            from services.tasks.base import Reward
+            return Reward(float(completion == fields["answer"]), completion)
     """))
     monkeypatch.syspath_prepend(str(tmp_path))  # the judge hands its sys.path to its workers
     yield "judge_rewards_18"
@@ -53,3 +57,28 @@ async def test_rewards_run_in_the_judges_worker_processes_bounded(tmp_path, rewa
     assert isinstance(results["hangs"], UserCodeError) and results["hangs"].kind == "timeout"
     assert isinstance(results["missing"], UserCodeError) and results["missing"].kind == "exception"
     assert "task.options.reward" in str(results["missing"]) and "has no 'nope'" in str(results["missing"])
+
+
+async def test_a_one_megabyte_answer_and_completion_reach_the_reward_and_its_reply_comes_back_whole(
+        tmp_path, rewards_module):
+    """Frames far past a pipe's 64 KiB go whole both ways: 1 MB answer + 1 MB completion to the worker, a
+    1 MB explanation back (an unbuffered pipe's single read returned a short frame: 'pickle data was
+    truncated', blamed on the reward)."""
+    answer = "7" * 1_000_000
+    data = tmp_path / "big.jsonl"
+    data.write_text(json.dumps({"prompt": "say 7 a million times", "answer": answer}) + "\n")
+    for reward, expected_value in [("exact_match", 1.0), (f"{rewards_module}:echo_long", 1.0)]:
+        options = {"path": str(data), "reward": reward, "eval_fraction": 0.0}
+        trainer_task = get_task("dataset", **options)
+        prompt = next(trainer_task.train_prompts(seed=0))
+        runner = ProcessUserCode(UserCodeConfig(workers=1, timeout_s=60.0), {"dataset": options})
+        try:
+            r = await runner.call("dataset", get_task("dataset", **options), "reward", prompt, answer)
+            wrong = await runner.call("dataset", get_task("dataset", **options), "reward", prompt, answer[:-1] + "8")
+        finally:
+            await runner.close()
+        assert r.value == expected_value, (reward, r.explanation[:200])
+        assert wrong.value == 0.0
+        assert runner.restarts == 0  # the worker took both calls: the protocol stayed in step
+        if reward != "exact_match":
+            assert r.explanation == f"{reward}=1 ({answer})"  # the 1 MB reply, whole
