@@ -62,7 +62,7 @@ async def test_a_burst_beyond_the_admission_bound_is_answered_overloaded_not_tim
 
 async def test_a_request_past_its_deadline_is_not_started(nats_url, state_root):
     async with BusHarness(nats_url, state_root) as h:
-        inst = await h.start()
+        inst = await h.start(max_creating=1, max_queued_creates=1000, max_sandboxes=1000)
         create_subject = h.client.subject_for(api.CreateRequest(run_id=RUN))
         reply = await raw_request(h, api.CreateRequest(run_id=RUN), create_subject, time.time() - 1.0)
         assert isinstance(reply, api.ErrorReply) and reply.code == "overloaded" and "deadline" in reply.message
@@ -80,7 +80,7 @@ async def test_a_request_past_its_deadline_is_not_started(nats_url, state_root):
                                          for _ in range(300)))
         made = {r.sandbox_id for r in replies if isinstance(r, api.CreateReply)}
         late = [r for r in replies if isinstance(r, api.ErrorReply)]
-        assert late and all(r.code == "overloaded" and "deadline" in r.message for r in late)
+        assert late and all(r.code == "overloaded" and "deadline" in r.message for r in late), {(r.code, r.message) for r in late}
         assert len(made) + len(late) == 300
         assert {s.sandbox_id for s in await h.client.sandboxes()} == made | {sid}
         assert inst.ctx.gauges["sandbox/refused_deadline"] == len(late) + 2
