@@ -28,7 +28,7 @@ Overload (``--overload N``, only this): N clients at once, each repeating create
 through the bus for ``--overload-s`` seconds against ``rlbus service sandbox`` with its host-default bounds;
 a refused (``overloaded``) create is counted and the client backs off by its ``retry_after_s`` (jittered)
 before trying again. Figures: ``overload_served_per_s`` (cycles completed), ``overload_refused_per_s``,
-``overload_timeouts`` / ``overload_errors`` (anything else), ``overload_refusal_ms_p50``/``_p99`` (how fast a
+``overload_timeouts`` / ``overload_errors`` (anything else; ``overload_errors_during_stop`` after the SIGTERM), ``overload_refusal_ms_p50``/``_p99`` (how fast a
 refusal comes), ``overload_cycle_ms_p50``/``_p99``, ``overload_live_max`` (the most live sandboxes seen),
 then the service is sent SIGTERM with the clients still sending: ``overload_stop_s`` (until it exited),
 ``overload_left_sandboxes`` (sandbox directories it left) and ``overload_reaped_after`` (what the next start
@@ -487,7 +487,7 @@ async def bench_overload(args: argparse.Namespace) -> dict[str, Any]:
             except Exception:  # an instance too busy to list: the figure misses one sample
                 pass
         took = time.perf_counter() - t0
-        served, refused, timeouts = stats.served, stats.refused, stats.timeouts
+        served, refused, timeouts, errors = stats.served, stats.refused, stats.timeouts, dict(stats.errors)
         t_stop = time.perf_counter()
         procs[0].terminate()  # the clients keep sending: the stop finds work queued
         await asyncio.to_thread(procs[0].wait, 300)
@@ -499,7 +499,9 @@ async def bench_overload(args: argparse.Namespace) -> dict[str, Any]:
     out.update({
         "overload_served_per_s": served / took, "overload_refused_per_s": refused / took,
         "overload_served": served, "overload_refused": refused, "overload_timeouts": timeouts,
-        "overload_errors": dict(stats.errors), "overload_live_max": stats.live_max,
+        "overload_errors": errors, "overload_errors_during_stop": {
+            k: n - errors.get(k, 0) for k, n in stats.errors.items() if n > errors.get(k, 0)},
+        "overload_live_max": stats.live_max,
         "overload_refusal_ms_p50": statistics.median(stats.refusal_ms) if stats.refusal_ms else None,
         "overload_refusal_ms_p99": pct(stats.refusal_ms, 0.99) if stats.refusal_ms else None,
         "overload_cycle_ms_p50": statistics.median(stats.cycle_ms) if stats.cycle_ms else None,
