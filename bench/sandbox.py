@@ -24,6 +24,16 @@ Direct and bus iterations alternate so both see the same machine load; ``ratio_*
 (created, destroyed) are stored in SANDBOX_EVENTS. ``bus_renew_lease_ms_p50`` is one request/reply round trip with next to no work (the floor of the bus
 overhead; ``renew_lease_ms_p50`` is the same call made directly).
 
+Overload (``--overload N``, only this): N clients at once, each repeating create → exec ``true`` → destroy
+through the bus for ``--overload-s`` seconds against ``rlbus service sandbox`` with its host-default bounds;
+a refused (``overloaded``) create is counted and the client backs off by its ``retry_after_s`` (jittered)
+before trying again. Figures: ``overload_served_per_s`` (cycles completed), ``overload_refused_per_s``,
+``overload_timeouts`` / ``overload_errors`` (anything else; ``overload_errors_during_stop`` after the SIGTERM), ``overload_refusal_ms_p50``/``_p99`` (how fast a
+refusal comes), ``overload_cycle_ms_p50``/``_p99``, ``overload_live_max`` (the most live sandboxes seen),
+then the service is sent SIGTERM with the clients still sending: ``overload_stop_s`` (until it exited),
+``overload_left_sandboxes`` (sandbox directories it left) and ``overload_reaped_after`` (what the next start
+reaped). ``--service-repo DIR`` runs the service from another checkout (e.g. the code before a change).
+
 Usage: ``sudo python bench/sandbox.py [--quick] [--root DIR] [--bus URL | --direct-only]`` (root: overlay
 mounts and cgroups). The machine may be shared: ``loadavg_1m`` is reported with the figures. A table of the
 latencies (p50 and p99 side by side, against the goals of issue 17: create+exec+destroy p50 <= 10 ms, p99 <=
@@ -94,8 +104,11 @@ class Bus:
 
 
 @contextlib.asynccontextmanager
-async def bus_target(url: str | None, root: str) -> AsyncIterator[Bus]:
-    """``rlbus service sandbox`` as a child process on ``url`` (None: an embedded nats-server)."""
+async def bus_target(url: str | None, root: str, service_toml: str = "max_sandboxes = 5000\n",
+                     repo: Path = REPO, client_kw: dict[str, Any] | None = None,
+                     procs: list[subprocess.Popen[bytes]] | None = None) -> AsyncIterator[Bus]:
+    """``rlbus service sandbox`` (from ``repo``) as a child process on ``url`` (None: an embedded nats-server);
+    its process is appended to ``procs``."""
     import nats
 
     from services.runtime.natsd import EmbeddedNats
@@ -108,14 +121,17 @@ async def bus_target(url: str | None, root: str) -> AsyncIterator[Bus]:
             url = server.url
         cfg = Path(tmp) / "run.toml"
         cfg.write_text(f'[run]\nid = "{RUN}"\n[nats]\nurl = "{url}"\n[common]\nlog_level = "WARNING"\n'
-                       f'[services.sandbox]\nroot_dir = "{root}"\nmax_sandboxes = 5000\ndefault_lease_ttl_s = 3600\n')
+                       f'[services.sandbox]\nroot_dir = "{root}"\ndefault_lease_ttl_s = 3600\n{service_toml}')
         log_path = Path(tmp) / "service.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "service", "sandbox",
-                                     "--config", str(cfg)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+                                     "--config", str(cfg)], cwd=repo, stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONPATH": str(repo)})
+        if procs is not None:
+            procs.append(proc)
         nc = await nats.connect(url, pending_size=256 * MB)
         try:
-            client = SandboxClient(nc, RUN, timeout_s=120.0)
+            client = SandboxClient(nc, RUN, **(client_kw or {"timeout_s": 120.0}))
             ready = asyncio.create_task(client.wait_ready(timeout_s=60.0), name="bench-bus-ready")
             exited = asyncio.create_task(asyncio.to_thread(proc.wait), name="bench-bus-service-exit")
             await asyncio.wait({ready, exited}, return_when=asyncio.FIRST_COMPLETED)
@@ -125,8 +141,9 @@ async def bus_target(url: str | None, root: str) -> AsyncIterator[Bus]:
             await ready
             yield Bus(client)
         finally:
-            proc.terminate()
-            proc.wait(120)
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(120)
             await nc.close()
             if server is not None:
                 server.stop()
@@ -394,7 +411,117 @@ RATIOS = {
 }
 
 
+class OverloadStats:
+    """What N create → exec → destroy clients saw."""
+
+    def __init__(self) -> None:
+        self.served = 0
+        self.refused = 0
+        self.timeouts = 0
+        self.errors: dict[str, int] = {}
+        self.refusal_ms: list[float] = []
+        self.cycle_ms: list[float] = []
+        self.live_max = 0
+
+    def error(self, e: BaseException) -> None:
+        key = getattr(e, "code", type(e).__name__)
+        self.errors[key] = self.errors.get(key, 0) + 1
+
+
+async def overload_client(bus: Bus, stats: OverloadStats, go: asyncio.Event) -> None:
+    """Repeat create → exec ``true`` → destroy until cancelled; back off on ``overloaded`` as a client should."""
+    import random
+
+    from services.lib.sandbox_client import SandboxClientError, SandboxTimeout
+
+    await go.wait()
+    c = bus.client
+    while True:
+        t0 = time.perf_counter()
+        try:
+            sid = (await c.create()).sandbox_id
+        except SandboxTimeout:
+            stats.timeouts += 1
+            continue
+        except SandboxClientError as e:
+            if e.code != "overloaded":
+                stats.error(e)
+                await asyncio.sleep(1.0)
+                continue
+            stats.refused += 1
+            stats.refusal_ms.append((time.perf_counter() - t0) * 1e3)
+            await asyncio.sleep((e.error.retry_after_s or 0.5) * (0.5 + random.random()))
+            continue
+        try:
+            await c.exec(sid, ["true"])
+            await c.destroy(sid)
+        except SandboxTimeout:
+            stats.timeouts += 1
+            continue
+        except SandboxClientError as e:
+            stats.error(e)
+            continue
+        stats.served += 1
+        stats.cycle_ms.append((time.perf_counter() - t0) * 1e3)
+
+
+async def bench_overload(args: argparse.Namespace) -> dict[str, Any]:
+    """``--overload N``: see the module docstring."""
+    repo = Path(args.service_repo).resolve() if args.service_repo else REPO
+    procs: list[subprocess.Popen[bytes]] = []
+    stats = OverloadStats()
+    go = asyncio.Event()
+    kw = {"timeout_s": args.overload_timeout_s, "default_exec_timeout_s": args.overload_timeout_s,
+          "exec_margin_s": 0.0, "retry_overloaded": False}
+    out: dict[str, Any] = {"overload_clients": args.overload, "overload_s": args.overload_s,
+                           "overload_service_repo": str(repo)}
+    async with bus_target(args.bus, args.root, service_toml="", repo=repo, client_kw=kw, procs=procs) as bus:
+        clients = [asyncio.create_task(overload_client(bus, stats, go)) for _ in range(args.overload)]
+        t0 = time.perf_counter()
+        go.set()
+        while time.perf_counter() - t0 < args.overload_s:
+            await asyncio.sleep(1.0)
+            try:
+                live = sum(len(r.sandboxes) for r in await asyncio.wait_for(bus.client.list(), 5.0))
+                stats.live_max = max(stats.live_max, live)
+            except Exception:  # an instance too busy to list: the figure misses one sample
+                pass
+        took = time.perf_counter() - t0
+        served, refused, timeouts, errors = stats.served, stats.refused, stats.timeouts, dict(stats.errors)
+        t_stop = time.perf_counter()
+        procs[0].terminate()  # the clients keep sending: the stop finds work queued
+        await asyncio.to_thread(procs[0].wait, 300)
+        out["overload_stop_s"] = time.perf_counter() - t_stop
+        out["overload_stop_rc"] = procs[0].returncode
+        for task in clients:
+            task.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
+    out.update({
+        "overload_served_per_s": served / took, "overload_refused_per_s": refused / took,
+        "overload_served": served, "overload_refused": refused, "overload_timeouts": timeouts,
+        "overload_errors": errors, "overload_errors_during_stop": {
+            k: n - errors.get(k, 0) for k, n in stats.errors.items() if n > errors.get(k, 0)},
+        "overload_live_max": stats.live_max,
+        "overload_refusal_ms_p50": statistics.median(stats.refusal_ms) if stats.refusal_ms else None,
+        "overload_refusal_ms_p99": pct(stats.refusal_ms, 0.99) if stats.refusal_ms else None,
+        "overload_cycle_ms_p50": statistics.median(stats.cycle_ms) if stats.cycle_ms else None,
+        "overload_cycle_ms_p99": pct(stats.cycle_ms, 0.99) if stats.cycle_ms else None,
+    })
+    out["overload_left_sandboxes"] = sum(
+        len(os.listdir(os.path.join(args.root, d, "s"))) for d in os.listdir(args.root)
+        if os.path.isdir(os.path.join(args.root, d, "s")))
+    t0 = time.perf_counter()
+    reaper = BwrapBackend(SandboxConfig(root_dir=args.root), lambda e: None)
+    out["overload_reaped_after"] = len(await reaper.start())
+    out["overload_reap_s"] = time.perf_counter() - t0
+    await reaper.close()
+    out["loadavg_1m"] = os.getloadavg()[0]
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.overload:
+        return await bench_overload(args)
     cfg = SandboxConfig(root_dir=args.root, max_sandboxes=max(5000, args.burst), default_lease_ttl_s=3600)
     backend = BwrapBackend(cfg, lambda e: None)
     await backend.start()
@@ -437,6 +564,11 @@ if __name__ == "__main__":
     parser.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     parser.add_argument("--burst", type=int, default=0, metavar="N",
                         help="also N creates at once (direct), e.g. 10000; 0: skip")
+    parser.add_argument("--overload", type=int, default=0, metavar="N",
+                        help="only the overload figures: N clients repeating create/exec/destroy (e.g. 2000)")
+    parser.add_argument("--overload-s", type=float, default=30.0, help="how long the overload lasts before the stop")
+    parser.add_argument("--overload-timeout-s", type=float, default=30.0, help="each overload request's timeout")
+    parser.add_argument("--service-repo", metavar="DIR", help="run the service from this checkout")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.loop == "uvloop":
@@ -444,5 +576,6 @@ if __name__ == "__main__":
 
         uvloop.install()
     result = asyncio.run(main(args))
-    print(latency_table(result))
+    if not args.overload:
+        print(latency_table(result))
     print(json.dumps(result))

@@ -22,6 +22,15 @@ Subjects (channels of :mod:`proto.catalog`; ``<run>`` is the run id):
 
 Every request is answered with its reply type (:data:`REPLY_TYPES`) or with an
 :class:`ErrorReply`; decode a reply as ``ExecReply | ErrorReply``.
+
+Deadlines and load shedding: a request may carry the header :data:`DEADLINE_HEADER` (wall-clock
+seconds since the epoch after which its sender no longer waits; :class:`services.lib.sandbox_client.
+SandboxClient` sets it to the end of its timeout); one without gets the instance's
+``request_deadline_s`` from its arrival. A request whose deadline passed before it could start is
+never started: it is answered ``overloaded``. An instance past its admission bounds (creates in
+progress and queued, live sandboxes, its memory budget, requests in flight) answers ``overloaded``
+at once, with ``retry_after_s``: nothing was done, so the request may be sent again (a create then
+reaches any instance of the queue group).
 """
 
 from __future__ import annotations
@@ -45,6 +54,10 @@ CREATE_TARGET = "create"
 #: instance ids are ``[a-z0-9]{1,32}`` so both are single subject tokens.
 INSTANCE_ID_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
 
+#: NATS header of a request: the wall-clock time (seconds since the epoch, decimal) after which its
+#: sender stops waiting; an instance never starts a request past it (answered ``overloaded``)
+DEADLINE_HEADER = "Rlbus-Deadline"
+
 
 def instance_of(sandbox_or_snapshot_id: str) -> str:
     """The instance id embedded in a sandbox or snapshot id (routes instance requests)."""
@@ -61,14 +74,15 @@ class Limits(msgspec.Struct, kw_only=True, frozen=True):
     refused with an ``invalid`` error.
     """
 
-    #: memory (RSS + page cache + kernel memory) in MiB; exceeding it OOM-kills the process
+    #: memory of the sandbox's processes (RSS + page cache + kernel memory) in MiB; exceeding it OOM-kills
+    #: the process. The sandbox's cgroup is limited to ``memory_mb + disk_mb`` (its files have their own bound)
     memory_mb: Annotated[int, msgspec.Meta(ge=16)] | None = None
     #: most processes and threads alive at once (fork bombs stop here)
     pids: Annotated[int, msgspec.Meta(ge=4)] | None = None
     #: CPU bandwidth in cores (0.5 = half a core)
     cpus: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
-    #: bytes of files the sandbox may write (work directory, /tmp, snapshots), in MiB; a write beyond
-    #: fails with ENOSPC. The files live in memory and count against ``memory_mb`` too
+    #: bytes of files the sandbox may write (work directory, /tmp, /dev/shm, snapshots), in MiB; a write
+    #: beyond fails with ENOSPC (never an OOM kill). The files live in memory, charged to the sandbox's cgroup
     disk_mb: Annotated[int, msgspec.Meta(ge=1)] | None = None
     #: files, directories and links the sandbox may create; beyond, creating one fails with ENOSPC
     inodes: Annotated[int, msgspec.Meta(ge=64)] | None = None
@@ -131,6 +145,9 @@ class SandboxInfo(msgspec.Struct, kw_only=True):
     running_execs: int
     parent_id: str | None = None
     labels: dict[str, str] = {}
+    #: MiB of files of destroyed ancestors this sandbox keeps alive (the layers it was forked on; counted
+    #: against the instance's memory budget until their last user goes)
+    retained_mb: float = 0.0
 
 
 # --- requests and replies ------------------------------------------------------------------------
@@ -307,7 +324,7 @@ class RenewLeaseReply(Envelope, kw_only=True, tag="sandbox_renew_lease_reply"):
     lease_expires_at: float
 
 
-ErrorCode = Literal["not_found", "invalid", "conflict", "limit", "unavailable", "internal"]
+ErrorCode = Literal["not_found", "invalid", "conflict", "limit", "unavailable", "internal", "overloaded"]
 
 
 class ErrorReply(Envelope, kw_only=True, tag="sandbox_error"):
@@ -317,12 +334,17 @@ class ErrorReply(Envelope, kw_only=True, tag="sandbox_error"):
     instance's); ``invalid``: the request breaks a rule (message says which);
     ``conflict``: wrong state (e.g. exec on a paused sandbox); ``limit``: a
     capacity limit of the instance; ``unavailable``: the backend cannot run;
-    ``internal``: a bug or host failure (message has the detail).
+    ``internal``: a bug or host failure (message has the detail); ``overloaded``: the instance
+    did not start the request (past an admission bound, or its deadline passed while it
+    waited): nothing was done, send it again after ``retry_after_s`` (a create may reach another
+    instance).
     """
 
     code: ErrorCode
     message: str
     sandbox_id: str | None = None
+    #: with ``overloaded``: seconds to wait before sending the request again
+    retry_after_s: float | None = None
 
 
 #: Requests answered by the instance owning the sandbox (``catalog.SANDBOX_REQUESTS.subject(run, instance)``).
@@ -428,7 +450,8 @@ class LeaseExpired(msgspec.Struct, kw_only=True, frozen=True, tag="lease_expired
 
 
 class LimitExceeded(msgspec.Struct, kw_only=True, frozen=True, tag="limit_exceeded"):
-    """The sandbox ran out of a quota (its writes failed with ENOSPC); reported once per exec that hit it."""
+    """The sandbox ran out of a quota (its writes failed with ENOSPC): reported by every exec that ends with
+    the quota exhausted, and by a ``write_files`` refused for it."""
 
     #: ``disk`` (bytes, ``limit`` in MiB) or ``inodes`` (files, ``limit`` a count)
     resource: Literal["disk", "inodes"]

@@ -9,6 +9,12 @@ or raises :class:`SandboxClientError` carrying the service's :class:`proto.sandb
 :class:`SandboxTimeout`, unless a probe of the owning instance then finds no one serving it: an instance
 killed while it held the request never answers, and that too is ``instance_gone``).
 
+Every request carries its deadline (header :data:`proto.sandbox.DEADLINE_HEADER`: when this client stops
+waiting), so an instance never starts one its caller has given up on. An ``overloaded`` answer (nothing was
+done) is retried after an exponential, jittered back-off of at least the answer's ``retry_after_s`` while
+the call's time lasts (a create then reaches any instance of the queue group); with
+``retry_overloaded=False`` it is raised at once.
+
 Usage::
 
     client = SandboxClient(nc, run_id)
@@ -20,7 +26,9 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import random
 import re
+import time
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -89,11 +97,14 @@ class SandboxClient:
     """Typed request/reply with the sandbox instances of one run (see the module docstring)."""
 
     def __init__(self, nc: Client, run_id: str, *, timeout_s: float = 60.0, default_exec_timeout_s: float = 60.0,
-                 exec_margin_s: float = 10.0, list_window_s: float = 0.5, probe_timeout_s: float = 5.0) -> None:
+                 exec_margin_s: float = 10.0, list_window_s: float = 0.5, probe_timeout_s: float = 5.0,
+                 retry_overloaded: bool = True, backoff_s: float = 0.05, max_backoff_s: float = 2.0) -> None:
         """``timeout_s``: how long to wait for a reply to anything but a foreground exec; a foreground exec
         waits for its own ``timeout_s`` (or ``default_exec_timeout_s``, the service's default) plus
         ``exec_margin_s``; ``list_window_s``: how long ``list`` waits for one more instance to answer;
-        ``probe_timeout_s``: how long the probe of an instance that did not answer in time waits."""
+        ``probe_timeout_s``: how long the probe of an instance that did not answer in time waits;
+        ``retry_overloaded``: send a request answered ``overloaded`` again (within its time), waiting
+        ``backoff_s`` doubled per try up to ``max_backoff_s`` (jittered, at least the answer's ``retry_after_s``)."""
         self.nc = nc
         self.run_id = run_id
         self.timeout_s = timeout_s
@@ -101,6 +112,12 @@ class SandboxClient:
         self.exec_margin_s = exec_margin_s
         self.list_window_s = list_window_s
         self.probe_timeout_s = probe_timeout_s
+        self.retry_overloaded = retry_overloaded
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        #: ``overloaded`` answers this client got, and how many of them it sent again
+        self.overloaded = 0
+        self.retried = 0
 
     # --- the generic call ------------------------------------------------------------------------
 
@@ -131,14 +148,32 @@ class SandboxClient:
         """Send any request Struct of :mod:`proto.sandbox` (but ``ListRequest``) and return its typed reply."""
         if isinstance(req, api.ListRequest):
             raise TypeError("ListRequest is a scatter/gather: use SandboxClient.list()")
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.timeout_for(req)
+        tries = 0
+        while True:
+            try:
+                return await self._call_once(req, end - loop.time())
+            except SandboxClientError as e:
+                if e.code != "overloaded":
+                    raise
+                self.overloaded += 1
+                wait = max(e.error.retry_after_s or 0.0, min(self.max_backoff_s, self.backoff_s * 2 ** tries))
+                wait *= 0.5 + random.random()  # jitter: refused callers do not all come back at once
+                if not self.retry_overloaded or loop.time() + wait >= end:
+                    raise
+            tries += 1
+            self.retried += 1
+            await asyncio.sleep(wait)
+
+    async def _call_once(self, req: Any, timeout: float) -> Any:
         verb = _verb(req)
         subject = self.subject_for(req)
-        timeout = self.timeout_for(req)
         with tracing.span(f"sandbox.{verb}", kind="producer", subject=subject):
-            headers: dict[str, str] = {}
+            headers: dict[str, str] = {api.DEADLINE_HEADER: f"{time.time() + timeout:.3f}"}
             tracing.inject(headers)
             try:
-                msg = await self.nc.request(subject, codec.encode(req), timeout=timeout, headers=headers or None)
+                msg = await self.nc.request(subject, codec.encode(req), timeout=timeout, headers=headers)
             except nats.errors.NoRespondersError:
                 raise SandboxClientError(verb, self._no_responders(req),
                                          instance_gone=not isinstance(req, api.CreateRequest)) from None

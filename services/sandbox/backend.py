@@ -58,6 +58,21 @@ class LimitReached(SandboxError):
     code = "limit"
 
 
+class Overloaded(SandboxError):
+    """The instance is past an admission bound (live sandboxes, memory budget): nothing was done; the caller
+    sends the request again after ``retry_after_s`` (a create may then reach another instance)."""
+
+    code = "overloaded"
+
+    def __init__(self, message: str, sandbox_id: str | None = None, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, sandbox_id)
+        self.retry_after_s = retry_after_s
+
+    def reply(self, run_id: str) -> api.ErrorReply:
+        return api.ErrorReply(run_id=run_id, code=self.code, message=str(self), sandbox_id=self.sandbox_id,
+                              retry_after_s=self.retry_after_s)
+
+
 class BackendUnavailable(SandboxError):
     """The backend cannot run on this host; the message lists what is missing."""
 
@@ -81,8 +96,9 @@ class SandboxBackend(Protocol):
         orphans of dead instances, take ownership of the state directory. Returns the reaped sandbox ids."""
         ...
 
-    async def close(self) -> None:
-        """Destroy every sandbox of this instance (reason ``shutdown``) and release the state directory."""
+    async def close(self, timeout_s: float | None = None) -> None:
+        """Destroy every sandbox of this instance (reason ``shutdown``) and release the state directory; past
+        ``timeout_s`` what is left stays for the reaper of the next instance."""
         ...
 
     async def create(self, req: api.CreateRequest) -> api.CreateReply: ...

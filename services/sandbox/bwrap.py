@@ -27,14 +27,7 @@ from collections.abc import Awaitable
 
 from proto import sandbox as api
 from services.sandbox import common, execio, files
-from services.sandbox.backend import (
-    BackendUnavailable,
-    Conflict,
-    EventSink,
-    InvalidRequest,
-    LimitReached,
-    NotFound,
-)
+from services.sandbox.backend import BackendUnavailable, Conflict, EventSink, InvalidRequest, LimitReached, NotFound
 from services.sandbox.bwrap_exec import command_prefix, smoke_test, spawn
 from services.sandbox.bwrap_sandbox import Sandbox, Snapshot, Spec
 from services.sandbox.cgroups import Hierarchy
@@ -95,7 +88,7 @@ class BwrapBackend:
         self._lock.path = os.path.join(self.state_dir, "lock")
         os.mkdir(os.path.join(self.state_dir, "s"), 0o711)
         self.layers = Layers(self.state_dir, self.cfg.sandbox_uid, self.cfg.sandbox_gid, self.cfg.max_layers)
-        self.hierarchy.prepare_instance(self.instance_id)
+        self.hierarchy.prepare_instance(self.instance_id, self.cfg.memory_budget())
         etc_dir = os.path.join(self.state_dir, "etc")
         write_etc(self.cfg, etc_dir)
         cache = os.path.join(self.cfg.root_dir, ".images")
@@ -104,20 +97,35 @@ class BwrapBackend:
         self._base_args = {"host": base_args(self.cfg, "host", etc_dir),
                            **{name: base_args(self.cfg, name, etc_dir, root) for name, root in roots.items()}}
         empty = self.layers.empty
-        await smoke_test(command_prefix(self.cfg, self._base_args["host"], empty, empty, []))
+        await smoke_test(command_prefix(self.cfg, self._base_args["host"], empty, empty, empty, []))
         log.info("sandbox instance %s ready (bwrap, cgroup v%d, state %s)", self.instance_id,
                  self.hierarchy.version, self.state_dir)
         return reaped
 
-    async def close(self) -> None:
-        """Destroy every sandbox (reason ``shutdown``) and remove this instance's state."""
-        for sb in list(self.sandboxes.values()):
-            await self._destroy(sb, "shutdown")
-        await asyncio.gather(*self._tasks, return_exceptions=True)  # trash deletions, finished execs
-        if self.hierarchy is not None and self.layers is not None:
+    async def close(self, timeout_s: float | None = None) -> None:
+        """Destroy every sandbox (reason ``shutdown``) and remove this instance's state, within ``timeout_s``.
+
+        Past it, what is left (sandboxes not yet destroyed, their mounts and cgroups) stays for the reaper: the
+        lock goes with this process, and the next instance to start on ``root_dir`` reaps it as an orphan."""
+        loop = asyncio.get_running_loop()
+        end = None if timeout_s is None else loop.time() + timeout_s
+        left = list(self.sandboxes.values())
+        while left and (end is None or loop.time() < end):
+            await self._destroy(left.pop(), "shutdown")
+        pending = set(self._tasks)  # trash deletions, finished execs
+        if pending:
+            await asyncio.wait(pending, timeout=None if end is None else max(0.0, end - loop.time()))
+        if left or any(not t.done() for t in pending):
+            log.warning("instance %s stopping: %d sandboxes not destroyed within %.1fs, left to the reaper of the "
+                        "next instance on %s", self.instance_id, len(left), timeout_s, self.cfg.root_dir)
+        elif self.hierarchy is not None and self.layers is not None:
             await reap_instance(self.cfg, self.hierarchy, self.instance_id, self.on_event, keep_dir=False)
         self._lock.release()
         self.egress.close()
+
+    def memory_used_mb(self) -> float:
+        """The instance's working set in MiB (its cgroup: every sandbox, and files of destroyed ones still used)."""
+        return self._ready()[1].working_set_mb(self.instance_id)
 
     async def reap_orphans(self) -> list[str]:
         """Destroy sandboxes of dead instances under ``root_dir``; returns their ids."""
@@ -168,6 +176,7 @@ class BwrapBackend:
     async def _new_sandbox(self, run_id: str, spec: Spec, layers: tuple[str, ...], parent_id: str | None) -> Sandbox:
         layers_store, hierarchy = self._ready()
         common.check_capacity(len(self.sandboxes), self.cfg)
+        common.check_memory(self.memory_used_mb(), spec.limits, self.cfg)
         sid = common.new_id(self.instance_id, lambda s: s in self.sandboxes)
         tree = layers_store.new_tree(os.path.join(self.state_dir, "s", sid), layers, spec.limits.disk_mb,
                                      spec.limits.inodes)
@@ -183,7 +192,7 @@ class BwrapBackend:
             tree=tree, cgroup=cgroup,
             roots=files.Roots(workdir=self.cfg.workdir, work_host=tree.merged, tmp_host=tree.tmp),
             allowlist=Allowlist(list(spec.egress)),
-            argv_prefix=command_prefix(self.cfg, self._base_args[spec.base], tree.merged, tree.tmp,
+            argv_prefix=command_prefix(self.cfg, self._base_args[spec.base], tree.merged, tree.tmp, tree.shm,
                                        cgroup.self_attach_files()),
             created_at=time.time(), parent_id=parent_id,
         )
@@ -430,6 +439,7 @@ class BwrapBackend:
                 state="paused" if sb.state == "paused" else "running", base=sb.spec.base, created_at=sb.created_at,
                 lease_expires_at=self.leases.expires_at(sb.id), layers=len(sb.tree.layers),
                 running_execs=len(sb.execs), parent_id=sb.parent_id, labels=sb.spec.labels,
+                retained_mb=round(self.layers.retained_bytes(sb.tree) / (1 << 20), 3) if self.layers else 0.0,
             )
             for sb in self.sandboxes.values()
             if sb.state != "destroying" and (req.all_runs or sb.run_id == req.run_id)

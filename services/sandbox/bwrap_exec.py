@@ -39,8 +39,12 @@ JOIN_CGROUP = (
 )
 
 
-def command_prefix(cfg: SandboxConfig, base: list[str], merged: str, tmp: str, cgroup_files: list[str]) -> list[str]:
-    """Everything before ``--chdir``/``--`` of one sandbox's exec command line (built once per sandbox)."""
+def command_prefix(cfg: SandboxConfig, base: list[str], merged: str, tmp: str, shm: str,
+                   cgroup_files: list[str]) -> list[str]:
+    """Everything before ``--chdir``/``--`` of one sandbox's exec command line (built once per sandbox).
+
+    /dev is bwrap's own small tmpfs of device nodes, remounted read-only so nothing can be written there
+    beyond the quotas; /dev/shm is a directory of the sandbox's volume (within its disk and inode quotas)."""
     return [
         "/bin/sh", "-c", JOIN_CGROUP, "rlbus-sandbox", *cgroup_files, "--",
         cfg.setpriv_path, f"--reuid={cfg.sandbox_uid}", f"--regid={cfg.sandbox_gid}", "--clear-groups",
@@ -50,7 +54,8 @@ def command_prefix(cfg: SandboxConfig, base: list[str], merged: str, tmp: str, c
         "--hostname", cfg.hostname, "--die-with-parent", "--new-session",
         *base,
         "--dev", "/dev", "--proc", "/proc",
-        "--bind", merged, cfg.workdir, "--bind", tmp, "/tmp",
+        "--bind", merged, cfg.workdir, "--bind", tmp, "/tmp", "--bind", shm, "/dev/shm",
+        "--remount-ro", "/dev",  # this mount only: /dev/shm stays writable, device nodes stay usable
         "--remount-ro", "/",  # bwrap's own root (a tmpfs holding the mount points) read-only too
     ]
 

@@ -67,7 +67,7 @@ class Sandbox:
     state: str = "running"  # running | paused | destroying
     seq: int = 0
     oom_seen: int = 0
-    #: the quotas found exhausted at the last check (``disk``, ``inodes``): an event when one becomes so
+    #: the quotas found exhausted at the last check (``disk``, ``inodes``)
     full: frozenset[str] = frozenset()
     exec_count: int = 0
     execs: dict[str, Exec] = field(default_factory=dict)
@@ -106,7 +106,8 @@ class Sandbox:
         return True
 
     def check_disk(self, exec_id: str | None) -> bool:
-        """Whether the sandbox's disk or inode quota is exhausted (a ``LimitExceeded`` event when one newly is)."""
+        """Whether the sandbox's disk or inode quota is exhausted; a ``LimitExceeded`` event for each that is, so
+        every exec that ends on a full disk reports it (``exec_id``; None: a ``write_files`` refused for it)."""
         try:
             st = os.statvfs(self.tree.dir)
         except OSError:
@@ -116,7 +117,7 @@ class Sandbox:
             full.add("disk")
         if st.f_favail == 0:
             full.add("inodes")
-        for resource in sorted(full - self.full):
+        for resource in sorted(full):
             limit = self.spec.limits.disk_mb if resource == "disk" else self.spec.limits.inodes
             self.emit(api.LimitExceeded(resource=resource, limit=limit, exec_id=exec_id))  # type: ignore[arg-type]
         self.full = frozenset(full)

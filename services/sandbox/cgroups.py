@@ -271,12 +271,40 @@ class Hierarchy:
                         "cgroup that holds processes; run the service in a leaf cgroup below it"
                     ) from None
 
-    def prepare_instance(self, instance: str) -> None:
-        """Create ``<parent>/<instance>`` in every hierarchy (v2: with controllers enabled)."""
+    def prepare_instance(self, instance: str, memory_budget_mb: int | None = None) -> None:
+        """Create ``<parent>/<instance>`` in every hierarchy (v2: with controllers enabled); with
+        ``memory_budget_mb`` its memory is limited to that (every sandbox of the instance, and the files of
+        destroyed ones still charged to it, together)."""
         for base in self._bases().values():
             os.makedirs(os.path.join(base, instance), exist_ok=True)
         if self.version == 2:
             self._enable_v2_controllers(os.path.join(self._bases()["unified"], instance))
+        if memory_budget_mb is not None:
+            mem = str(memory_budget_mb << 20)
+            d = self.instance_dir(instance)
+            if self.version == 2:
+                _write(os.path.join(d, "memory.max"), mem)
+            else:
+                _write(os.path.join(d, "memory.limit_in_bytes"), mem)
+                memsw = os.path.join(d, "memory.memsw.limit_in_bytes")
+                if os.path.exists(memsw):
+                    _write(memsw, mem)
+
+    def instance_dir(self, instance: str) -> str:
+        """The instance's memory cgroup directory."""
+        return os.path.join(self._bases()["unified" if self.version == 2 else "memory"], instance)
+
+    def working_set_mb(self, instance: str) -> float:
+        """The instance's memory use less its reclaimable page cache (inactive file pages), in MiB: what its
+        sandboxes hold, files of destroyed sandboxes still charged to it included."""
+        d = self.instance_dir(instance)
+        if self.version == 2:
+            used = int(_read(os.path.join(d, "memory.current")))
+            inactive = _keyed(os.path.join(d, "memory.stat"), "inactive_file")
+        else:
+            used = int(_read(os.path.join(d, "memory.usage_in_bytes")))
+            inactive = _keyed(os.path.join(d, "memory.stat"), "total_inactive_file")
+        return max(0, used - inactive) / (1 << 20)
 
     def create(self, instance: str, sandbox: str, limits: LimitsConfig) -> Cgroup:
         """Make the sandbox's cgroup with its limits applied."""
@@ -285,7 +313,7 @@ class Hierarchy:
         try:
             for d in dirs.values():
                 os.mkdir(d)
-            mem = limits.memory_mb << 20
+            mem = (limits.memory_mb + limits.disk_mb) << 20  # its processes, and its files (bounded by disk_mb)
             quota = max(1000, int(limits.cpus * CPU_PERIOD_US))
             if self.version == 2:
                 d = dirs["unified"]

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from proto import sandbox as api
-from services.sandbox.backend import InvalidRequest, LimitReached
+from services.sandbox.backend import InvalidRequest, LimitReached, Overloaded
 from services.sandbox.config import LimitsConfig, SandboxConfig
 
 
@@ -42,9 +42,6 @@ def resolve_limits(asked: api.Limits, cfg: SandboxConfig) -> LimitsConfig:
                              ("inodes", limits.inodes, m.inodes)):
         if value > top:
             raise InvalidRequest(f"limits.{name}={value} exceeds this service's maximum {top}")
-    if limits.disk_mb > limits.memory_mb:
-        raise InvalidRequest(f"limits.disk_mb={limits.disk_mb} exceeds limits.memory_mb={limits.memory_mb}: a "
-                             "sandbox's files live in memory and count against its memory limit")
     return limits
 
 
@@ -96,8 +93,23 @@ def command_argv(command: api.Command) -> list[str]:
 
 
 def check_capacity(count: int, cfg: SandboxConfig) -> None:
-    if count >= cfg.max_sandboxes:
-        raise LimitReached(f"this instance holds {count} sandboxes (max_sandboxes); destroy some or add instances")
+    bound = cfg.sandboxes_bound()
+    if count >= bound:
+        raise Overloaded(f"this instance holds {count} sandboxes (max_sandboxes = {bound}); try again, destroy "
+                         "some or add instances", retry_after_s=cfg.overload_retry_after_s)
+
+
+def check_memory(used_mb: float, limits: LimitsConfig, cfg: SandboxConfig) -> None:
+    """Refuse a new sandbox that could take the instance past its memory budget (``used_mb``: its working set)."""
+    budget = cfg.memory_budget()
+    need = limits.memory_mb + limits.disk_mb
+    if need > budget:
+        raise LimitReached(f"a sandbox of memory_mb + disk_mb = {need} MiB exceeds this instance's memory budget "
+                           f"({budget} MiB, memory_budget_mb): ask for less")
+    if used_mb + need > budget:
+        raise Overloaded(f"the instance's sandboxes use {used_mb:.0f} MiB of its {budget} MiB memory budget "
+                         f"(memory_budget_mb) and this sandbox may take {need} MiB more; try again, destroy some "
+                         "or add instances", retry_after_s=cfg.overload_retry_after_s)
 
 
 class LeaseTable:

@@ -6,6 +6,7 @@ test can parse every shipped config file.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Annotated, Literal
 
@@ -25,18 +26,47 @@ DEFAULT_ENV = {
 
 _INSTANCE_ID = re.compile(r"^[a-z0-9]{1,32}$")
 
+#: host defaults of the admission bounds: live sandboxes per CPU core (and at most), creates at once per core
+SANDBOXES_PER_CORE = 128
+MAX_DEFAULT_SANDBOXES = 2048
+CREATING_PER_CORE = 2
+#: the default memory budget of an instance: this share of the host's memory
+DEFAULT_BUDGET_SHARE = 0.5
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def host_memory_mb() -> int:
+    """The host's memory in MiB (``MemTotal``); 4096 when /proc/meminfo cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 4096
+
 
 class LimitsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Concrete per-sandbox resource limits."""
 
-    #: memory (RSS + page cache + kernel memory) in MiB
+    #: memory of the sandbox's processes (RSS + page cache + kernel memory) in MiB; its cgroup's limit is
+    #: ``memory_mb + disk_mb`` (its files are bounded by ``disk_mb`` on their own)
     memory_mb: Annotated[int, msgspec.Meta(ge=16)] = 512
     #: processes and threads alive at once
     pids: Annotated[int, msgspec.Meta(ge=4)] = 128
     #: CPU bandwidth in cores
     cpus: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
-    #: MiB of files the sandbox may write (work directory, /tmp and its snapshots together); they live in a
-    #: size-limited tmpfs charged to the sandbox's memory cgroup, so they count against ``memory_mb`` too
+    #: MiB of files the sandbox may write (work directory, /tmp, /dev/shm and its snapshots together); they live
+    #: in a size-limited tmpfs charged to the sandbox's memory cgroup, whose limit adds ``disk_mb`` to ``memory_mb``
+    #: (a full disk is ENOSPC, never an OOM kill)
     disk_mb: Annotated[int, msgspec.Meta(ge=1)] = 256
     #: files, directories and links the sandbox may create (the tmpfs's inode limit)
     inodes: Annotated[int, msgspec.Meta(ge=64)] = 32768
@@ -87,8 +117,26 @@ class SandboxConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: lease of a sandbox that names none, and the longest one may ask for (seconds)
     default_lease_ttl_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
     max_lease_ttl_s: Annotated[float, msgspec.Meta(gt=0.0)] = 86400.0
-    #: sandboxes this instance holds at once (creates beyond are refused with ``limit``)
-    max_sandboxes: Annotated[int, msgspec.Meta(ge=1)] = 10000
+    #: sandboxes this instance holds at once, creates in progress and queued included (creates beyond are
+    #: refused ``overloaded``); None = 128 per CPU core, at most 2048 (every exec's mount namespace copies
+    #: the host's mounts, two per sandbox: exec latency grows with this number)
+    max_sandboxes: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    #: creates carried out at once (None = 2 per CPU core, at least 4); more wait in a queue
+    max_creating: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    #: creates waiting for a slot (None = 8 x max_creating); a create beyond is refused ``overloaded`` at once
+    max_queued_creates: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    #: requests carried out at once (execs included); a request beyond is refused ``overloaded`` at once
+    max_in_flight: Annotated[int, msgspec.Meta(ge=1)] = 2048
+    #: deadline of a request that carries none (header ``Rlbus-Deadline``), from its arrival; a request past its
+    #: deadline is never started
+    request_deadline_s: Annotated[float, msgspec.Meta(gt=0.0)] = 60.0
+    #: ``retry_after_s`` of an ``overloaded`` answer (the sender waits at least this long before trying again)
+    overload_retry_after_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5
+    #: MiB of memory all sandboxes of this instance may use together: their processes, files and the files of
+    #: destroyed sandboxes still used by forks (the instance's cgroup, limited to this by the kernel). A create
+    #: is refused ``overloaded`` when the instance's working set plus the new sandbox's ``memory_mb + disk_mb``
+    #: exceeds it; None = half the host's memory
+    memory_budget_mb: Annotated[int, msgspec.Meta(ge=64)] | None = None
     #: read-only layers under a sandbox's writable layer (one per snapshot that changed
     #: something); a snapshot beyond is refused with ``limit``
     max_layers: Annotated[int, msgspec.Meta(ge=1, le=64)] = 48
@@ -124,13 +172,24 @@ class SandboxConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if (field.memory_mb > m.memory_mb or field.pids > m.pids or field.cpus > m.cpus
                     or field.disk_mb > m.disk_mb or field.inodes > m.inodes):
                 raise ValueError(f"{name} exceeds max_limits")
-        for name, lim in (("default_limits", self.default_limits), ("max_limits", self.max_limits)):
-            if lim.disk_mb > lim.memory_mb:
-                raise ValueError(f"{name}.disk_mb ({lim.disk_mb}) exceeds {name}.memory_mb ({lim.memory_mb}): a "
-                                 "sandbox's files live in memory and count against its memory limit")
         if self.default_timeout_s > self.max_timeout_s:
             raise ValueError("default_timeout_s exceeds max_timeout_s")
         if self.default_max_output_bytes > self.max_output_bytes:
             raise ValueError("default_max_output_bytes exceeds max_output_bytes")
         if self.default_lease_ttl_s > self.max_lease_ttl_s:
             raise ValueError("default_lease_ttl_s exceeds max_lease_ttl_s")
+
+    # --- the admission bounds, host defaults filled in (see admission.py) ---------------------------
+
+    def sandboxes_bound(self) -> int:
+        return self.max_sandboxes or min(MAX_DEFAULT_SANDBOXES, SANDBOXES_PER_CORE * host_cores())
+
+    def creating_bound(self) -> int:
+        return self.max_creating or max(4, CREATING_PER_CORE * host_cores())
+
+    def queued_creates_bound(self) -> int:
+        return self.max_queued_creates if self.max_queued_creates is not None else 8 * self.creating_bound()
+
+    def memory_budget(self) -> int:
+        """The instance's memory budget in MiB."""
+        return self.memory_budget_mb or int(host_memory_mb() * DEFAULT_BUDGET_SHARE)

@@ -171,6 +171,11 @@ class WorkTree:
     def tmp(self) -> str:
         return os.path.join(self.dir, "t")
 
+    @property
+    def shm(self) -> str:
+        """The sandbox's /dev/shm: in its volume, so within its disk and inode quotas."""
+        return os.path.join(self.dir, "shm")
+
 
 class Layers:
     """The layers of one instance and the work trees built on them; each tree in a volume of its own."""
@@ -232,9 +237,10 @@ class Layers:
             raise
         try:
             os.mkdir(tree.merged, 0o755)
-            os.mkdir(tree.tmp, 0o1777)
-            os.chown(tree.tmp, self.uid, self.gid)
-            os.chmod(tree.tmp, 0o1777)
+            for shared in (tree.tmp, tree.shm):
+                os.mkdir(shared, 0o1777)
+                os.chown(shared, self.uid, self.gid)
+                os.chmod(shared, 0o1777)
             self._fresh_upper(tree)
             self._mount(tree)
         except BaseException:
@@ -327,8 +333,23 @@ class Layers:
         if not vol.layers:
             del self.volumes[tree.dir]
             return [*doomed, Doomed(tree.dir, unmount=True)]
-        names = ("m", "t", f"u{tree.gen}", f"w{tree.gen}", "meta.json")
+        names = ("m", "t", "shm", f"u{tree.gen}", f"w{tree.gen}", "meta.json")
         return [*doomed, *(Doomed(os.path.join(tree.dir, n)) for n in names)]
+
+    def retained_bytes(self, tree: WorkTree) -> int:
+        """Bytes of files in the volumes of destroyed sandboxes that ``tree``'s layers keep alive (each volume
+        once): memory a fork holds beyond its own, charged to the instance until the last user goes."""
+        seen: dict[str, int] = {}
+        for layer in tree.layers:
+            vol = self.home.get(layer)
+            if vol is None or vol.tree_alive or vol.dir in seen:
+                continue
+            try:
+                st = os.statvfs(vol.dir)
+                seen[vol.dir] = (st.f_blocks - st.f_bfree) * st.f_frsize
+            except OSError:
+                seen[vol.dir] = 0
+        return sum(seen.values())
 
     def disk_use(self, tree: WorkTree) -> tuple[int, int]:
         """Free bytes and free inodes in the sandbox's volume."""

@@ -6,15 +6,20 @@ id (every verb on a sandbox or snapshot this instance owns) and ``SANDBOX_LIST``
 instance answers). Requests
 are core NATS requests; each is answered with its reply Struct or an :class:`proto.sandbox.ErrorReply`.
 
-* Each request runs in its own task; at most ``max_in_flight`` at once (the subscription waits for a slot).
+* Admission (:mod:`.admission`): a request past its deadline is never started; creates run at most
+  ``max_creating`` at once with a bounded queue; live sandboxes, the memory budget and ``max_in_flight``
+  are bounded. Past a bound the answer is ``overloaded`` (with ``retry_after_s``) at once, never a silence.
+  Each admitted request runs in its own task.
 * A payload that does not decode, belongs to another run, or was sent to the wrong subject gets an
   ``invalid`` ErrorReply *and* a dead letter; the service carries on.
 * Every backend event is queued by the backend's ``on_event`` callback and published, in order, by one
   task to channel ``SANDBOX_EVENTS`` (stream SANDBOX_EVENTS), carrying the trace context of the
   request that caused it. Nothing is dropped; a publish that keeps failing is retried.
-* Shutdown (``ctx.stop``): unsubscribe, give in-flight requests ``drain_timeout_s`` (the rest are
-  cancelled and answered ``unavailable``), ``backend.close()`` (destroys every sandbox, reason
-  ``shutdown``), then flush the queued events within ``drain_timeout_s``.
+* Shutdown (``ctx.stop``) stays within ``drain_timeout_s`` in all: unsubscribe, answer every queued create
+  ``overloaded`` (the client sends it to another instance), give in-flight requests half the bound (the rest
+  are cancelled and answered ``unavailable``), ``backend.close()`` until 90 % of it (destroys every sandbox,
+  reason ``shutdown``; what is left past it stays for the reaper of the next instance), then flush the
+  queued events in what remains.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from services.runtime import metrics, tracing
 from services.runtime.bus import BusError
 from services.runtime.config import Loaded
 from services.runtime.service import ServiceContext
+from services.sandbox.admission import Admission, Job, deadline_of
 from services.sandbox.backend import (
     BackendUnavailable,
     SandboxBackend,
@@ -80,8 +86,10 @@ def _belongs_on(req: object) -> str:
     return next(where for accepted, where in _ROLES.values() if isinstance(req, accepted))
 
 
-#: Requests handled at once by one instance (further ones wait in the subscription's queue).
-DEFAULT_MAX_IN_FLIGHT = 2048
+#: shares of ``drain_timeout_s`` at shutdown: in-flight requests end by the first, sandboxes are destroyed by the
+#: second, queued events get the rest
+DRAIN_REQUESTS_SHARE = 0.5
+DRAIN_CLOSE_SHARE = 0.9
 
 
 @dataclass(frozen=True)
@@ -166,11 +174,15 @@ class SandboxService:
     """Serves one backend instance over the bus (see the module docstring)."""
 
     def __init__(self, config: SandboxConfig, *, drain_timeout_s: float = 10.0,
-                 max_message_bytes: int = codec.MAX_MESSAGE_BYTES, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+                 max_message_bytes: int = codec.MAX_MESSAGE_BYTES) -> None:
         self.cfg = config
         self.drain_timeout_s = drain_timeout_s
         self.max_message_bytes = max_message_bytes
-        self.max_in_flight = max_in_flight
+        self.admission = Admission(
+            max_in_flight=config.max_in_flight, max_creating=config.creating_bound(),
+            max_queued_creates=config.queued_creates_bound(), max_sandboxes=config.sandboxes_bound(),
+            retry_after_s=config.overload_retry_after_s, live=lambda: len(self._live),
+        )
         self.backend: SandboxBackend | None = None
         self.reaped: list[str] = []
         self._live: set[str] = set()
@@ -178,6 +190,8 @@ class SandboxService:
         self._in_flight: set[asyncio.Task[None]] = set()
         self._requests = 0
         self._errors = 0
+        #: monotonic time by which a stop must be over (set when it begins)
+        self._stop_end = 0.0
 
     @classmethod
     def from_loaded(cls, loaded: Loaded) -> SandboxService:
@@ -220,24 +234,40 @@ class SandboxService:
             ctx.gauges["sandbox/orphans_reaped"] = float(len(self.reaped))
             await self._serve(ctx, backend)
         finally:
-            await events.close(self.drain_timeout_s)
+            await events.close(max(0.1, self._stop_end - time.monotonic()) if self._stop_end else self.drain_timeout_s)
             ctx.gauges["sandbox/events_published"] = float(events.published)
 
     async def _serve(self, ctx: ServiceContext, backend: SandboxBackend) -> None:
-        slots = asyncio.Semaphore(self.max_in_flight)
+        adm = self.admission
 
-        def done(task: asyncio.Task[None]) -> None:
+        def gauges() -> None:
+            ctx.gauges.update(adm.gauges())
+
+        def start(job: Job) -> None:
+            task = asyncio.create_task(self._handle(ctx, backend, job), name=f"sandbox-{job.role}-request")
+            self._in_flight.add(task)
+            task.add_done_callback(lambda t: finished(t, job))
+
+        def finished(task: asyncio.Task[None], job: Job) -> None:
             self._in_flight.discard(task)
-            slots.release()
-            ctx.gauges["sandbox/requests_in_flight"] = float(len(self._in_flight))
+            ready, expired = adm.done(job)
+            for nxt in ready:
+                start(nxt)
+            for old in expired:
+                self._refuse_soon(ctx, old.msg, "the request's deadline passed while it waited for a create slot")
+            gauges()
 
         def handler(role: str) -> Callable[[Msg], Awaitable[None]]:
-            async def cb(msg: Msg) -> None:
-                await slots.acquire()  # back-pressure: the subscription waits while every slot is busy
-                task = asyncio.create_task(self._handle(ctx, backend, msg, role), name=f"sandbox-{role}-request")
-                self._in_flight.add(task)
-                task.add_done_callback(done)
-                ctx.gauges["sandbox/requests_in_flight"] = float(len(self._in_flight))
+            async def cb(msg: Msg) -> None:  # never waits: a full instance answers at once
+                now = time.time()
+                job = Job(msg=msg, role=role, deadline=deadline_of(msg, now, self.cfg.request_deadline_s),
+                          arrived=now)
+                verdict = adm.offer(job)
+                if verdict is True:
+                    start(job)
+                elif verdict is not False:
+                    await self._refuse(ctx, msg, verdict.message)
+                gauges()
 
             return cb
 
@@ -249,29 +279,48 @@ class SandboxService:
             await ctx.nc.subscribe(catalog.SANDBOX_LIST.subject(run), cb=handler("list")),
         ]
         await ctx.nc.flush()
-        log.info("sandbox instance %s serving run %s (%s backend)", backend.instance_id, run, self.cfg.type)
+        log.info("sandbox instance %s serving run %s (%s backend; max_sandboxes %d, max_creating %d, memory budget "
+                 "%d MiB)", backend.instance_id, run, self.cfg.type, adm.max_sandboxes, adm.max_creating,
+                 self.cfg.memory_budget())
         try:
             await ctx.stop.wait()
         finally:
+            t0 = time.monotonic()
+            self._stop_end = t0 + self.drain_timeout_s
             for sub in subs:  # stop accepting: new creates go to the other instances of the group
                 try:
                     await sub.unsubscribe()
                 except Exception as e:  # the connection is gone: nothing more arrives anyway
                     log.debug("unsubscribe failed: %s", e)
-            await self._drain_requests()
-            await backend.close()
+            for job in adm.abandon():  # never started: the client sends them to another instance
+                await self._refuse(ctx, job.msg, "the instance is stopping; the create was not started")
+            await self._drain_requests(self.drain_timeout_s * DRAIN_REQUESTS_SHARE)
+            await backend.close(max(0.0, t0 + self.drain_timeout_s * DRAIN_CLOSE_SHARE - time.monotonic()))
+            gauges()
+            log.info("sandbox instance %s stopped serving in %.1fs", backend.instance_id, time.monotonic() - t0)
 
-    async def _drain_requests(self) -> None:
+    async def _refuse(self, ctx: ServiceContext, msg: Msg, message: str) -> None:
+        """Answer a request that was not started ``overloaded``."""
+        self._errors += 1
+        await self._respond(ctx, msg, api.ErrorReply(run_id=ctx.run_id, code="overloaded", message=message,
+                                                     retry_after_s=self.cfg.overload_retry_after_s))
+
+    def _refuse_soon(self, ctx: ServiceContext, msg: Msg, message: str) -> None:
+        task = asyncio.create_task(self._refuse(ctx, msg, message), name="sandbox-refuse")
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+
+    async def _drain_requests(self, timeout_s: float) -> None:
         pending = set(self._in_flight)
         if not pending:
             return
-        log.info("waiting up to %.1fs for %d in-flight sandbox requests", self.drain_timeout_s, len(pending))
-        _, late = await asyncio.wait(pending, timeout=self.drain_timeout_s)
+        log.info("waiting up to %.1fs for %d in-flight sandbox requests", timeout_s, len(pending))
+        _, late = await asyncio.wait(pending, timeout=timeout_s)
         if late:
-            log.warning("abandoning %d sandbox requests still running after %.1fs", len(late), self.drain_timeout_s)
+            log.warning("abandoning %d sandbox requests still running after %.1fs", len(late), timeout_s)
             for task in late:
                 task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+            await asyncio.wait(late, timeout=max(0.1, self._stop_end - time.monotonic()))
 
     def _count(self, ctx: ServiceContext, event: api.SandboxEvent) -> None:
         """Keep the heartbeat gauges (live and paused sandboxes) in step with the events."""
@@ -290,10 +339,18 @@ class SandboxService:
 
     # --- one request -----------------------------------------------------------------------------
 
-    async def _handle(self, ctx: ServiceContext, backend: SandboxBackend, msg: Msg, role: str) -> None:
+    async def _handle(self, ctx: ServiceContext, backend: SandboxBackend, job: Job) -> None:
+        msg, role = job.msg, job.role
         with tracing.span(f"sandbox {role}", kind="consumer", headers=msg.headers or {}) as span:
             try:
-                reply, rejection = await self._answer(ctx, backend, msg, role)
+                if time.time() > job.deadline:  # it waited past its deadline: its sender is gone
+                    self.admission.refused["deadline"] += 1
+                    reply: Any = api.ErrorReply(run_id=ctx.run_id, code="overloaded",
+                                                message="the request's deadline passed before it could start",
+                                                retry_after_s=self.cfg.overload_retry_after_s)
+                    rejection = None
+                else:
+                    reply, rejection = await self._answer(ctx, backend, msg, role)
             except asyncio.CancelledError:
                 reply = api.ErrorReply(run_id=ctx.run_id, code="unavailable",
                                        message="the sandbox instance shut down before the request finished")

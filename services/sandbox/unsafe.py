@@ -89,10 +89,12 @@ class UnsafeProcessBackend:
             os.makedirs(os.path.join(self.state_dir, sub), exist_ok=True)
         return reaped
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float | None = None) -> None:
+        """Destroy every sandbox; ``timeout_s`` bounds the wait for their background tasks."""
         for sb in list(self.sandboxes.values()):
             await self._destroy(sb, "shutdown")
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
         shutil.rmtree(self.state_dir, ignore_errors=True)
         self._lock.release()
 
