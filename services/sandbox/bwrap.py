@@ -26,8 +26,8 @@ import time
 from collections.abc import Awaitable
 
 from proto import sandbox as api
-from services.sandbox import common, execio, files
-from services.sandbox.backend import BackendUnavailable, Conflict, EventSink, InvalidRequest, LimitReached, NotFound
+from services.sandbox import backend, common, execio, files
+from services.sandbox.backend import BackendUnavailable, Conflict, EventSink, InvalidRequest, NotFound
 from services.sandbox.bwrap_exec import command_prefix, smoke_test, spawn
 from services.sandbox.bwrap_sandbox import Sandbox, Snapshot, Spec
 from services.sandbox.cgroups import Hierarchy
@@ -290,7 +290,7 @@ class BwrapBackend:
                     files.write_files, sb.roots, req.files, self.cfg.sandbox_uid, self.cfg.sandbox_gid,
                     big=sum(len(f.data) for f in req.files) > (1 << 20),
                 )
-            except LimitReached:
+            except backend.LimitReached:
                 sb.check_disk(None)
                 raise
         return api.WriteFilesReply(run_id=req.run_id, sandbox_id=sb.id, files=len(req.files), bytes=total)
