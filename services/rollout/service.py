@@ -171,8 +171,14 @@ class RolloutService:
                 t0 = time.perf_counter()
                 # the engine's apply links to the trainer's step that sent the version (many engines, one step)
                 sent_by = getattr(receiver, "traces", {}).get(version, "")
-                with tracing.span("apply weights", links=tracing.link_to([sent_by]), version=version):
+                # the digest the receiver verified this version against: "never applied a corrupt version"
+                # can be checked from the log (and the span) against the announced manifests
+                digest = getattr(receiver, "digests", {}).get(version, "")
+                with tracing.span("apply weights", links=tracing.link_to([sent_by]), version=version,
+                                  digest=digest):
                     await self.engine.update_weights(state, version)
+                log.info("applied weights version %d digest %s in %.3fs", version,
+                         digest or "none (not verified: in-process weights)", time.perf_counter() - t0)
                 async with self.version_changed:
                     self.version_changed.notify_all()
                 self.weight_updates += 1
