@@ -125,8 +125,9 @@ class Reaper:
         self.grace_s = grace_s
         self.tracked: dict[int, int] = {}
         # not a new session: a kill of this process's group takes the watchdog too, with what it tracks
-        self._proc = subprocess.Popen([sys.executable, "-m", "services.runtime.lifeline", str(grace_s)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        owner = os.getpid()
+        self._proc = subprocess.Popen([sys.executable, "-m", "services.runtime.lifeline", str(grace_s), str(owner),
+                                       str(start_time(owner))], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
 
     @property
     def pid(self) -> int:
@@ -161,16 +162,33 @@ class Reaper:
             self._proc.kill()
 
 
-def _reaper_main(grace_s: float) -> None:
+def _reaper_main(grace_s: float, owner: int, owner_started: int) -> None:
+    """Until the owner closes the pipe or is gone: a forked child of the owner (vLLM forks its engine core)
+    holds the pipe open too, so the owner's life is also checked every :data:`WATCH_PERIOD_S`."""
+    import select
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the owner, which stops in order
     procs: dict[int, int] = {}
-    for line in sys.stdin.buffer:  # until the owner closes the pipe or dies
-        pid, _, started = line.decode().partition(" ")
-        procs[int(pid)] = int(started)
+    fd, pending = sys.stdin.fileno(), b""
+    while True:
+        owner_alive = start_time(owner) == owner_started
+        # what the owner wrote is read before acting on its death (it may have died before this started)
+        if not select.select([fd], [], [], WATCH_PERIOD_S if owner_alive else 0)[0]:
+            if owner_alive:
+                continue
+            break
+        data = os.read(fd, 65536)
+        if not data:
+            break
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            pid, _, started = line.decode().partition(" ")
+            procs[int(pid)] = int(started)
     killed = kill_all(procs, grace_s)
     if killed:
         print(f"rlbus lifeline: the owner ended; killed {sorted(killed)}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
-    _reaper_main(float(sys.argv[1]) if len(sys.argv) > 1 else 5.0)
+    _reaper_main(float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

@@ -11,17 +11,22 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from services.runtime.lifeline import LAUNCHER_PID_ENV, STOP_BOUND_ENV, descendants, start_time
 from tests.conftest import wait_for
 
 OWNER = textwrap.dedent("""
-    import subprocess, sys, time
+    import os, subprocess, sys, time
     from services.runtime.lifeline import Reaper
     reaper = Reaper(grace_s=1.0)
     helper = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
                               start_new_session=True)  # not in the owner's group, ignores SIGTERM: only SIGKILL ends it
     reaper.track([helper.pid])
-    print(helper.pid, reaper.pid, flush=True)
+    forked = os.fork() if sys.argv[1] == "fork" else -1  # a forked child holds the watchdog's pipe open too
+    if forked == 0:
+        time.sleep(600)
+    print(helper.pid, reaper.pid, forked, flush=True)
     if sys.argv[1] == "close":
         reaper.close()
         print("closed", flush=True)
@@ -32,22 +37,27 @@ OWNER = textwrap.dedent("""
 def owner(mode: str) -> tuple[subprocess.Popen[str], int, int]:
     proc = subprocess.Popen([sys.executable, "-c", OWNER, mode], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    helper, reaper = (int(x) for x in proc.stdout.readline().split())
-    return proc, helper, reaper
+    helper, reaper, forked = (int(x) for x in proc.stdout.readline().split())
+    return proc, helper, reaper, forked
 
 
-def test_a_helper_dies_with_its_sigkilled_owner():
-    proc, helper, reaper = owner("wait")
-    started = start_time(helper)
-    assert started is not None and helper in descendants(proc.pid)
-    proc.kill()
-    proc.wait()
-    wait_for(lambda: start_time(helper) != started, 15, "the helper to be killed after its owner's SIGKILL")
-    wait_for(lambda: start_time(reaper) is None, 15, "the watchdog to exit")
+@pytest.mark.parametrize("mode", ["wait", "fork"])
+def test_a_helper_dies_with_its_sigkilled_owner(mode):
+    proc, helper, reaper, forked = owner(mode)
+    try:
+        started = start_time(helper)
+        assert started is not None and helper in descendants(proc.pid)
+        proc.kill()
+        proc.wait()
+        wait_for(lambda: start_time(helper) != started, 15, "the helper to be killed after its owner's SIGKILL")
+        wait_for(lambda: start_time(reaper) is None, 15, "the watchdog to exit")
+    finally:
+        if forked > 0:
+            os.kill(forked, signal.SIGKILL)
 
 
 def test_close_kills_the_helpers_and_the_watchdog():
-    proc, helper, reaper = owner("close")
+    proc, helper, reaper, _ = owner("close")
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "closed"
         assert start_time(helper) is None and start_time(reaper) is None
