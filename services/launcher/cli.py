@@ -135,7 +135,7 @@ def _part_overrides(args: argparse.Namespace, parts: list[str]) -> dict[str, lis
 
 def cmd_service(args: argparse.Namespace) -> int:
     from services.launcher import registry
-    from services.runtime import service
+    from services.runtime import lifeline, service
 
     parts = args.name.split("+")
     if len(set(parts)) != len(parts) or not all(parts):
@@ -153,6 +153,7 @@ def cmd_service(args: argparse.Namespace) -> int:
             instance = instance.replace(args.name, part) if args.name in instance else f"{instance}-{part}"
         group.append((part, factory, loaded, instance))
     service.setup_logging(args.name, group[0][2].common.log_level)
+    lifeline.watch_launcher()  # started by a launcher: end with it (services/runtime/lifeline.py)
     service.install_uvloop()
     if len(group) == 1:
         name, factory, loaded, instance = group[0]

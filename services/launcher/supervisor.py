@@ -29,6 +29,7 @@ from services.launcher.autoscale import CONSUMERS, desired_count
 from services.launcher.environments import python_for
 from services.launcher.runfile import LauncherSection, RunFile, provision_run
 from services.launcher.usage import UsageLog
+from services.runtime import lifeline
 from services.runtime.config import convert, load_tree
 from services.runtime.gang import GANG_FAILED_EXIT
 from services.runtime.natsd import EmbeddedNats, NatsCluster, die_with_parent, port_is_free
@@ -40,9 +41,7 @@ log = logging.getLogger("rlbus.launcher")
 
 def _instance_of(data: bytes) -> str:
     try:
-        import msgspec as _m
-
-        return str(_m.msgpack.decode(data).get("instance", "?"))
+        return str(msgspec.msgpack.decode(data).get("instance", "?"))
     except Exception:
         return "?"
 
@@ -235,7 +234,8 @@ class Supervisor:
         with open(c.log_path, "ab") as logf:
             # own session: a terminal Ctrl-C reaches only the supervisor, which stops children in order
             c.proc = subprocess.Popen(c.argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent)
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **lifeline.launcher_env(
+                                          self.launcher.stop_timeout_s)}, preexec_fn=die_with_parent)
         c.started_at = time.monotonic()
         self._say(f"started {c.label} (pid {c.proc.pid}, log {c.log_path})")
 

@@ -43,6 +43,9 @@ from services.tasks.tools import is_agent_task
 
 log = logging.getLogger("rlbus.rollout")
 
+#: how often the rollout checks that its engine has not died
+ENGINE_WATCH_S = 0.5
+
 
 def rollout_msg_id(run_id: str, group_id: str, index: int) -> str:
     """Deterministic: a redelivered ticket's rollouts are de-duplicated by JetStream."""
@@ -109,6 +112,7 @@ class RolloutService:
         receiver = make_receiver(self.cfg.weight_source(self.loaded.weights), ctx.nc, ctx.run_id)
         weights = asyncio.create_task(self.follow_weights(ctx, receiver), name="rollout-weights")
         reports = asyncio.create_task(self._report(ctx), name="rollout-metrics")
+        watch = asyncio.create_task(self._watch_engine(ctx), name="rollout-engine-watch")
         try:
             # the first version, or a stop (a SIGTERM must not wait out initial_weights_timeout_s)
             first = asyncio.ensure_future(self.first_weights.wait())
@@ -124,9 +128,9 @@ class RolloutService:
                 await ctx.consume(catalog.PROMPTS, lambda t, d: self.handle(ctx, t, d),
                                   concurrency=self.cfg.max_tickets)
         finally:
-            weights.cancel()
-            reports.cancel()
-            await asyncio.wait({weights, reports})
+            for task in (weights, reports, watch):
+                task.cancel()
+            await asyncio.wait({weights, reports, watch})
             try:
                 await receiver.close()
             except Exception as e:
@@ -135,6 +139,17 @@ class RolloutService:
             await self.engine.stop()
         if self.engine_failure is not None:
             raise EngineError(f"the engine died: {self.engine_failure}") from self.engine_failure
+
+    async def _watch_engine(self, ctx: ServiceContext) -> None:
+        """An engine that dies while idle (no request to fail) stops this service too, within
+        :data:`ENGINE_WATCH_S` of the engine saying so (``errored``; the vLLM engine within half a second
+        of one of its processes exiting): the service then drains (``drain_timeout_s``) and stops its engine."""
+        while not getattr(self.engine, "errored", False):
+            await asyncio.sleep(ENGINE_WATCH_S)
+        if self.engine_failure is None and not ctx.stop.is_set():
+            self.engine_failure = EngineNotRunningError("the engine says it errored (one of its processes died)")
+            log.error("the engine died while serving; stopping so that the rollout is restarted")
+            ctx.stop.set()
 
     def _engine_died(self, ctx: ServiceContext, error: BaseException) -> None:
         """The engine stopped under running requests (its process died): stop this service with an error,
@@ -171,8 +186,14 @@ class RolloutService:
                 t0 = time.perf_counter()
                 # the engine's apply links to the trainer's step that sent the version (many engines, one step)
                 sent_by = getattr(receiver, "traces", {}).get(version, "")
-                with tracing.span("apply weights", links=tracing.link_to([sent_by]), version=version):
+                # the digest the receiver verified this version against: "never applied a corrupt version"
+                # can be checked from the log (and the span) against the announced manifests
+                digest = getattr(receiver, "digests", {}).get(version, "")
+                with tracing.span("apply weights", links=tracing.link_to([sent_by]), version=version,
+                                  digest=digest):
                     await self.engine.update_weights(state, version)
+                log.info("applied weights version %d digest %s in %.3fs", version,
+                         digest or "none (not verified: in-process weights)", time.perf_counter() - t0)
                 async with self.version_changed:
                     self.version_changed.notify_all()
                 self.weight_updates += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 
@@ -21,6 +22,7 @@ from proto import catalog
 from services.launcher.accounting import read_channel
 from services.launcher.runfile import RunFile
 from services.launcher.status import collect
+from services.lib.weights.index import VersionIndex
 from services.runtime.config import ConfigError
 from services.runtime.natsd import EmbeddedNats
 from tests.conftest import run_file
@@ -66,6 +68,10 @@ def test_loop_runs_with_direct_transport(tmp_path, loop_model_dir, kind):
     if kind == "broadcast":
         joined = [name for name, text in logs.items() if "joined broadcast group" in text]
         assert sorted(joined) == ["rollout-0.log", "rollout-1.log"], logs.keys()
+        # each applied version names the sha256 its data was verified against: the same on both engines
+        applied = [applied_digests(logs[f"rollout-{i}.log"]) for i in (0, 1)]
+        assert {1, 2} <= set(applied[0]) and all(d.startswith("sha256:") for d in applied[0].values()), applied
+        assert all(applied[0][v] == applied[1][v] for v in set(applied[0]) & set(applied[1])), applied
     else:
         assert sorted(logs) == ["judge-0.log", "trainer+rollout-0.log"]
         colocated = logs["trainer+rollout-0.log"]
@@ -90,6 +96,39 @@ def test_loop_runs_with_direct_transport(tmp_path, loop_model_dir, kind):
     token_versions = {v for t in trajectories for turn in t.rollout.turns for v in turn.versions}
     assert {0, 1, 2} <= token_versions, token_versions
     assert not [s for s in streams if s.startswith("OBJ_")], f"a weight store was used: {streams}"
+
+
+def applied_digests(log: str) -> dict[int, str]:
+    """Version -> digest of every "applied weights version N digest D" line of a rollout log."""
+    return {int(v): d for v, d in re.findall(r"applied weights version (\d+) digest (\S+)", log)}
+
+
+@pytest.mark.slow
+def test_the_rollout_log_names_each_applied_versions_verified_digest(tmp_path, loop_model_dir):
+    """Through the store: every version the engine applied is logged with the digest its receiver verified,
+    and that is the announced manifest's (``<algorithm>:<state_sha256>``), so "never applied a corrupt
+    version" can be checked from the log alone."""
+    run_id = "tr-digest"
+    logs = _run_three_steps(tmp_path, loop_model_dir, run_id, {"trainer": 1, "rollout": 1, "judge": 1})
+    applied = applied_digests(logs["rollout-0.log"])
+    assert {0, 1, 2} <= set(applied), logs["rollout-0.log"][-3000:]
+
+    async def manifests() -> dict[int, str]:
+        with EmbeddedNats(tmp_path / "run" / "nats", port=None) as server:
+            nc = await nats.connect(server.url)
+            index = VersionIndex(nc, run_id)
+            await index.ensure()
+            found = {}
+            for v in await index.versions():
+                m = await index.manifest(v)
+                assert m is not None
+                found[v] = f"{m.digest}:{m.state_sha256}"
+            await nc.close()
+            return found
+
+    announced = asyncio.run(manifests())
+    assert applied == {v: announced[v] for v in applied}, (applied, announced)
+    assert len(set(applied.values())) == len(applied)  # a digest per version, not one for all
 
 
 def _check(weights: dict, services: dict[str, int], **sections: dict) -> list[str]:

@@ -128,6 +128,10 @@ async def test_receiver_skips_a_corrupted_version_once_and_takes_the_next_good_o
     version, got = await asyncio.wait_for(following, 30)
     assert version == 3 and receiver.refused == 1
     assert_bit_identical(got, s3)
+    # the digests the applied versions were verified against are the announced manifests'; the refused
+    # version has none
+    announced = {v: await receiver.subscriber.index.manifest(v) for v in (1, 3)}
+    assert receiver.digests == {v: f"{m.digest}:{m.state_sha256}" for v, m in announced.items()}
     await versions.aclose()
     await receiver.close()
     await sender.close()

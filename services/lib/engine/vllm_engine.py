@@ -21,6 +21,8 @@ CUDA: ``pip install rlbus[vllm]``). How the conventions of :mod:`services.lib.en
   engine's process, into base weights read once from ``model_dir`` (with the other parts of each fused
   layer), and the merged layers load through the same path as full weights.
 * **Sleep/wake** (``enable_sleep_mode``) is GPU-only: vLLM on CPU has no sleep mode.
+* **Processes** end with the engine in every exit path, and one dying kills the engine
+  (:mod:`services.lib.engine.vllm_procs`): :attr:`VllmEngine.errored` within half a second.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from services.lib.engine.base import (
     WeightUpdateError,
 )
 from services.lib.engine.config import VllmEngineConfig
+from services.lib.engine.vllm_procs import EngineProcesses
 from services.lib.engine.vllm_weights import hf_parameter_shapes, layer_groups
 
 log = logging.getLogger("rlbus.engine.vllm")
@@ -87,6 +90,7 @@ class VllmEngine:
         self._is_cpu = False
         self._total_tokens = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._procs = EngineProcesses()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -123,16 +127,18 @@ class VllmEngine:
             logprobs_mode="processed_logprobs", worker_extension_cls="services.lib.engine.vllm_weights.VllmWorkerExtension",
             disable_log_stats=True, **cfg.engine_args)
         await asyncio.to_thread(self._load_hf_side)
-        self._llm = await asyncio.to_thread(self._build, args)
+        self._llm = await self._procs.start(lambda: self._build(args))
         try:
             self._max_len = self._llm.model_config.max_model_len
             await self._llm.update_weight_version(str(self._version))
             self._groups = layer_groups(self._targets, (await self._llm.collective_rpc("rlbus_packed_modules"))[0])
         except BaseException:
-            await asyncio.to_thread(self._llm.shutdown)
+            await self._procs.shutdown(self._llm)
             self._llm = None
+            await self._procs.close()
             raise
         self._stopping, self._running = False, True
+        self._procs.watch(lambda: self._running and not self._stopping)
         log.info("vllm engine started (%s, %s, max_model_len %d), version %d", current_platform.device_name,
                  cfg.dtype, self._max_len, self._version)
 
@@ -166,12 +172,19 @@ class VllmEngine:
         self._vocab_size = embed[0][0] if embed else len(self._tokenizer)
 
     async def stop(self) -> None:
-        """Shut vLLM down; requests still pending fail with EngineNotRunningError."""
+        """Shut vLLM down (its processes end, see :mod:`~services.lib.engine.vllm_procs`); requests still
+        pending fail with EngineNotRunningError."""
         if self._llm is None:
             return
         self._running, self._stopping = False, True
         llm, self._llm = self._llm, None
-        if self._requests and not llm.errored:
+        try:
+            await self._shutdown(llm)
+        finally:
+            await self._procs.close()
+
+    async def _shutdown(self, llm: Any) -> None:
+        if self._requests and not llm.errored and not self._procs.died:
             try:  # their generate() calls get a final "abort" output and raise EngineNotRunningError
                 await llm.abort(list(self._requests))
             except Exception:  # shutting down anyway
@@ -180,7 +193,7 @@ class VllmEngine:
         if handler is not None:  # before the core goes, or the handler reports the core's exit as its death
             handler.cancel()
             await asyncio.gather(handler, return_exceptions=True)
-        await asyncio.to_thread(llm.shutdown)
+        await self._procs.shutdown(llm)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -195,8 +208,8 @@ class VllmEngine:
 
     @property
     def errored(self) -> bool:
-        """True once vLLM's engine core died (the owner should exit so a supervisor restarts it)."""
-        return self._llm is not None and bool(self._llm.errored)
+        """True once vLLM's engine core or a worker died (the owner should exit so a supervisor restarts it)."""
+        return self._llm is not None and (bool(self._procs.died) or bool(self._llm.errored))
 
     def stats(self) -> EngineStats:
         """Pending requests, recent tokens/s, total tokens, version. ``running`` is the part of the
@@ -216,7 +229,7 @@ class VllmEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         """Generate one completion; see :class:`~services.lib.engine.base.Engine`."""
         if not self._running or self.errored:
-            raise EngineNotRunningError("the vLLM engine died" if self._running else
+            raise EngineNotRunningError(f"the vLLM engine died ({self._procs.died or 'its core'})" if self._running else
                                         "the vllm engine is not running; call start() first")
         self._validate(prompt_ids, params)
         if len(self._requests) >= self.config.max_num_seqs + self.config.max_queued:

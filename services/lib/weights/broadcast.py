@@ -261,6 +261,7 @@ class BroadcastReceiver:
         self.refused = 0
         self.last_error = ""
         self.traces: dict[int, str] = {}  # per version, the sender's traceparent (the latest few)
+        self.digests: dict[int, str] = {}  # per version, the sha256 its data was verified against
         self._asked_in: str | None = None  # the full group this engine asked to join (asks once per group)
 
     @property
@@ -376,6 +377,8 @@ class BroadcastReceiver:
             for e in ready.tensors
         }
         self._version = self._group_version = ready.policy_version
+        self.digests = {v: d for v, d in self.digests.items() if v > ready.policy_version - 8}
+        self.digests[ready.policy_version] = f"sha256:{expected.hex()}" if any(expected) else ""
         if ready.traceparent:
             self.traces = {v: t for v, t in self.traces.items() if v > ready.policy_version - 8}
             self.traces[ready.policy_version] = ready.traceparent

@@ -92,6 +92,7 @@ class InprocReceiver:
         self.refused = 0  # nothing is verified in process: never refused
         self.last_error = ""
         self.traces: dict[int, str] = {}  # per version, the sender's traceparent (the latest only)
+        self.digests: dict[int, str] = {}  # nothing is verified in process: no digest
 
     @property
     def version(self) -> int | None:

@@ -93,6 +93,9 @@ class WeightReceiver(Protocol):
     #: per version received, the ``traceparent`` its sender announced ("" when unknown): the engine's
     #: "apply weights" span links to it
     traces: dict[int, str]
+    #: per version received, the digest it was verified against (``<algorithm>:<hex>``: a store manifest's
+    #: ``state_sha256``, a broadcast's trailer); "" when the transport verifies nothing (inproc)
+    digests: dict[int, str]
 
     @property
     def version(self) -> int | None:
@@ -231,6 +234,7 @@ class StoreReceiver:
         self.refused = 0
         self.last_error = ""
         self.traces: dict[int, str] = {}
+        self.digests: dict[int, str] = {}
         self._watch: AsyncIterator[WeightAnnouncement] | None = None
         #: an anext() of the watch in flight; it outlives re-checks and cancelled receives
         self._next: asyncio.Future[WeightAnnouncement] | None = None
@@ -254,10 +258,13 @@ class StoreReceiver:
             if manifest is None or not self._wanted(manifest):
                 continue
             try:
-                return manifest.version, await self.subscriber.fetch(manifest)
+                state = await self.subscriber.fetch(manifest)
             except WeightIntegrityError:
                 self._refused = _identity(manifest)
                 raise
+            self.digests = {v: d for v, d in self.digests.items() if v > manifest.version - 8}
+            self.digests[manifest.version] = f"{manifest.digest}:{manifest.state_sha256}"
+            return manifest.version, state
 
     def _wanted(self, manifest: WeightManifest) -> bool:
         """Newer than the version held, and not the manifest refused last."""
