@@ -14,17 +14,14 @@
     final evaluation, final model, summary
 
 The state (step, version, counters, ...) has one writer, the ledger (ledger.py); the collector, the
-outcomes, the evaluations and this loop change it through it.
+outcomes, the evaluations and this loop change it through it. Trajectory messages are deferred by the
+consume handler (``Delivery.defer()``) and acked in ``commit``: a crash before their version is sent
+redelivers them.
 
-Trajectory messages are deferred by the consume handler (``Delivery.defer()``) and acked in
-``commit``, so a crash before the version trained on them is sent redelivers them.
-
-Publishing overlaps the next step (``overlap_publish``, on by default): a step's version is sent and
-its batch committed while the next batch is collected and the learner computes the next update. The
-bookkeeping stays in order: the next step moves the state (step, version) only after the previous
-step's publish and commit have finished, so the state saved, the outcomes recorded and the acks are
-exactly those of the serial loop. The commit admits new prompt groups into the room it freed at once,
-so the rollouts generate beside the learner step as in the serial loop.
+Publishing overlaps the next step (``overlap_publish``, on by default). The bookkeeping stays in order:
+the next step moves the state (step, version) only after the previous step's publish and commit have
+finished, so the state saved, the outcomes and the acks are exactly those of the serial loop; the commit
+admits new prompt groups into the room it freed at once.
 """
 
 from __future__ import annotations
@@ -32,8 +29,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +45,7 @@ from services.trainer.admission import Sample
 from services.trainer.collect import Collector, Fleet
 from services.trainer.config import TrainerConfig
 from services.trainer.evaluation import Evaluations
+from services.trainer.faults import fault_point
 from services.trainer.learner import Learner
 from services.trainer.ledger import Ledger
 from services.trainer.outbox import Outcomes, Reporter, Tickets, Versions, indices
@@ -192,8 +188,7 @@ class Trainer:
             await self._checkpoint()
 
     async def _settle(self, quiet: bool = False) -> None:
-        """Wait for the previous step's publish and commit (running beside this step); its error is raised
-        here (``quiet``: logged, on the way out after another error)."""
+        """Wait for the previous step's publish and commit; its error is raised (``quiet``: logged)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -212,7 +207,7 @@ class Trainer:
         await self.ledger.save()  # the staged step first: a restart finds it whether or not the send finished
         with tracing.span("publish weights", version=state.version):  # a child of "train step" (a task copies the context)
             metrics["time/publish_s"] = await self.versions.send(weights)
-        _fault_point(self.run_dir, state.version)
+        fault_point(self.run_dir, state.version)
         t_commit = time.perf_counter()
         await self.collector.commit(groups)  # and the freed room is filled now
         metrics["time/commit_s"] = time.perf_counter() - t_commit  # outcomes, state, acks
@@ -228,10 +223,9 @@ class Trainer:
                                 self.ledger.for_checkpoint())
 
     def _out_of_time(self) -> bool:
-        if self.cfg.max_wall_s and time.time() - self.started > self.cfg.max_wall_s:
+        if over := bool(self.cfg.max_wall_s) and time.time() - self.started > self.cfg.max_wall_s:
             log.info("wall-clock budget of %.0fs reached at step %d", self.cfg.max_wall_s, self.ledger.state.step)
-            return True
-        return False
+        return over
 
     async def _finish(self) -> None:
         """Final evaluation, final model, checkpoint and summary; the state says ``finished``."""
@@ -249,21 +243,6 @@ class Trainer:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         await self.ledger.save()
         log.info("finished: %d steps, final model in %s", self.ledger.state.step, final)
-
-
-#: a fault point for the chaos tests: the trainer SIGKILLs itself once, right after sending this version
-FAULT_ENV = "RLBUS_TRAINER_KILL_AFTER_SENDING"
-
-
-def _fault_point(run_dir: Path, version: int) -> None:
-    """With ``$RLBUS_TRAINER_KILL_AFTER_SENDING = v``: die (SIGKILL) after sending version ``v`` and before its
-    step's state is saved, the first time only (a marker file in the run directory)."""
-    want = os.environ.get(FAULT_ENV, "")
-    marker = run_dir / f"fault-killed-after-v{version}"
-    if want.isdigit() and int(want) == version and not marker.exists():
-        marker.touch()
-        log.warning("fault point: killed after sending version %d, before saving its step", version)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def build(loaded: Loaded) -> TrainerService:
