@@ -8,10 +8,11 @@
 * a 10 MB dataset row: its ticket cannot be published, so the prompt is dead-lettered with the reason, counted
   and passed over; the run finishes and nothing is lost.
 
-Real processes throughout (``rlbus run``: NATS, trainer, rollout, judge). A NATS freeze (SIGSTOP) is the same
-rule's other case (samples redelivered while their step's version is sent are settled with that step; copies of
-finished groups get no second outcome): covered by the rule and tests/trainer/test_exactly_once.py, not
-driven here.
+* the run's nats-server frozen (SIGSTOP) for 40 s mid-run, the same rule's other case: samples redelivered while
+  their step's version is sent are settled with that step, copies of finished groups get no second outcome (the
+  unit cases: tests/trainer/test_outcome_ledger.py).
+
+Real processes throughout (NATS, trainer, rollout, judge).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from proto import catalog
 from proto.deadletter import DeadLetter
 from services.launcher.accounting import accounting, read_all
 from services.runtime.natsd import EmbeddedNats
-from services.trainer.service import FAULT_ENV
+from services.trainer.faults import FAULT_ENV
 from tests.conftest import recorded, run_file, trainer_records
 
 pytestmark = pytest.mark.slow
@@ -125,3 +126,43 @@ def test_a_10mb_dataset_row_costs_only_itself(tmp_path, loop_model_dir):
     groups = {t.rollout.group_id for t in rec.trajectories}
     assert "g00000003" not in groups and "g00000004" in groups, sorted(groups)
     assert all(len(t.rollout.prompt_text) < 1000 for t in rec.trajectories)
+
+
+def test_a_frozen_nats_server_gives_no_trajectory_two_outcomes(tmp_path, loop_model_dir):
+    """``kill -STOP`` on the run's nats-server for 40 s mid-run (longer than the consumers' ack wait and the
+    heartbeat watchdog): deliveries time out and come again, services may be restarted, but every trajectory
+    gets exactly one outcome and the full identity holds once the run finishes."""
+    import signal
+    import threading
+    import time
+
+    from services.launcher.supervisor import Supervisor
+    from tests.conftest import wait_for
+
+    run_dir = tmp_path / "run"
+    cfg = run_file(tmp_path, loop_model_dir, run_id="natsfreeze", services={"trainer": 1, "rollout": 1, "judge": 1},
+                   launcher={"max_restarts": 20},
+                   trainer={"groups_per_step": GROUPS, "group_size": SIZE, "total_steps": 14, "max_staleness": 1,
+                            "checkpoint_every": 3, "max_wall_s": 0},
+                   rollout={"max_tickets": 8})
+    sup = Supervisor(str(cfg), quiet=True)
+    try:
+        sup.start()
+        sup.start_heartbeat_monitor()
+        threading.Thread(target=sup.wait, name="supervisor", daemon=True).start()
+        wait_for(lambda: len(trainer_records(run_dir / "metrics.jsonl")) >= 3, 300, "three steps", interval=0.5)
+        assert sup.nats is not None and sup.nats.proc is not None
+        pid = sup.nats.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(40)  # the freeze itself (what the test is about), not a synchronisation
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: (run_dir / "summary.json").is_file(), 600, "the run to finish after the freeze", interval=1.0)
+    finally:
+        sup.stop()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 14, summary
+    acc, _ = _stored(run_dir, "natsfreeze")
+    _identity(acc)
+    assert summary["counters"]["trained"] == acc["trained"], (summary, acc)
