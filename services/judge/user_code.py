@@ -17,7 +17,9 @@ calls wait for a free worker (the wait is not charged to the call's timeout).
 * *The pool grows on demand*: a worker whose call has run longer than ``grow_after_s`` counts as stuck,
   and a call that finds no idle worker starts one in its place (up to ``max_workers``), so calls stuck
   until their timeout do not queue everyone else's behind them; a queue of quick calls alone never grows
-  the pool. Workers beyond ``workers`` that stay idle ``idle_retire_s`` are closed.
+  the pool. Workers beyond ``workers`` that stay idle ``idle_retire_s`` are closed. A stuck worker runs
+  at the lowest CPU priority (niceness 19) until its call returns, so a spinning hang does not starve
+  the services sharing the host while it waits out ``timeout_s``.
 * *A group's first call probes for the rest*: calls made with the same ``scope`` (the judge passes the
   prompt group) to the same method wait for the first one to return; if it, or any later one, does not
   return within ``timeout_s``, the group's calls still to come fail at once with that reason instead of
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pickle
 import signal
 import sys
@@ -41,6 +44,11 @@ from services.judge.user_worker import HEADER
 from services.tasks.graders import UserCodeError
 
 log = logging.getLogger("rlbus.judge.user_code")
+
+
+#: niceness of a worker whose call has run past ``grow_after_s``: a spinning hang then takes CPU only
+#: from what is idle, not from the trainer and the engines (``bench/hanging_reward.py --hang spin``)
+STUCK_NICE = 19
 
 
 class WorkerGone(Exception):
@@ -57,6 +65,7 @@ class _Worker:
         self.broken = False  # killed, or its pipe is out of step (a call abandoned mid-way)
         self.last_used = time.monotonic()
         self.busy_since: float | None = None  # when its current call was sent (None: idle)
+        self.niced = False  # running a call past grow_after_s, at STUCK_NICE
 
     @property
     def alive(self) -> bool:
@@ -91,12 +100,29 @@ class _Worker:
 
     async def call(self, key: str, module: str, name: str, options: dict[str, Any], method: str,
                    args: tuple[Any, ...]) -> tuple[Any, ...]:
+        lower = asyncio.get_running_loop().call_later(self.cfg.grow_after_s, self._set_nice, STUCK_NICE)
         try:
             await self._send(("call", key, module, name, options, method, args))
-            return await asyncio.wait_for(self._receive(), self.cfg.timeout_s)
+            reply = await asyncio.wait_for(self._receive(), self.cfg.timeout_s)
         except BaseException:  # timeout, death, or the caller cancelled: the reply can no longer be matched
             self.signal_kill()
             raise
+        finally:
+            lower.cancel()
+        if self.niced and not self._set_nice(0):
+            self.broken = True  # cannot be raised back (no CAP_SYS_NICE): replaced on its next use
+        return reply
+
+    def _set_nice(self, value: int) -> bool:
+        """Set the worker's niceness; False if the kernel refused."""
+        if self.proc is None or self.proc.returncode is not None:
+            return False
+        try:
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, value)
+        except OSError:
+            return False
+        self.niced = value != 0
+        return True
 
     def signal_kill(self) -> None:
         self.broken = True

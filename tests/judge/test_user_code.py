@@ -7,6 +7,7 @@ Real worker processes run a real task plugin (``flaky_task.py``) whose reward ha
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import msgspec
@@ -17,7 +18,7 @@ from proto.deadletter import DeadLetter
 from proto.rollouts import Rollout, Turn
 from proto.trajectories import ScoredTrajectory
 from services.judge.config import UserCodeConfig
-from services.judge.user_code import ProcessUserCode
+from services.judge.user_code import STUCK_NICE, ProcessUserCode
 from services.launcher import registry
 from services.launcher.accounting import read_all, read_channel
 from services.runtime import bus, service
@@ -171,7 +172,7 @@ async def test_a_rollout_that_hung_or_killed_judges_is_published_failed_and_dead
 async def test_a_hung_group_fails_its_other_samples_at_once_and_other_groups_are_served_meanwhile():
     """The samples of a group share their prompt: its first call probes, and once it times out the rest of the
     group fail at once with the reason instead of each holding a worker for ``timeout_s``; while the hung
-    call waits out its timeout, the pool grows, so another group's reward is served."""
+    call waits out its timeout (deprioritised), the pool grows, so another group's reward is served."""
     pool = ProcessUserCode(UserCodeConfig(workers=1, timeout_s=6.0, grow_after_s=0.2), {})
     task = get_task("flaky-addition")
     graders = GraderFactory(None, JudgeCache(), user_code=pool).build("flaky-addition", [RewardGraderSpec()])
@@ -187,7 +188,11 @@ async def test_a_hung_group_fails_its_other_samples_at_once_and_other_groups_are
         assert (await grade_all(graders, rollout(PROMPTS["ok"], "47"), task)).reward == 1.0  # starts worker 0
         hung = asyncio.ensure_future(asyncio.gather(*(grade_all(graders, r, task)
                                                       for r in group(PROMPTS["hang"], "g-hang", "0"))))
-        await asyncio.sleep(0.5)  # the probe holds the only worker
+        await asyncio.sleep(0.5)  # the probe holds the only worker ...
+        stuck = pool.workers[0]
+        assert stuck.busy_since is not None
+        # ... at the lowest CPU priority, so its spinning takes only idle CPU from the host's services
+        assert os.getpriority(os.PRIO_PROCESS, stuck.proc.pid) == STUCK_NICE
         served = await asyncio.gather(*(grade_all(graders, r, task) for r in group(PROMPTS["ok"], "g-ok", "47")))
         # the good group was scored by a worker the pool grew, while the hung probe still held worker 0
         assert not hung.done() and [g.reward for g in served] == [1.0] * 4 and pool.grown >= 1
