@@ -97,7 +97,9 @@ def test_loop_on_r3_cluster_survives_a_node_kill_and_loses_nothing(tmp_path, loo
     assert acc["lost"] == 0, acc
     assert acc["outcomes_without_trajectory"] == 0, acc
     assert acc["trained"] > 0, acc
-    assert acc["published"] == acc["trained"] + acc["dropped"] + acc["eval"] + acc["pending"] - acc["multiple_outcomes"]
+    # the full identity: every trajectory exactly one outcome, pending, or refused by the trainer (dead-lettered)
+    assert acc["multiple_outcomes"] == 0, acc
+    assert acc["published"] == acc["trained"] + acc["dropped"] + acc["eval"] + acc["pending"] + acc["dead_lettered"], acc
 
 
 def test_rlbus_up_nats_cluster_starts_a_replicated_cluster(tmp_path):

@@ -93,7 +93,9 @@ def test_killing_one_rank_restarts_the_group_and_loses_nothing(tmp_path, loop_mo
     acc = asyncio.run(check())
     assert acc["lost"] == 0, acc
     assert acc["outcomes_without_trajectory"] == 0, acc
-    assert acc["published"] == acc["trained"] + acc["dropped"] + acc["eval"] + acc["pending"] - acc["multiple_outcomes"]
+    # the full identity: every trajectory exactly one outcome, pending, or refused by the trainer (dead-lettered)
+    assert acc["multiple_outcomes"] == 0, acc
+    assert acc["published"] == acc["trained"] + acc["dropped"] + acc["eval"] + acc["pending"] + acc["dead_lettered"], acc
     print(json.dumps({"rank_group_stop_s": round(stop_s, 2), "steps": steps}))
 
 

@@ -53,5 +53,5 @@ def test_recorded_steps_recompute_bit_identically(tmp_path, loop_model_dir):
             await nc.close()
 
     asyncio.run(forget_version_1())
-    with pytest.raises(ReplayError, match="weight version 1 is not in the run's weight store"):
+    with pytest.raises(ReplayError, match=r"weight version 1, which step 2 started from .*, is not in the run's weight store"):
         replay_step(run_dir, 2)
