@@ -10,9 +10,8 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from sbx_helpers import Events, Handler, make_config
+from sbx_helpers import Events, Handler, make_config, started_backend
 
-from services.sandbox.backend import BackendUnavailable
 from services.sandbox.bwrap import BwrapBackend
 
 
@@ -34,15 +33,8 @@ async def events() -> Events:
 
 @pytest.fixture
 async def backend(state_root: str, events: Events) -> AsyncIterator[BwrapBackend]:
-    b = BwrapBackend(make_config(state_root), events)
-    try:
-        await b.start()
-    except BackendUnavailable as e:
-        pytest.skip(f"bwrap backend unavailable here: {e}")
-    try:
+    async with started_backend(make_config(state_root), events) as b:
         yield b
-    finally:
-        await b.close()
 
 
 @pytest.fixture

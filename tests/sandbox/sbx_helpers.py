@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import os
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 from proto import sandbox as api
+from services.sandbox.backend import BackendUnavailable
 from services.sandbox.bwrap import BwrapBackend
 from services.sandbox.config import SandboxConfig
 
@@ -91,3 +95,17 @@ def host_address() -> str | None:
 needs_host_address = pytest.mark.skipif(host_address() is None, reason="this host has no non-loopback address")
 
 needs_python = pytest.mark.skipif(not os.path.exists("/usr/bin/python3"), reason="needs /usr/bin/python3 on the host")
+
+
+@contextlib.asynccontextmanager
+async def started_backend(cfg: Any, events: Events) -> AsyncIterator[BwrapBackend]:
+    """A started bwrap backend of ``cfg``, closed after use (skipped where bwrap cannot run: not root)."""
+    b = BwrapBackend(cfg, events)
+    try:
+        await b.start()
+    except BackendUnavailable as e:
+        pytest.skip(f"bwrap backend unavailable here: {e}")
+    try:
+        yield b
+    finally:
+        await b.close()

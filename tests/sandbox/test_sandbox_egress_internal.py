@@ -9,11 +9,19 @@ from urllib.parse import urlsplit
 
 import pytest
 from sbx_bus import BusHarness
-from sbx_helpers import Events, host_address, make_config, needs_host_address, needs_python, new_sandbox, sh
+from sbx_helpers import (
+    Events,
+    host_address,
+    make_config,
+    needs_host_address,
+    needs_python,
+    new_sandbox,
+    sh,
+    started_backend,
+)
 
 from services.lib.sandbox_client import SandboxClientError
-from services.sandbox.backend import BackendUnavailable, InvalidRequest
-from services.sandbox.bwrap import BwrapBackend
+from services.sandbox.backend import InvalidRequest
 
 FETCH = """
 import sys, urllib.request
@@ -63,19 +71,12 @@ async def test_an_operator_opens_a_named_internal_target(state_root, http_server
     opened = http_server_factory(b"mirror-body")
     closed = http_server_factory(b"host-secret")
     events = Events()
-    b = BwrapBackend(make_config(state_root, egress_open_internal=[f"127.0.0.1:{opened}"]), events)
-    try:
-        await b.start()
-    except BackendUnavailable as e:
-        pytest.skip(f"bwrap backend unavailable here: {e}")
-    try:
+    async with started_backend(make_config(state_root, egress_open_internal=[f"127.0.0.1:{opened}"]), events) as b:
         with pytest.raises(InvalidRequest, match=f"'127.0.0.1:{closed}' is a loopback address"):
             await new_sandbox(b, egress=[f"127.0.0.1:{opened}", f"127.0.0.1:{closed}"])
         sid = await new_sandbox(b, egress=[f"127.0.0.1:{opened}"])
         r = await sh(b, sid, f"python3 -c '{FETCH}' http://127.0.0.1:{opened}/x")
         assert r.stdout.strip() == b"mirror-body"
-    finally:
-        await b.close()
 
 
 @needs_host_address

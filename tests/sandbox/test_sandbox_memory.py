@@ -14,10 +14,10 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from sbx_helpers import RUN, Events, make_config, new_sandbox, sh
+from sbx_helpers import RUN, Events, make_config, new_sandbox, sh, started_backend
 
 from proto import sandbox as api
-from services.sandbox.backend import BackendUnavailable, LimitReached, Overloaded
+from services.sandbox.backend import LimitReached, Overloaded
 from services.sandbox.bwrap import BwrapBackend
 from services.sandbox.config import LimitsConfig
 
@@ -26,15 +26,8 @@ from services.sandbox.config import LimitsConfig
 async def budgeted(state_root: str, events: Events) -> AsyncIterator[BwrapBackend]:
     """A backend with a 400 MiB budget whose sandboxes default to 64 MiB of memory and 200 MiB of disk."""
     cfg = make_config(state_root, memory_budget_mb=400, default_limits=LimitsConfig(memory_mb=64, disk_mb=200))
-    b = BwrapBackend(cfg, events)
-    try:
-        await b.start()
-    except BackendUnavailable as e:
-        pytest.skip(f"bwrap backend unavailable here: {e}")
-    try:
+    async with started_backend(cfg, events) as b:
         yield b
-    finally:
-        await b.close()
 
 
 async def settle(backend: BwrapBackend) -> None:
