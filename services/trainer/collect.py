@@ -237,11 +237,12 @@ class Collector:
         await self._settle_groups(groups)
 
     async def _settle_groups(self, groups: list[list[Sample]]) -> None:
+        admitted = self._admit()  # into the freed room, saved with the commit (admitted before issued)
         await self.ledger.save()
         await self.outcomes.flush()
         held = [s for g in groups for s in g + self._stepping.pop(g[0].group_id, [])]
         await asyncio.gather(*(s.settle() for s in held))
-        await self._top_up()
+        await self._issue(admitted)
 
     async def _fit_to_fleet(self) -> None:
         """Every ``FLEET_EVERY_S``, set the admission bound for the live rollout fleet."""
@@ -260,10 +261,29 @@ class Collector:
             self.admission.resize(bound)
 
     async def _top_up(self) -> None:
-        """Admit prompt groups while there is room (the staleness-derived bound), each one's ticket sent."""
+        """Admit prompt groups while there is room (the staleness-derived bound), save, then send their tickets."""
+        admitted = self._admit()
+        if admitted:
+            await self.ledger.save()
+            await self._issue(admitted)
+
+    def _admit(self) -> list[tuple[Prompt, str]]:
+        """Admit the next prompt groups into the room there is (not yet issued: :meth:`_issue`).
+
+        A group is *admitted before it is issued*: the state that records it (the data position past it, the
+        group in flight) is saved before its ticket leaves. Otherwise a trainer stopped between the two would
+        restart behind its own tickets: it would dead-letter their answers as never admitted, and issue the
+        same group ids again, whose tickets and answers JetStream drops as duplicates of the first ones (fixed
+        message ids), so those groups would wait out ``group_timeout_s``."""
+        admitted = []
         while self.admission.room() > 0:
-            prompt = next(self.prompts)
-            group_id = self.ledger.admit_next()
+            admitted.append((next(self.prompts), self.ledger.admit_next()))
+        return admitted
+
+    async def _issue(self, admitted: list[tuple[Prompt, str]]) -> None:
+        """Send the admitted groups' tickets; a prompt whose ticket cannot be published is dead-lettered."""
+        abandoned = False
+        for prompt, group_id in admitted:
             try:
                 await self.tickets.publish(prompt, group_id, self.ledger.state.version)
             except TicketTooLarge as e:  # the row costs only itself: dead-lettered, counted, passed over
@@ -271,6 +291,9 @@ class Collector:
                 self.ledger.count("prompts_dead_lettered")
                 log.warning("prompt %s skipped (%s): %s", prompt.id, group_id, e)
                 await self.tickets.dead_letter(prompt, group_id, str(e))
+                abandoned = True
+        if abandoned:  # its slot freed durably: a restart does not wait for it
+            await self.ledger.save()
 
     async def _expire(self) -> None:
         """Drop groups that went stale while waiting, and free slots of groups that never came back."""

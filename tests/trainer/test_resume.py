@@ -36,13 +36,20 @@ def _config(tmp_path, nats_url, model_dir, total_steps: int, checkpoint_every: i
     return load_service_config("trainer", cfg_cls, cfg)
 
 
-async def _stand_in(nc, tickets: list[PromptTicket]) -> None:
-    """Answers every prompt ticket with scored trajectories (the rollout and judge of this test)."""
+async def _stand_in(nc, tickets: list[PromptTicket], unsaved: list[str] | None = None) -> None:
+    """Answers every prompt ticket with scored trajectories (the rollout and judge of this test).
+
+    ``unsaved`` collects the training groups whose ticket arrived before the trainer's saved state had admitted
+    them (a trainer stopped then would restart behind its own tickets: it must save first, then issue)."""
     js = nc.jetstream()
 
     async def answer(msg) -> None:
         ticket = codec.decode(msg.data, PromptTicket)
         tickets.append(ticket)
+        if unsaved is not None and not ticket.is_eval:
+            saved = await _saved_state(js)
+            if saved is None or int(ticket.group_id[1:]) >= saved.data_position:
+                unsaved.append(ticket.group_id)
         for i in range(ticket.group_size):
             turn = Turn(role="assistant", token_ids=[5, 6, 7], logprobs=[-1.0, -1.5, -2.0],
                         versions=[ticket.policy_version] * 3, text="x")
@@ -66,7 +73,8 @@ async def test_trainer_resumes_from_the_kept_version_then_from_its_checkpoint(na
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     tickets: list[PromptTicket] = []
-    await _stand_in(nc, tickets)
+    unsaved: list[str] = []
+    await _stand_in(nc, tickets, unsaved)
     factory = registry.load("trainer")[1]
 
     # 1. train without checkpoints, stop after step 2: only the saved state and the kept weights remain
@@ -111,4 +119,5 @@ async def test_trainer_resumes_from_the_kept_version_then_from_its_checkpoint(na
     train_versions = [t.policy_version for t in tickets if not t.is_eval]
     assert max(train_versions) >= done.version + 1  # tickets after the restart carry the new numbers
     assert again.version == done.version + 2  # the resumed version (+1) and one more step (+1)
+    assert not unsaved, f"tickets sent before their groups' admission was saved: {unsaved}"
     await nc.close()
