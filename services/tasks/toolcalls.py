@@ -58,12 +58,14 @@ non-object is an error. A missing ``arguments`` means ``{}`` (a tool without par
 end-of-turn token, which the engine treats as EOS; stopping at ``</tool_call>`` would forbid parallel
 calls); ``markdown`` stops at the closing fence.
 
-**Bounded time**: no regular expression here can backtrack more than linearly. The JSON span of a
-call is found by one left-to-right scan that jumps between bracket and quote characters with a
-character-class regex and skips string literals with the unrolled pattern ``[^"\\\\]*(?:\\\\.[^"\\\\]*)*"``
-(each character is consumed by exactly one branch, so a failing match gives back at most linear
-work); the span is decoded once by :func:`json.loads`; markers are found with :meth:`str.find`.
-Every scan resumes where the last one stopped, so a message is read a constant number of times.
+**Bounded time** (a 10 kB message of broken JSON parses in about a millisecond): markers are found
+with :meth:`str.find`, a call's JSON is decoded by the C decoder (``raw_decode``, which also says
+where the value ends), and only a call that fails to decode is scanned again by :func:`json_end` to
+tell a cut call from a malformed one and to find where it ends. That scan is one left-to-right pass
+of one regex whose string branch is the unrolled ``"[^"\\\\]*(?:\\\\.[^"\\\\]*)*"``: every character
+can be consumed by one branch only, so a failing match gives back linear work at most, never
+exponential. Every pass resumes where the last stopped, so a message is read a constant number
+of times.
 """
 
 from __future__ import annotations
@@ -129,8 +131,9 @@ class ToolCallParser(Protocol):
 # shared pieces
 
 
-_STRUCTURE = re.compile(r'[{}\[\]"]')
-_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # after an opening quote, through the close
+# a whole string literal (skipped), an opening bracket, a closing bracket, or a quote that never closes
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|([{\[])|([}\]])|(")', re.DOTALL)
+_DECODER = json.JSONDecoder()
 _WHITESPACE = re.compile(r"\s*")
 _MISTRAL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
@@ -144,26 +147,34 @@ def excerpt(text: str, start: int = 0) -> str:
 def json_end(text: str, start: int) -> int | None:
     """The index just past the JSON object or array that opens at ``text[start]``; None when it never closes.
 
-    Counts brackets outside string literals (bracket kinds are not matched: :func:`json.loads` on the
-    span reports a mismatch). Linear in the length of the span: see the module docstring.
+    Counts brackets outside string literals (bracket kinds are not matched: the decoder reports a
+    mismatch). Linear in the length of the span: see the module docstring. Only malformed or cut calls
+    need it; a well-formed one is read by :func:`read_json` in one C-speed pass.
     """
     depth = 0
-    pos = start
-    while True:
-        mark = _STRUCTURE.search(text, pos)
-        if mark is None:
-            return None
-        char = mark.group()
-        if char == '"':
-            rest = _STRING_REST.match(text, mark.end())
-            if rest is None:
-                return None  # the string never closes
-            pos = rest.end()
-            continue
-        depth += 1 if char in "{[" else -1
-        pos = mark.end()
+    for token in _JSON_TOKEN.finditer(text, start):
+        kind = token.lastindex
+        if kind is None:
+            continue  # a string literal
+        if kind == 3:
+            return None  # a string that never closes
+        depth += 1 if kind == 1 else -1
         if depth == 0:
-            return pos
+            return token.end()
+    return None
+
+
+def read_json(text: str, start: int) -> tuple[object, int] | str | None:
+    """The JSON value at ``text[start]`` (an object or array) as ``(value, end)``; else why it is malformed
+    (``"<decoder message> at char N"``), or None when it never closes (the message was cut inside it)."""
+    try:
+        return _DECODER.raw_decode(text, start)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        if json_end(text, start) is None:
+            return None
+        if isinstance(exc, RecursionError):
+            return "nested too deeply to decode"
+        return f"{exc.msg} at char {exc.pos}"
 
 
 def skip_space(text: str, pos: int) -> int:
@@ -224,11 +235,26 @@ class _Collector:
         """``json.loads`` of ``text[start:end]``; (False, None) with an error recorded when it is not JSON."""
         try:
             return True, json.loads(text[start:end])
-        except ValueError as exc:
-            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
-            where = f" at char {start + exc.pos}" if isinstance(exc, json.JSONDecodeError) else ""
-            self.error(start, f"invalid JSON ({reason}{where}): {excerpt(text[start:end])}")
+        except (json.JSONDecodeError, RecursionError) as exc:
+            reason = (f"{exc.msg} at char {start + exc.pos}" if isinstance(exc, json.JSONDecodeError)
+                      else "nested too deeply to decode")
+            self.error(start, f"invalid JSON ({reason}): {excerpt(text[start:end])}")
             return False, None
+
+    def read(self, text: str, start: int, cut: str) -> tuple[bool, object, int | None]:
+        """The JSON value at ``start``: ``(True, value, end)``; ``(False, None, end)`` with an error recorded
+        when it is malformed (``end``: where its brackets close, to go on from), ``(False, None, None)``
+        with the error ``cut`` recorded when it never closes."""
+        found = read_json(text, start)
+        if found is None:
+            self.error(start, f"{cut}: {excerpt(text, start)}")
+            return False, None, None
+        if isinstance(found, str):
+            end = json_end(text, start)
+            self.error(start, f"invalid JSON ({found}): {excerpt(text[start:end])}")
+            return False, None, end
+        value, end = found
+        return True, value, end
 
     def result(self, content: str) -> Parsed:
         return Parsed(content=content.strip(), calls=self.calls, errors=self.errors)
@@ -312,11 +338,9 @@ class Llama3JsonParser:
                 out.error(pos, f"expected a JSON object {{\"name\": ..., \"parameters\": {{...}}}}, got "
                                f"{excerpt(text, pos)} (built-in tools such as brave_search are not supported)")
                 break
-            end = json_end(text, pos)
+            ok, obj, end = out.read(text, pos, "cut off inside the JSON object (it never closes)")
             if end is None:
-                out.error(pos, f"cut off inside the JSON object (it never closes): {excerpt(text, pos)}")
                 break
-            ok, obj = out.decode(text, pos, end)
             if ok:
                 out.add_object(pos, obj, ("parameters", "arguments"))
             pos = skip_space(text, end)
@@ -336,10 +360,12 @@ class Llama3JsonParser:
             pos = skip_space(text, pos)
             if not text.startswith("{", pos):
                 return False
-            end = json_end(text, pos)
-            if end is None:
+            found = read_json(text, pos)
+            if found is None:
                 return True
-            pos = skip_space(text, end)
+            if isinstance(found, str):
+                return False
+            pos = skip_space(text, found[1])
             if not text.startswith(";", pos):
                 return False
             pos += 1
@@ -383,11 +409,9 @@ class MistralParser:
                     return True
                 return False
             if text[pos] in "[{":
-                end = json_end(text, pos)
+                ok, obj, end = out.read(text, pos, "cut off inside the JSON calls (they never close)")
                 if end is None:
-                    out.error(pos, f"cut off inside the JSON calls (they never close): {excerpt(text, pos)}")
                     return True
-                ok, obj = out.decode(text, pos, end)
                 if ok:
                     for item in obj if isinstance(obj, list) else [obj]:
                         out.add_object(pos, item, ("arguments", "parameters"))
@@ -408,7 +432,11 @@ class MistralParser:
         """One ``name[ARGS]{json}`` call: the index past it, None when cut off, -1 after a fatal error."""
         args = text.find(self.ARGS, pos)
         if args < 0:
-            if _MISTRAL_NAME.fullmatch(text[pos:].strip()[:129]) or self.CALL_ID in text[pos:]:
+            rest = text[pos:pos + 300].strip()
+            bracket = rest.rfind("[")
+            if bracket >= 0 and (self.ARGS.startswith(rest[bracket:]) or self.CALL_ID.startswith(rest[bracket:])):
+                rest = rest[:bracket]  # cut inside a marker
+            if _MISTRAL_NAME.fullmatch(rest) or self.CALL_ID in text[pos:]:
                 out.error(pos, f"cut off before {self.ARGS}: {excerpt(text, pos)}")
                 return None
             out.error(pos, f"expected a JSON list or name{self.ARGS}{{...}} after {self.MARK}, got "
@@ -430,11 +458,9 @@ class MistralParser:
         if text[body] != "{":
             out.error(body, f"arguments of {name!r} must be a JSON object, got {excerpt(text, body)}")
             return -1
-        end = json_end(text, body)
+        ok, arguments, end = out.read(text, body, f"cut off inside the arguments of {name!r}")
         if end is None:
-            out.error(body, f"cut off inside the arguments of {name!r}: {excerpt(text, body)}")
             return None
-        ok, arguments = out.decode(text, body, end)
         if ok:
             checked = out.arguments(body, name, arguments, "arguments")
             if checked is not None:
