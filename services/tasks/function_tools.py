@@ -23,7 +23,7 @@ before it runs, so a wrong call becomes an error observation the model can learn
           "required": ["query"], "additionalProperties": False}}}
 
 **Annotations** supported: ``str``, ``int``, ``float``, ``bool``, ``list[T]``, ``dict[str, T]``,
-``Literal[...]`` (of str, int or bool values), ``Optional[T]`` / ``T | None`` (``"type": [T, "null"]``),
+``Literal[...]`` (of str, int, float or bool values), ``Optional[T]`` / ``T | None`` (``"type": [T, "null"]``),
 nested freely. A parameter with a default is not required (the default is not put in the schema).
 **Docstrings**: the first paragraph is the description; per-argument descriptions come from a
 Google-style ``Args:`` (or ``Arguments:``/``Parameters:``) section, ``name: text`` or
@@ -150,7 +150,7 @@ def annotation_schema(annotation: Any, where: str) -> Schema:
 def _literal_schema(values: tuple[Any, ...], where: str) -> Schema:
     kinds = {_SCALARS.get(type(v)) for v in values if v is not None}
     if None in kinds or not kinds:
-        raise ToolDefinitionError(f"{where}: Literal values must be str, int or bool, got {values!r}")
+        raise ToolDefinitionError(f"{where}: Literal values must be str, int, float or bool, got {values!r}")
     schema: Schema = {"type": kinds.pop() if len(kinds) == 1 else sorted(kinds),
                       "enum": [v for v in values if v is not None]}
     return _nullable(schema) if None in values else schema
