@@ -43,11 +43,12 @@ T = TypeVar("T")
 ENV_PREFIX = "RLBUS__"
 
 
-#: one value of a task's options (``task_options`` of the trainer, the rollout and the judge): a scalar or
-#: a list of scalars (``reward = ["mypkg.rewards:exact", "rlbus.rewards:format"]``, ``stop = ["\\n"]``);
-#: which keys take a list, and whether a comma-separated string is read as one, is the task's to say
+#: one value of a task's options (``task_options`` of the trainer, the rollout and the judge): a scalar, a
+#: list of scalars (``reward = ["mypkg.rewards:exact", "rlbus.rewards:format"]``, ``stop = ["\\n"]``) or
+#: one level of table (``config = { min_terms = 2 }``: settings the task hands on to a library); which keys
+#: take a list or a table, and whether a comma-separated string is read as a list, is the task's to say
 TaskScalar = int | float | str | bool
-TaskOption = TaskScalar | list[TaskScalar]
+TaskOption = TaskScalar | list[TaskScalar] | dict[str, TaskScalar | list[TaskScalar]]
 
 
 class RunSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -115,7 +115,7 @@ class UnknownTaskError(LookupError):
 
 
 class TaskOptionTypeError(TypeError):
-    """A task option was given a list where the task takes one value (the message names the key)."""
+    """A task option was given a list or a table where the task takes one value (the message names the key)."""
 
 
 class TaskRegistrationError(ValueError):
@@ -146,9 +146,10 @@ def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
     return decorate
 
 
-#: built-in tasks whose modules import other service packages (the judge's graders, the agent
-#: loop): imported on first use, so importing ``services.tasks`` never forms an import cycle
-_LAZY_BUILTINS = {"coding": "services.tasks.coding"}
+#: built-in tasks imported on first use: ``coding`` imports other service packages (the judge's graders, the
+#: agent loop), so importing ``services.tasks`` never forms an import cycle; ``reasoning_gym`` imports an
+#: optional package (``rlbus[envs]``) that takes seconds to import and need not be installed
+_LAZY_BUILTINS = {"coding": "services.tasks.coding", "reasoning_gym": "services.tasks.reasoning_gym"}
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
@@ -199,23 +200,26 @@ def get_task(name: str, **options: Any) -> Task:
 
 #: words in a parameter's annotation that say it takes several values
 _LIST_WORDS = ("list", "List", "Sequence", "Iterable", "tuple", "Any")
+#: words in a parameter's annotation that say it takes a table
+_TABLE_WORDS = ("dict", "Dict", "Mapping", "Any")
 
 
 def _check_list_options(name: str, factory: TaskFactory, options: dict[str, Any]) -> None:
-    """A list given for an option the factory declares as one value is refused, naming the key (the factory's
-    own code would otherwise fail somewhere inside, or take the list for a value)."""
+    """A list or a table given for an option the factory declares as one value is refused, naming the key (the
+    factory's own code would otherwise fail somewhere inside, or take the list for a value)."""
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):  # a builtin or C factory: nothing to check against
         return
     for key, value in options.items():
         param = params.get(key)
-        if not isinstance(value, list) or param is None or param.annotation is inspect.Parameter.empty:
+        if not isinstance(value, (list, dict)) or param is None or param.annotation is inspect.Parameter.empty:
             continue
         declared = param.annotation if isinstance(param.annotation, str) else repr(param.annotation)
-        if not any(word in declared for word in _LIST_WORDS):
+        kind, words = ("list", _LIST_WORDS) if isinstance(value, list) else ("table", _TABLE_WORDS)
+        if not any(word in declared for word in words):
             raise TaskOptionTypeError(f"task.options.{key}: task {name!r} takes one value here ({declared}), "
-                                      f"got the list {value!r}")
+                                      f"got the {kind} {value!r}")
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:

@@ -35,6 +35,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -75,6 +76,48 @@ def last_number(prompt: str, completion: str, answer: Any = None, **fields: Any)
     if got == expected:
         return Reward(1.0, f"last number {got:g} is the answer")
     return Reward(0.0, f"expected {expected:g}, last number was {got:g}")
+
+
+#: math-verify's own timeout, in whole seconds (it uses SIGALRM), for each parse and each comparison: a
+#: sample takes at most a few of them, inside the judge's own bound ([services.judge.user_code] timeout_s)
+MATH_VERIFY_TIMEOUT_S = 2
+
+
+def _math_verify_module() -> Any:
+    try:
+        import math_verify as mv
+    except ImportError as e:
+        raise RuntimeError(f"the math_verify reward needs the math-verify package ({e}): "
+                           'pip install "rlbus[envs]" (or pip install math-verify)') from e
+    return mv
+
+
+def math_verify(prompt: str, completion: str, answer: Any = None, **fields: Any) -> Reward:
+    """1.0 when the completion's maths equals the answer's, as math-verify decides (``\\frac{1}{2}`` = ``0.5``,
+    ``\\boxed{42}`` = ``42``), else 0.0.
+
+    Both sides go through math-verify's ``parse`` (LaTeX and plain expressions; the completion's last boxed
+    or final answer first), an answer that does not parse as it stands is tried again as ``$answer$``, and
+    the two are compared with its ``verify`` (the answer is the gold side). Sympy can take very long on
+    hostile input, so each parse and comparison has math-verify's own timeout (:data:`MATH_VERIFY_TIMEOUT_S`;
+    a timed-out step counts as no match). That timeout is a SIGALRM, which only the main thread can take: in
+    another thread it is off, and the caller bounds the call (the judge runs reward functions in worker
+    processes, each call with a timeout, killing a worker that overruns).
+    """
+    if answer is None:
+        return Reward(0.0, "the row has no answer")
+    mv = _math_verify_module()
+    bound = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    expected = str(answer).strip()
+    gold = mv.parse(expected, parsing_timeout=bound) or mv.parse(f"${expected}$", parsing_timeout=bound)
+    if not gold:
+        return Reward(0.0, f"the answer {expected[:80]!r} does not parse as maths")
+    got = mv.parse(completion, parsing_timeout=bound)
+    if not got:
+        return Reward(0.0, f"no maths found in the completion (expected {expected[:80]!r})")
+    if mv.verify(gold, got, timeout_seconds=bound):
+        return Reward(1.0, f"{got[-1]!s:.80} equals {expected[:80]!r}")
+    return Reward(0.0, f"expected {expected[:80]!r}, got {got[-1]!s:.80}")
 
 
 # --- format ----------------------------------------------------------------------------------------------
@@ -211,6 +254,7 @@ def code_tests(prompt: str, completion: str, tests: Any = None, timeout_s: float
 LIBRARY: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "last_number": last_number,
+    "math_verify": math_verify,
     "number_format": number_format,
     "think_answer_format": think_answer_format,
     "json_parses": json_parses,
