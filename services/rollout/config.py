@@ -90,7 +90,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: the inference engine, chosen by `type`: "auto" (default: vLLM for models >= 50 M parameters where
     #: vLLM is installed, else torch), "torch" or "vllm"
     engine: EngineConfig = msgspec.field(default_factory=AutoEngineConfig)
-    #: prompt tickets worked on at once (each runs group_size agent loops concurrently)
+    #: prompt tickets worked on at once (each runs group_size episodes concurrently)
     max_tickets: Pos = 64
     #: seconds between metrics reports (pending requests, tokens/s)
     report_every_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
@@ -102,7 +102,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: { scope = "<the relay's scope>", store = {...} (the relay's store; absent: [weights] store) }. Needs
     #: the store transport ([weights] type = "store"); absent: versions come as [weights] says
     weights_from: WeightsSource | None = None
-    #: budgets of agent loops (tasks with tools); single-turn tasks ignore it
+    #: budgets and tools of multi-turn episodes (environments, sandbox agents); single-turn tasks ignore it
     agent: AgentSection = msgspec.field(default_factory=AgentSection)
 
     def weight_source(self, weights: TransportConfig) -> TransportConfig:

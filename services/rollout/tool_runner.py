@@ -103,9 +103,10 @@ class ToolRunner:
             raise CallFailed("hung", f"{self.hung} earlier calls still hang past their timeout; not starting more")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        state = {"abandoned": False}
+        state = {"abandoned": False, "returned": False}
 
         def settle(ok: bool, value: Any) -> None:  # on the loop
+            state["returned"] = True
             if state["abandoned"]:
                 self.hung -= 1
             elif not future.done():
@@ -125,8 +126,9 @@ class ToolRunner:
         try:
             return await future
         except asyncio.CancelledError:
-            state["abandoned"] = True  # the thread runs on; settle() counts it back when it returns
-            self.hung += 1
+            if not state["returned"]:  # the thread runs on; settle() counts it back when it returns
+                state["abandoned"] = True
+                self.hung += 1
             raise
 
     async def run_calls(self, tools: Mapping[str, ToolSpec], parsed: Parsed) -> list[ToolResult]:

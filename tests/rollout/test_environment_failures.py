@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from env_harness import BadStep, CalculatorEnv, ReplayEngine, tools_tokenizer
 from test_environments import PROMPT, call
 
 from services.lib.engine.base import SamplingParams
 from services.rollout.config import AgentSection
 from services.rollout.episode import EpisodeLoop
+from services.rollout.tool_runner import CallFailed, ToolRunner
+from tests.conftest import wait_for_async
 
 TOK = tools_tokenizer()
 PARAMS = SamplingParams(max_new_tokens=4000)
@@ -86,3 +89,26 @@ async def test_two_thousand_tokens_of_broken_tool_call_json_is_one_error_observa
     loop = loop_for([call("add", a=1, b=2)[:-8], "Sorry, 5"])
     out = await loop.run(env, PROMPT, env.format_prompt(TOK, PROMPT), PARAMS)
     assert "cut off" in out.turns[1].text and out.finish_reason == "eos"
+
+
+async def test_an_abandoned_sync_call_is_counted_until_its_thread_returns_and_the_loop_keeps_running():
+    runner = ToolRunner(timeout_s=0.2, max_chars=100, max_hung=1)
+    ticks = 0
+
+    async def heartbeat() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    beat = asyncio.create_task(heartbeat())
+    with pytest.raises(CallFailed, match="did not return within 0.2 s") as failed:
+        await runner.call(time.sleep, 0.8)
+    assert failed.value.kind == "timeout" and runner.hung == 1
+    with pytest.raises(CallFailed, match="still hang") as refused:  # past max_hung: no further threads
+        await runner.call(time.sleep, 0.0)
+    assert refused.value.kind == "hung"
+    await wait_for_async(lambda: runner.hung == 0, 5.0, "the abandoned thread to return")
+    assert await runner.call(len, "abc") == 3
+    beat.cancel()
+    assert ticks > 20  # the event loop ran all along
