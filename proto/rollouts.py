@@ -33,6 +33,9 @@ class Turn(msgspec.Struct, kw_only=True):
     ``role="assistant"`` tokens were sampled by the policy and carry behaviour
     logprobs and the weight version of each token; ``role="tool"`` tokens came
     from tool output and are excluded from the loss.
+
+    ``reward`` is the environment's reward for this assistant turn (``services/tasks/env.py``); the judge
+    adds the turn rewards of a rollout to its final score (no discounting). None: no turn reward.
     """
 
     role: Literal["assistant", "tool"]
@@ -40,6 +43,7 @@ class Turn(msgspec.Struct, kw_only=True):
     logprobs: list[float] = []
     versions: list[int] = []
     text: str = ""
+    reward: float | None = None
 
 
 class RolloutSample(msgspec.Struct, kw_only=True):

@@ -5,6 +5,11 @@ function) score a rollout concurrently; the reward is their weighted mean and ev
 explanation travel with the trajectory, so ``rlbus tap trajectories`` shows why a rollout got its reward.
 A rollout that failed upstream is scored 0 with the error recorded (it still reaches the trainer's accounting).
 
+**Turn rewards** (environments, ``services/tasks/env.py``): the reward of a rollout whose turns carry
+rewards (``Turn.reward``) is ``sum(turn rewards) + the graders' weighted mean`` (no discounting); their sum
+is listed as the grader ``turn_rewards`` with weight 0 (it is not part of the mean). A rollout that failed,
+upstream or in grading, is scored 0 whatever its turn rewards.
+
 **User code cannot stall the judge.** Reward functions run in worker processes with a per-call timeout
 (``[services.judge.user_code]``, ``user_code.py``): the event loop, and so the heartbeats, never wait on them.
 When the task's code raises, hangs (its worker is killed; the group's calls still to come fail at once, and
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
 
 import msgspec
@@ -47,6 +53,17 @@ log = logging.getLogger("rlbus.judge")
 
 class TaskUnavailable(Exception):
     """This judge cannot build the rollout's task (the message says which and why); never retried."""
+
+
+def with_turn_rewards(grading: Grading, rollout: Rollout) -> Grading:
+    """``grading`` with the rollout's turn rewards added to its reward (a failed grading stays as it is)."""
+    rewards = [t.reward for t in rollout.turns if t.reward is not None]
+    if not rewards or grading.failure is not None:
+        return grading
+    total = math.fsum(rewards)
+    why = f"sum of {len(rewards)} turn rewards, added to the graders' score {grading.reward:g}"
+    return Grading(grading.reward + total, [*grading.scores, GraderScore(
+        grader="turn_rewards", score=total, weight=0.0, explanation=why)])
 
 
 class JudgeService:
@@ -96,7 +113,7 @@ class JudgeService:
             return Grading(0.0, [GraderScore(grader="rollout", score=0.0, error=rollout.error,
                                              explanation=f"the rollout failed before finishing ({rollout.finish_reason})")])
         task = self.task(rollout.task)
-        return await grade_all(self.graders_for(rollout.task), rollout, task)
+        return with_turn_rewards(await grade_all(self.graders_for(rollout.task), rollout, task), rollout)
 
     async def handle(self, ctx: ServiceContext, msg: RolloutGroup, d: Delivery[Any]) -> None:
         """Score a group's rollouts concurrently and publish them as one scored group (one message in, one out)."""

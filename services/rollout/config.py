@@ -30,7 +30,7 @@ class SandboxSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class AgentSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Budgets of the multi-turn agent loop (tasks with tools; see services/rollout/agent.py)."""
+    """Budgets and tools of multi-turn episodes (environments and sandbox agents; see services/rollout/episode.py)."""
 
     #: most assistant turns; a rollout still calling tools after the last one ends with ``turn_limit``
     max_turns: Pos = 4
@@ -56,7 +56,25 @@ class AgentSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: and the rollout's ``metadata["sandbox_retries"]``); each attempt has its own ``wall_time_s``. Past
     #: them the rollout ends with ``finish_reason = "error"`` and the reason, as any sandbox failure does
     sandbox_retries: Annotated[int, msgspec.Meta(ge=0)] = 2
+    #: how assistant turns of function-tool environments are read for tool calls: ``hermes`` (Qwen, Hermes),
+    #: ``llama3_json``, ``mistral`` or ``markdown`` (see services/tasks/toolcalls.py); it should match the
+    #: model's chat template, which renders the tools
+    tool_parser: str = "hermes"
+    #: seconds one function-tool call may take; past it the model reads a timeout error as the call's result
+    tool_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    #: most tool calls run per assistant message (parallel calls); the rest get an error observation
+    max_tool_calls: Pos = 8
+    #: seconds an environment's ``reset`` or ``step`` may take; past it (or when it raises) the episode ends
+    #: with ``finish_reason = "error"``
+    env_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     sandbox: SandboxSection = msgspec.field(default_factory=SandboxSection)
+
+    def __post_init__(self) -> None:
+        from services.tasks.toolcalls import PARSERS
+
+        if self.tool_parser not in PARSERS:
+            raise ConfigError(f"config key services.rollout.agent.tool_parser: unknown parser {self.tool_parser!r}; "
+                              f"the parsers are: {', '.join(sorted(PARSERS))}")
 
 
 class WeightsSource(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -72,7 +90,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: the inference engine, chosen by `type`: "auto" (default: vLLM for models >= 50 M parameters where
     #: vLLM is installed, else torch), "torch" or "vllm"
     engine: EngineConfig = msgspec.field(default_factory=AutoEngineConfig)
-    #: prompt tickets worked on at once (each runs group_size agent loops concurrently)
+    #: prompt tickets worked on at once (each runs group_size episodes concurrently)
     max_tickets: Pos = 64
     #: seconds between metrics reports (pending requests, tokens/s)
     report_every_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
@@ -84,7 +102,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: { scope = "<the relay's scope>", store = {...} (the relay's store; absent: [weights] store) }. Needs
     #: the store transport ([weights] type = "store"); absent: versions come as [weights] says
     weights_from: WeightsSource | None = None
-    #: budgets of agent loops (tasks with tools); single-turn tasks ignore it
+    #: budgets and tools of multi-turn episodes (environments, sandbox agents); single-turn tasks ignore it
     agent: AgentSection = msgspec.field(default_factory=AgentSection)
 
     def weight_source(self, weights: TransportConfig) -> TransportConfig:

@@ -1,11 +1,15 @@
 """The rollout service: prompt tickets in, finished rollouts out, weights taken from the transport as they come.
 
-Each ticket runs ``group_size`` agent loops concurrently; every loop's requests
-go to one shared engine that batches them dynamically, so hundreds of loops
-share one forward pass per decode step. Tasks with tools (:func:`services.tasks.tools.is_agent_task`)
-run multi-turn loops in sandboxes (:class:`services.rollout.agent.AgentLoop`); others one generation each,
-an episode of one turn and no tools. :meth:`RolloutService.episode` runs either, :func:`rollout_sample` makes
-the sample of either, and the group goes out as one message carrying its ticket once (:func:`publish_group`).
+Each ticket runs ``group_size`` episodes concurrently; every episode's requests
+go to one shared engine that batches them dynamically, so hundreds of episodes
+share one forward pass per decode step. Every episode runs through the one episode loop
+(:class:`services.rollout.episode.EpisodeLoop`) against the ticket's environment
+(:meth:`RolloutService.environment`): a sandbox agent task (:func:`services.tasks.tools.is_agent_task`) as
+a :class:`services.rollout.agent.SandboxEnvironment` (through :class:`~services.rollout.agent.AgentLoop`, which
+adds the sandbox's retries and hand-off), a task that is an environment (``services/tasks/env.py``) as
+itself, any other task as the single-turn environment (one generation, no tools).
+:meth:`RolloutService.episode` runs each, :func:`rollout_sample` makes the sample, and the group goes out as
+one message carrying its ticket once (:func:`publish_group`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 from proto import catalog
 from proto.prompts import PromptTicket
-from proto.rollouts import RolloutGroup, RolloutSample, Turn
+from proto.rollouts import RolloutGroup, RolloutSample
 from services.lib.colocation import DEVICE_SHARE
 from services.lib.engine.base import (
     Engine,
@@ -32,12 +36,14 @@ from services.lib.weights.transport import WeightReceiver, make_receiver
 from services.rollout.agent import AgentLoop, AgentOutcome
 from services.rollout.config import RolloutConfig
 from services.rollout.engines import build_engine, concrete_engine
+from services.rollout.episode import EpisodeLoop
 from services.runtime import tracing
 from services.runtime.config import Loaded
 from services.runtime.consume import Delivery, Poison, Retry
 from services.runtime.service import ServiceContext
 from services.tasks import TaskRegistrationError, UnknownTaskError, get_task
 from services.tasks.base import Prompt, Task
+from services.tasks.env import SingleTurn, environment_of, is_environment
 from services.tasks.models import resolve_model
 from services.tasks.tools import is_agent_task
 
@@ -91,6 +97,7 @@ class RolloutService:
         self.tasks: dict[str, Task | None] = {}
         self.engine: Any = None  # an Engine, set by attach()
         self.agents: AgentLoop | None = None  # set by attach() when the engine has a tokenizer
+        self.episodes: EpisodeLoop | None = None  # set by attach(): the one loop every episode runs through
         self.engine_failure: BaseException | None = None  # set when the engine died under requests
 
     def _engine(self) -> tuple[Engine, bool]:
@@ -164,7 +171,9 @@ class RolloutService:
         """Serve with ``engine`` (an Engine); agent loops use ``tokenizer`` and ``sandboxes`` (a SandboxClient)."""
 
         self.engine = engine
-        self.agents = AgentLoop(engine, tokenizer, sandboxes, self.cfg.agent) if tokenizer is not None else None
+        self.episodes = EpisodeLoop(engine, tokenizer, self.cfg.agent)
+        self.agents = (AgentLoop(engine, tokenizer, sandboxes, self.cfg.agent, self.episodes)
+                       if tokenizer is not None else None)
 
     def task(self, name: str) -> Task | None:
         """The registered task ``name`` (built once), or None when this process does not know it."""
@@ -221,6 +230,10 @@ class RolloutService:
                     "rollout/agent_tool_calls": float(self.agents.counters["tool_calls"]),
                     "rollout/agent_errors": float(self.agents.counters["errors"]),
                     "rollout/agent_sandbox_retries": float(self.agents.counters["sandbox_retries"])}),
+                **({} if self.episodes is None else {
+                    **{f"rollout/episode/{k}": float(v) for k, v in self.episodes.counters.items()},
+                    **{f"rollout/tools/{k}": float(v) for k, v in self.episodes.tools.counters.items()},
+                    "rollout/tools/hung": float(self.episodes.tools.hung)}),
             })
 
     async def handle(self, ctx: ServiceContext, ticket: PromptTicket, d: Delivery[PromptTicket]) -> None:
@@ -238,15 +251,10 @@ class RolloutService:
         s = ticket.sampling
         params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                 stop=list(s.stop))
-        task = self.task(ticket.task)
-        if task is not None and is_agent_task(task):
-            if self.agents is None:
-                raise Poison(f"task {ticket.task!r} runs agent loops, which need a tokenizer; the engine has none")
-        else:
-            task = None
+        env = self.environment(ticket.task)
         with tracing.span("generate group", group_id=ticket.group_id, samples=ticket.group_size,
                           version=self.engine.version):
-            outcomes = await asyncio.gather(*(self.episode(ticket, task, params, i)
+            outcomes = await asyncio.gather(*(self.episode(ticket, env, params, i)
                                               for i in range(ticket.group_size)), return_exceptions=True)
         for out in outcomes:
             if isinstance(out, EngineOverloadedError):
@@ -262,18 +270,39 @@ class RolloutService:
                 if not isinstance(out, BaseException) and out.handed_off and out.sandbox_id:
                     await self.agents.destroy_quietly(out.sandbox_id)
 
-    async def episode(self, ticket: PromptTicket, task: Any, params: SamplingParams, index: int) -> AgentOutcome:
-        """Sample ``index`` of ``ticket``: an agent loop in a sandbox for ``task`` (a task with tools), or with
-        ``task`` None one generation, an episode of one assistant turn and no tools. Raises what the engine
-        raises (the caller decides what becomes of the ticket)."""
-        if task is not None:
+    def environment(self, name: str) -> Any:
+        """The environment tickets of task ``name`` run in: the sandbox agent task itself (run by
+        :attr:`agents`), a task that is an environment, or the single-turn environment (also for a task this
+        process does not know: one generation on the ticket's prompt ids)."""
+        task = self.task(name)
+        if task is not None and is_agent_task(task):
+            if self.agents is None:
+                raise Poison(f"task {name!r} runs agent loops, which need a tokenizer; the engine has none")
+            return task
+        if task is not None and is_environment(task):
+            if self.episodes is None or self.episodes.tokenizer is None:
+                raise Poison(f"task {name!r} is a multi-turn environment, which needs a tokenizer; the engine has "
+                             "none")
+            return task
+        return environment_of(task) if task is not None else SingleTurn()
+
+    async def episode(self, ticket: PromptTicket, env: Any, params: SamplingParams, index: int) -> AgentOutcome:
+        """Sample ``index`` of ``ticket`` in ``env`` (:meth:`environment`), through the one episode loop (a
+        sandbox agent task with its sandbox's lifecycle around it). Raises what the engine raises (the caller
+        decides what becomes of the ticket)."""
+        assert self.episodes is not None, "attach() an engine first"
+        if isinstance(env, SingleTurn):  # the single-turn path: one generation, nothing else built
+            return await self.episodes.run(env, _NO_PROMPT, ticket.prompt_ids, params)
+        prompt = Prompt(id=ticket.prompt_id, text=ticket.prompt_text, metadata=dict(ticket.metadata))
+        labels = {"task": ticket.task, "group": ticket.group_id, "sample": str(index), "prompt": ticket.prompt_id}
+        if is_agent_task(env):
             assert self.agents is not None
-            prompt = Prompt(id=ticket.prompt_id, text=ticket.prompt_text, metadata=dict(ticket.metadata))
-            return await self.agents.run(task, prompt, ticket.prompt_ids, params, labels={
-                "task": ticket.task, "group": ticket.group_id, "sample": str(index), "prompt": ticket.prompt_id})
-        res = await self.engine.generate(ticket.prompt_ids, params)
-        return AgentOutcome(turns=[Turn(role="assistant", token_ids=res.token_ids, logprobs=res.logprobs,
-                                        versions=res.versions, text=res.text)], finish_reason=res.finish_reason)
+            return await self.agents.run(env, prompt, ticket.prompt_ids, params, labels=labels)
+        return await self.episodes.run(env, prompt, ticket.prompt_ids, params, labels=labels)
+
+
+#: the single-turn environment reads nothing of the prompt beyond its token ids
+_NO_PROMPT = Prompt(id="")
 
 
 def build(loaded: Loaded) -> RolloutService:

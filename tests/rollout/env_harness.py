@@ -1,0 +1,209 @@
+"""Helpers for the environment tests: a ChatML tokenizer whose template renders tools, a replaying engine
+stand-in, test environments (a calculator and misbehaving ones) registered as tasks.
+
+:class:`ReplayEngine` is an **engine stand-in used only to exercise the tool-call parser**: the tiny model
+does not write tool calls, so the assistant turns of function-tool episodes are fixed token ids, replayed
+(turn ``k`` of the script for a context with ``k`` assistant turns before it). Its logprobs and versions are
+fake but distinct per turn, so the tests can check they travel unchanged. Budget and single-turn tests use
+the real tiny torch engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import string
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from services.lib.engine.base import EngineStats, GenerationResult, SamplingParams
+from services.tasks.base import Prompt, Reward, register_task
+from services.tasks.env import Action, FunctionEnvironment, Start, Step
+
+SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>"]
+#: ChatML with tools in a system block and tool results as <tool_response> blocks in one user turn (as Qwen)
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
+    "\n</tools><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response id=\"{{ m.tool_call_id }}\">\n{{ m.content }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tools_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over printable ASCII with ChatML specials and :data:`TEMPLATE`."""
+    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    backend.add_special_tokens(SPECIALS)
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>")
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+class ReplayEngine:
+    """Engine stand-in (see the module docstring): replays fixed token ids, turn ``k`` for a context with ``k``
+    assistant turns; logprob ``-(k + 1) / 10`` and :attr:`version` on every token."""
+
+    def __init__(self, tokenizer: Any, script: Sequence[list[int]], version: int = 7) -> None:
+        self.tokenizer = tokenizer
+        self.script = [list(s) for s in script]
+        self._version = version
+        self.requests = 0
+
+    @classmethod
+    def of_texts(cls, tokenizer: Any, texts: Sequence[str], **kw: Any) -> ReplayEngine:
+        """The script as the token ids of ``texts``, each closed by EOS."""
+        return cls(tokenizer, [[*tokenizer.encode(t, add_special_tokens=False), tokenizer.eos_token_id]
+                               for t in texts], **kw)
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def update_weights(self, state_dict: Any, version: int) -> None:
+        self._version = version
+
+    def stats(self) -> EngineStats:
+        return EngineStats(pending=0, running=0, tokens_per_s=0.0, total_generated_tokens=0, version=self._version)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        self.requests += 1
+        turn = self.tokenizer.decode(prompt_ids, skip_special_tokens=False).count("<|im_start|>assistant") - 1
+        ids = self.script[min(turn, len(self.script) - 1)]
+        finish = "eos"
+        if len(ids) > params.max_new_tokens:
+            ids, finish = ids[:params.max_new_tokens], "length"
+        await asyncio.sleep(0)
+        return GenerationResult(token_ids=list(ids), logprobs=[-(turn + 1) / 10] * len(ids),
+                                versions=[self._version] * len(ids), finish_reason=finish,
+                                text=self.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+# --- tools ----------------------------------------------------------------------------------------------
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first.
+        b: the second.
+    """
+    return a + b
+
+
+async def multiply(a: float, b: float) -> float:
+    """Multiply two numbers."""
+    await asyncio.sleep(0)
+    return a * b
+
+
+def boom(x: int) -> int:
+    """Raise."""
+    raise ZeroDivisionError("the tool divided by zero")
+
+
+def hang(x: int) -> int:
+    """Hang in a sync call (a thread, abandoned past the timeout)."""
+    time.sleep(30)
+    return x
+
+
+async def hang_async(x: int) -> int:
+    """Hang in an async call (cancelled past the timeout)."""
+    await asyncio.sleep(30)
+    return x
+
+
+def opaque(x: int) -> object:
+    """Return something that is not JSON."""
+    return object()
+
+
+def huge(x: int) -> str:
+    """Return 100 MB."""
+    return "x" * 100_000_000
+
+
+class _EnvTask:
+    """The Task part shared by the test environments (prompts and the final reward)."""
+
+    max_new_tokens = 200
+    stop: list[str] = []
+
+    def train_prompts(self, seed: int, start: int = 0) -> Iterator[Prompt]:
+        while True:
+            yield self.eval_prompts()[0]
+
+    def eval_prompts(self) -> list[Prompt]:
+        return [Prompt(id="calc/0", text="What is 2 + 3?", messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                       metadata={"answer": "5"})]
+
+    def reward(self, prompt: Prompt, completion: str) -> Reward:
+        return Reward(1.0 if (prompt.answer or "") in completion.split("\n")[-1] else 0.0, "last line")
+
+
+@register_task("calculator-env")
+class CalculatorEnv(_EnvTask, FunctionEnvironment):
+    """Calculator tools; a turn whose calls all ran gives 0.25; a turn without calls ends the episode."""
+
+    name = "calculator-env"
+    tools = (add, multiply, boom, hang, hang_async, opaque, huge)
+
+    def step(self, state: Any, action: Action) -> Step:
+        if action.calls == 0:
+            return Step(done=True, state=state)
+        ok = bool(action.results) and all(r.error is None for r in action.results)
+        return Step(reward=0.25 if ok else 0.0, state=(state or 0) + 1)
+
+
+class NeverDone(_EnvTask):
+    """No tools; every turn answered with one user message and a turn reward of 0.1, never done."""
+
+    name = "never-done"
+
+    def reset(self, prompt: Prompt) -> Start:
+        return Start(messages=[{"role": "user", "content": prompt.text}])
+
+    async def step(self, state: Any, action: Action) -> Step:
+        return Step(observations=[{"role": "user", "content": "go on"}], reward=0.1)
+
+    def format_prompt(self, tokenizer: Any, prompt: Prompt) -> list[int]:
+        return list(tokenizer.encode(prompt.text, add_special_tokens=False))
+
+
+class BadStep(NeverDone):
+    """An environment whose ``step`` misbehaves as ``how`` says."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def step(self, state: Any, action: Action) -> Any:  # sync on purpose: runs in a thread
+        if self.how == "raises":
+            raise RuntimeError("the environment broke")
+        if self.how == "hangs":
+            time.sleep(30)
+        if self.how == "garbage":
+            return "not a Step"
+        if self.how == "nan":
+            return Step(reward=float("nan"), done=True)
+        if self.how == "bad_observations":
+            return Step(observations="text, not messages")
+        return Step(done=True)
