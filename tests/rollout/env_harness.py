@@ -11,6 +11,7 @@ the real tiny torch engine.
 from __future__ import annotations
 
 import asyncio
+import json
 import string
 import time
 from collections.abc import Iterator, Sequence
@@ -207,3 +208,12 @@ class BadStep(NeverDone):
         if self.how == "bad_observations":
             return Step(observations="text, not messages")
         return Step(done=True)
+
+
+#: the prompt most episode tests run
+PROMPT = CalculatorEnv().eval_prompts()[0]
+
+
+def call(name: str, **arguments: object) -> str:
+    """A hermes tool call as the model would write it."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"

@@ -10,9 +10,8 @@ from __future__ import annotations
 import asyncio
 
 import nats
-from env_harness import CalculatorEnv, ReplayEngine, tools_tokenizer
+from env_harness import PROMPT, CalculatorEnv, ReplayEngine, call, tools_tokenizer
 from nats.js import api as jsapi
-from test_environments import PROMPT, call
 
 from proto import catalog, codec
 from proto.prompts import PromptTicket, Sampling

@@ -12,8 +12,7 @@ import asyncio
 import time
 
 import pytest
-from env_harness import BadStep, CalculatorEnv, ReplayEngine, tools_tokenizer
-from test_environments import PROMPT, call
+from env_harness import PROMPT, BadStep, CalculatorEnv, ReplayEngine, call, tools_tokenizer
 
 from services.lib.engine.base import SamplingParams
 from services.rollout.config import AgentSection

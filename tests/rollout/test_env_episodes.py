@@ -9,11 +9,10 @@ judge and nats-server are real.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
-from env_harness import CalculatorEnv, NeverDone, ReplayEngine, tools_tokenizer
+from env_harness import PROMPT, CalculatorEnv, NeverDone, ReplayEngine, call, tools_tokenizer
 
 from proto.prompts import PromptTicket, Sampling
 from services.lib.engine.base import SamplingParams
@@ -27,13 +26,6 @@ from services.tasks import get_task
 from services.tasks.env import SingleTurn, environment_of, tool_schemas
 
 TOK = tools_tokenizer()
-PROMPT = CalculatorEnv().eval_prompts()[0]
-
-
-def call(name: str, **arguments: object) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
-
-
 @pytest.fixture
 async def tiny_engine(tiny_model_dir):
     engine = TorchEngine(TorchEngineConfig(), tiny_model_dir)
