@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import types
+from itertools import islice
 from pathlib import Path
 
 from env_harness import PROMPT, ReplayEngine, call, tools_tokenizer
@@ -58,5 +59,5 @@ async def test_the_documented_environment_runs_a_tool_call_episode():
 
 def test_the_documented_training_stream_resumes_where_it_stopped():
     env = get_task("sum_with_a_tool")
-    first = [p.id for p, _ in zip(env.train_prompts(seed=0), range(5))]
-    assert [p.id for p, _ in zip(env.train_prompts(seed=0, start=3), range(2))] == first[3:5]
+    first = [p.id for p in islice(env.train_prompts(seed=0), 5)]
+    assert [p.id for p in islice(env.train_prompts(seed=0, start=3), 2)] == first[3:5]
