@@ -55,7 +55,6 @@ import difflib
 import hashlib
 import inspect
 import itertools
-import logging
 import random
 import threading
 from collections.abc import Iterator
@@ -67,8 +66,6 @@ from typing import Any
 from services.runtime.config import ConfigError
 from services.tasks.base import Prompt, Reward, encode_chat, encode_text, register_task
 from services.tasks.env import Action, Start, Step
-
-log = logging.getLogger("rlbus.tasks.textarena")
 
 #: game seeds: the eval split below TRAIN_SEED_BASE, the training stream from it up to 2**32
 TRAIN_SEED_BASE = 2**31
@@ -189,7 +186,7 @@ class TextArenaTask:
             first, again = self._start(eval_seed).first, self._start(eval_seed).first
         except Exception as e:  # the game's own error, of any type: the game is what to change
             raise TextArenaError(f"task.options.game: {game!r} cannot start a single-player game here: "
-                                 f"{type(e).__name__}: {' '.join(str(e).split())[:300]}{_hint(e)}") from e
+                                 f"{type(e).__name__}: {' '.join(str(e).replace('*', '').split())[:300]}{_hint(e)}") from e
         if first != again:
             raise TextArenaError(f"task.options.game: {game!r} starts differently twice with seed {eval_seed}: "
                                  "its first observation is not a function of its seed, which the prompt needs")
@@ -198,8 +195,9 @@ class TextArenaTask:
 
     def _start(self, seed: int) -> Game:
         """A fresh game with ``seed``, its first observation read."""
-        game = Game(env=self._ta.make(self.game), seed=seed)
-        with _game_random(game):
+        game = Game(env=None, seed=seed)
+        with _game_random(game):  # built inside too: a game's constructor may draw from random
+            game.env = self._ta.make(self.game)
             game.env.reset(num_players=1, seed=seed)
             game.first = _new_messages(game)
         return game

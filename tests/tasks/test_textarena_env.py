@@ -15,9 +15,11 @@ import itertools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -143,6 +145,15 @@ def test_options_are_checked_by_name():
         task(games="x")
     with pytest.raises(TextArenaError, match=r"task\.options\.eval_seed"):
         task(eval_seed=2**31)
+
+
+def test_the_documented_run_file_section_builds_the_task():
+    page = (REPO / "docs" / "environments.md").read_text()
+    block = re.search(r"## A TextArena game\n+```toml\n(.*?)```", page, re.S)
+    assert block is not None and len(block.group(1).strip().splitlines()) == 4
+    section = tomllib.loads(block.group(1))["task"]
+    t = get_task(section["name"], **section["options"])
+    assert isinstance(t, TextArenaTask) and t.game == "GuessTheNumber-v0"
 
 
 def test_the_registry_does_not_import_textarena_until_asked():
