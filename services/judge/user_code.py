@@ -128,11 +128,13 @@ class ProcessUserCode:
         module = type(task).__module__
         try:
             return await self.pool.call(*CALL_TASK, (key, module, task_name, options, method, args),
-                                        label=f"{method}()")
+                                        timeout_s=self.cfg.timeout_s, label=f"{method}()")
         except UserCallFailed as e:
             if e.kind == "exception":
                 log.info("user code %s.%s() raised %s\n%s", task_name, method, e, e.traceback)
                 raise UserCodeError("exception", f"{method}() raised {e}") from None
+            if e.kind == "import":  # the judge's own module: not the task's verdict
+                raise UserCodeRunnerError(f"{e} (task {task_name})") from e
             raise UserCodeError(e.kind, str(e)) from None  # timeout or crash, said as the pool says it
         except WorkerPoolError as e:
             raise UserCodeRunnerError(f"{e} (task {task_name})") from e

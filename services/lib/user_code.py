@@ -10,8 +10,9 @@ replaced on its next use; one that dies (a segfault in a C extension, the memory
 Either way the call raises :class:`UserCallFailed` and the caller says why to whoever reads it.
 
 **What runs**: a module-level function, named by its module and ``__qualname__`` (:func:`importable` tells
-whether a function can be named so); the worker imports the module (``services/lib/user_worker.py``), once,
-before its first call into it, bounded by ``start_timeout_s`` and not charged to the call. Arguments and the
+whether a function can be named so); the worker imports the module (``services/lib/user_worker.py``), and
+any the caller names, once, before its first call into it, bounded by ``start_timeout_s`` and not charged
+to the call. Arguments and the
 result cross the pipe pickled. Workers start on first use (also not charged to the call).
 
 **The pool grows past stuck workers**: a worker whose call has run longer than ``grow_after_s`` counts as
@@ -41,10 +42,10 @@ STUCK_NICE = 19
 
 
 class PoolBounds(Protocol):
-    """The bounds a pool runs under (the judge's ``UserCodeConfig``, the rollout's ``ToolWorkersSection``)."""
+    """The bounds a pool runs under (the judge's ``UserCodeConfig``, the rollout's ``ToolWorkersSection``); each
+    call brings its own timeout."""
 
     workers: int
-    timeout_s: float
     memory_mb: int
     start_timeout_s: float
     max_workers: int
@@ -55,7 +56,8 @@ class PoolBounds(Protocol):
 class UserCallFailed(Exception):
     """A call into user code did not return a value. ``kind``: ``timeout`` (its worker was killed), ``crash``
     (its worker died), ``exception`` (the code raised; the message is ``ExcType: message``, ``traceback`` its
-    last lines) or ``busy`` (no worker was free within the call's ``wait_s``)."""
+    last lines), ``import`` (importing the function's module raised) or ``busy`` (no worker was free within
+    the call's ``wait_s``)."""
 
     def __init__(self, kind: str, message: str, traceback: str = "") -> None:
         super().__init__(message)
@@ -193,8 +195,8 @@ def exit_reason(code: int | None) -> str:
 
 
 class WorkerPool:
-    """``workers`` worker processes, growing to ``max_workers`` on demand; each call bounded by its timeout
-    (see the module docstring). ``log`` and ``what`` (``user-code``, ``tool``) name the pool in log lines.
+    """``workers`` worker processes, growing to ``max_workers`` on demand; each call bounded by the timeout it
+    is given (see the module docstring). ``log`` and ``what`` (``user-code``, ``tool``) name the pool in log lines.
 
     Counted: ``calls``, ``restarts`` (workers replaced after a timeout or a death), ``killed`` (calls whose
     worker was killed at their timeout), ``grown`` (workers started beyond ``workers``), ``retired``.
@@ -275,8 +277,8 @@ class WorkerPool:
         for w in keep:
             self.idle.put_nowait(w)
 
-    async def _ready(self, worker: _Worker, module: str) -> None:
-        """``worker`` running (started or replaced) with ``module`` imported; neither charged to a call."""
+    async def _ready(self, worker: _Worker, modules: tuple[str, ...]) -> None:
+        """``worker`` running (started or replaced) with ``modules`` imported; neither charged to a call."""
         if not worker.alive:
             if worker.proc is not None:
                 self.restarts += 1
@@ -286,11 +288,13 @@ class WorkerPool:
             except BaseException:
                 await worker.kill()
                 raise
-        if module not in worker.imported:
+        for module in modules:
+            if module in worker.imported:
+                continue
             reply = await self._frame(worker, ("import", module), self.bounds.start_timeout_s, f"import {module}",
                                       nice=False)
             if reply[0] == "error":
-                raise UserCallFailed("exception", f"importing {module} raised {reply[1]}", reply[2])
+                raise UserCallFailed("import", f"importing {module} raised {reply[1]}", reply[2])
             worker.imported.add(module)
 
     async def _frame(self, worker: _Worker, frame: tuple[Any, ...], timeout_s: float, label: str,
@@ -314,19 +318,21 @@ class WorkerPool:
                                   f"{reply[1]}")
         return reply
 
-    async def call(self, module: str, qualname: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                   *, timeout_s: float | None = None, wait_s: float | None = None, label: str | None = None) -> Any:
-        """``module.qualname(*args, **kwargs)`` in a worker within ``timeout_s`` (default: the pool's), after
-        waiting at most ``wait_s`` for a free worker (None: as long as it takes). ``label`` names the call in
-        errors and log lines. Raises :class:`UserCallFailed` (the code's failure) or :class:`WorkerPoolError`."""
-        limit = self.bounds.timeout_s if timeout_s is None else timeout_s
+    async def call(self, module: str, qualname: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                   *, timeout_s: float, wait_s: float | None = None, label: str | None = None,
+                   imports: tuple[str, ...] = ()) -> Any:
+        """``module.qualname(*args, **kwargs)`` in a worker within ``timeout_s``, after waiting at most
+        ``wait_s`` for a free worker (None: as long as it takes). ``module`` and ``imports`` (the modules the
+        function will import, such as the one holding the code it calls) are imported first, outside the
+        timeout. ``label`` names the call in errors and log lines. Raises :class:`UserCallFailed` (the code's
+        failure) or :class:`WorkerPoolError`."""
         label = label or f"{module}.{qualname}()"
         worker = await self._take(wait_s)
         try:
-            await self._ready(worker, module)
+            await self._ready(worker, (module, *imports))
             self.calls += 1
             worker.busy_since = time.monotonic()
-            reply = await self._frame(worker, ("call", module, qualname, args, kwargs or {}), limit, label)
+            reply = await self._frame(worker, ("call", module, qualname, args, kwargs or {}), timeout_s, label)
         finally:
             worker.busy_since, worker.last_used = None, time.monotonic()
             self.idle.put_nowait(worker)
