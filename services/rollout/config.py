@@ -97,6 +97,7 @@ class AgentSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: seconds an environment's ``reset`` or ``step`` may take; past it (or when it raises) the episode ends
     #: with ``finish_reason = "error"``
     env_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    #: the sandbox each agent loop creates (limits, network)
     sandbox: SandboxSection = msgspec.field(default_factory=SandboxSection)
 
     def __post_init__(self) -> None:
