@@ -30,7 +30,7 @@ from typing import Any
 
 from services.judge.config import UserCodeConfig
 from services.lib.user_code import STUCK_NICE as STUCK_NICE  # the tests read it here
-from services.lib.user_code import UserCallFailed, WorkerPool, WorkerPoolError, _Worker
+from services.lib.user_code import UserCallFailed, Worker, WorkerPool, WorkerPoolError
 from services.tasks.graders import UserCodeError
 
 log = logging.getLogger("rlbus.judge.user_code")
@@ -74,7 +74,7 @@ class ProcessUserCode:
         self._scopes: OrderedDict[tuple[str, str, str], _Scope] = OrderedDict()
 
     @property
-    def workers(self) -> list[_Worker]:
+    def workers(self) -> list[Worker]:
         return self.pool.workers
 
     @property

@@ -87,7 +87,7 @@ def importable(fn: Any) -> tuple[str, str] | None:
     return (module, qualname) if obj is fn else None
 
 
-class _Worker:
+class Worker:
     """One worker process and the pipe frames to it."""
 
     def __init__(self, bounds: PoolBounds, index: int) -> None:
@@ -206,9 +206,9 @@ class WorkerPool:
         self.bounds = bounds
         self.log = log or logging.getLogger("rlbus.lib.user_code")
         self.what = what
-        self.workers = [_Worker(bounds, i) for i in range(bounds.workers)]
+        self.workers = [Worker(bounds, i) for i in range(bounds.workers)]
         self._next_index = bounds.workers
-        self.idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        self.idle: asyncio.Queue[Worker] = asyncio.Queue()
         for w in self.workers:
             self.idle.put_nowait(w)
         self.calls = 0
@@ -222,7 +222,7 @@ class WorkerPool:
         """Workers whose call has run longer than ``grow_after_s`` (hung ones among them)."""
         return sum(w.busy_since is not None and now - w.busy_since > self.bounds.grow_after_s for w in self.workers)
 
-    async def _take(self, wait_s: float | None) -> _Worker:
+    async def _take(self, wait_s: float | None) -> Worker:
         """An idle worker, or a new one (up to ``max_workers``) standing in for each stuck one: the pool keeps
         ``workers`` that are not stuck, so a queue of quick calls alone never grows it. Past ``wait_s`` (None:
         no limit) without one: :class:`UserCallFailed` (``busy``)."""
@@ -237,7 +237,7 @@ class WorkerPool:
             now = time.monotonic()
             stuck = self._stuck(now)
             if len(self.workers) < min(bounds.max_workers, bounds.workers + stuck):
-                worker = _Worker(bounds, self._next_index)
+                worker = Worker(bounds, self._next_index)
                 self._next_index += 1
                 self.workers.append(worker)
                 self.grown += 1
@@ -277,7 +277,7 @@ class WorkerPool:
         for w in keep:
             self.idle.put_nowait(w)
 
-    async def _ready(self, worker: _Worker, modules: tuple[str, ...]) -> None:
+    async def _ready(self, worker: Worker, modules: tuple[str, ...]) -> None:
         """``worker`` running (started or replaced) with ``modules`` imported; neither charged to a call."""
         if not worker.alive:
             if worker.proc is not None:
@@ -297,7 +297,7 @@ class WorkerPool:
                 raise UserCallFailed("import", f"importing {module} raised {reply[1]}", reply[2])
             worker.imported.add(module)
 
-    async def _frame(self, worker: _Worker, frame: tuple[Any, ...], timeout_s: float, label: str,
+    async def _frame(self, worker: Worker, frame: tuple[Any, ...], timeout_s: float, label: str,
                      nice: bool = True) -> tuple[Any, ...]:
         """One frame's reply; a timeout or a death kills and reaps the worker and raises :class:`UserCallFailed`."""
         try:
