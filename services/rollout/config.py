@@ -29,6 +29,33 @@ class SandboxSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     egress: list[str] = []
 
 
+class ToolWorkersSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Worker processes running sync function tools (see services/rollout/tool_runner.py)."""
+
+    #: worker processes kept for sync function tools (started on first use); 0: every sync tool runs in a
+    #: thread of the rollout process, abandoned (still running) past its timeout
+    workers: Annotated[int, msgspec.Meta(ge=0, le=256)] = 2
+    #: the most worker processes: one is started in place of each stuck one (a call running longer than
+    #: grow_after_s) when a call finds none idle; 0: max(16, workers)
+    max_workers: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    #: address-space limit of each worker in MiB (0: none); a tool needing more raises MemoryError (an error
+    #: observation)
+    memory_mb: Annotated[int, msgspec.Meta(ge=0)] = 4096
+    #: seconds a new worker may take to start and to import a tool's module; not charged to any call
+    start_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    #: seconds a call runs before its worker counts as stuck (the pool may grow past it; it runs at niceness 19)
+    grow_after_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    #: seconds a worker beyond `workers` stays idle before it is closed
+    idle_retire_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_workers == 0:
+            self.max_workers = max(16, self.workers)
+        elif self.max_workers < self.workers:
+            raise ConfigError(f"config key services.rollout.agent.tool_workers.max_workers is {self.max_workers}, "
+                              f"below workers ({self.workers}): raise it (or set 0 for max(16, workers))")
+
+
 class AgentSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Budgets and tools of multi-turn episodes (environments and sandbox agents; see services/rollout/episode.py)."""
 
@@ -64,9 +91,13 @@ class AgentSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tool_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     #: most tool calls run per assistant message (parallel calls); the rest get an error observation
     max_tool_calls: Pos = 8
+    #: worker processes for sync function tools (module-level functions; others run in a thread): a call past
+    #: tool_timeout_s has its worker killed and replaced
+    tool_workers: ToolWorkersSection = msgspec.field(default_factory=ToolWorkersSection)
     #: seconds an environment's ``reset`` or ``step`` may take; past it (or when it raises) the episode ends
     #: with ``finish_reason = "error"``
     env_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    #: the sandbox each agent loop creates (limits, network)
     sandbox: SandboxSection = msgspec.field(default_factory=SandboxSection)
 
     def __post_init__(self) -> None:

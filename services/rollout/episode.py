@@ -83,7 +83,8 @@ class EpisodeLoop:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.parser = get_parser(cfg.tool_parser)
-        self.tools = ToolRunner(cfg.tool_timeout_s, cfg.max_observation_chars, cfg.max_tool_calls)
+        self.tools = ToolRunner(cfg.tool_timeout_s, cfg.max_observation_chars, cfg.max_tool_calls,
+                                workers=cfg.tool_workers)
         self._frame: ChatFrame | None = None
         self._specs: dict[tuple[Any, ...], dict[str, ToolSpec]] = {}
         self.counters = {"episodes": 0, "errors": 0, "turn_limit": 0, "token_budget": 0, "wall_time": 0,
@@ -94,6 +95,10 @@ class EpisodeLoop:
         if self._frame is None:  # built on first use: single-turn processes never render a template
             self._frame = ChatFrame(self.tokenizer, self.cfg.observation_role)
         return self._frame
+
+    async def close(self) -> None:
+        """Stop what the loop started (the tool workers)."""
+        await self.tools.close()
 
     async def run(self, env: Any, prompt: Prompt, prompt_ids: list[int], params: SamplingParams,
                   labels: dict[str, str] | None = None, out: EpisodeOutcome | None = None) -> EpisodeOutcome:

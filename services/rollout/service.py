@@ -142,6 +142,8 @@ class RolloutService:
                 await receiver.close()
             except Exception as e:
                 log.debug("closing the weight receiver: %s", e)
+            if self.episodes is not None:
+                await self.episodes.close()
             DEVICE_SHARE.unregister(self.engine)
             await self.engine.stop()
         if self.engine_failure is not None:
@@ -232,8 +234,7 @@ class RolloutService:
                     "rollout/agent_sandbox_retries": float(self.agents.counters["sandbox_retries"])}),
                 **({} if self.episodes is None else {
                     **{f"rollout/episode/{k}": float(v) for k, v in self.episodes.counters.items()},
-                    **{f"rollout/tools/{k}": float(v) for k, v in self.episodes.tools.counters.items()},
-                    "rollout/tools/hung": float(self.episodes.tools.hung)}),
+                    **{f"rollout/tools/{k}": v for k, v in self.episodes.tools.metrics().items()}}),
             })
 
     async def handle(self, ctx: ServiceContext, ticket: PromptTicket, d: Delivery[PromptTicket]) -> None:

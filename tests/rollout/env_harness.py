@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models
+from tools_for_workers import add, boom, hang, hang_async, huge, multiply, opaque
 from transformers import PreTrainedTokenizerFast
 
 from services.lib.engine.base import EngineStats, GenerationResult, SamplingParams
@@ -97,50 +98,7 @@ class ReplayEngine:
                                 text=self.tokenizer.decode(ids, skip_special_tokens=True))
 
 
-# --- tools ----------------------------------------------------------------------------------------------
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: the first.
-        b: the second.
-    """
-    return a + b
-
-
-async def multiply(a: float, b: float) -> float:
-    """Multiply two numbers."""
-    await asyncio.sleep(0)
-    return a * b
-
-
-def boom(x: int) -> int:
-    """Raise."""
-    raise ZeroDivisionError("the tool divided by zero")
-
-
-def hang(x: int) -> int:
-    """Hang in a sync call (a thread, abandoned past the timeout)."""
-    time.sleep(30)
-    return x
-
-
-async def hang_async(x: int) -> int:
-    """Hang in an async call (cancelled past the timeout)."""
-    await asyncio.sleep(30)
-    return x
-
-
-def opaque(x: int) -> object:
-    """Return something that is not JSON."""
-    return object()
-
-
-def huge(x: int) -> str:
-    """Return 100 MB."""
-    return "x" * 100_000_000
+# --- tools: in tools_for_workers.py, which tool worker processes import (this module is heavy) ------------
 
 
 class _EnvTask:

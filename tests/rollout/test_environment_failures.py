@@ -3,7 +3,7 @@ whose ``step`` raises, hangs or returns garbage; 2,000 tokens of broken tool-cal
 
 Every case runs concurrently with a healthy episode on the same loop, which must finish on time. The
 assistant turns are replayed token ids (``env_harness.ReplayEngine``, an engine stand-in: the tiny model does
-not write tool calls); the tools, the threads, the timeouts and the parser are real.
+not write tool calls); the tools, the worker processes, the threads, the timeouts and the parser are real.
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ async def test_failing_tools_are_error_observations_and_nothing_waits_on_them():
                                                                                   "bad_call", "cut", "parse")}
     # an unknown name is the parser's error (it knows the tools), wrong arguments the runner's check
     assert counters == {"timeout": 2, "exception": 1, "not_json": 1, "bad_call": 1, "cut": 1, "parse": 1}
-    assert loops["hang"].tools.hung == 1  # the abandoned thread is counted, not waited for
+    # the hung sync tool's worker process was killed at the timeout (nothing left running), no thread abandoned
+    assert loops["hang"].tools.counters["killed"] == 1 and loops["hang"].tools.hung == 0
+    await asyncio.gather(*(lp.close() for lp in [*loops.values(), healthy]))
 
 
 async def test_broken_environments_end_only_their_own_episode():
