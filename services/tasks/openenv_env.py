@@ -156,8 +156,8 @@ class ServerProcess:
             return ""
         self._stderr.seek(0, os.SEEK_END)
         self._stderr.seek(max(0, self._stderr.tell() - 600))
-        tail = self._stderr.read().decode(errors="replace").strip()
-        return f"; its stderr ends: {tail[-600:]}" if tail else ""
+        lines = [line.strip() for line in self._stderr.read().decode(errors="replace").splitlines() if line.strip()]
+        return f"; its stderr ends: {' | '.join(lines[-3:])}" if lines else ""
 
     def _kill(self) -> None:
         if self._reaper is not None:
