@@ -15,8 +15,8 @@ are core NATS requests; each is answered with its reply Struct or an :class:`pro
 * Every backend event is queued by the backend's ``on_event`` callback and published, in order, by one
   task to channel ``SANDBOX_EVENTS`` (stream SANDBOX_EVENTS), carrying the trace context of the
   request that caused it. Nothing is dropped; a publish that keeps failing is retried.
-* Shutdown (``ctx.stop``) stays within ``drain_timeout_s`` in all: unsubscribe, answer every queued create
-  ``overloaded`` (the client sends it to another instance), give in-flight requests half the bound (the rest
+* Shutdown (``ctx.stop``) stays within ``drain_timeout_s`` in all: drain the subscriptions and answer every
+  request they still held and every queued create ``overloaded`` (the client sends it elsewhere), give in-flight requests half the bound (the rest
   are cancelled and answered ``unavailable``), ``backend.close()`` until 90 % of it (destroys every sandbox,
   reason ``shutdown``; what is left past it stays for the reaper of the next instance), then flush the
   queued events in what remains.
@@ -192,6 +192,8 @@ class SandboxService:
         self._errors = 0
         #: monotonic time by which a stop must be over (set when it begins)
         self._stop_end = 0.0
+        #: set at shutdown: requests still in the subscriptions' buffers are answered ``overloaded`` at once
+        self._stopping = False
 
     @classmethod
     def from_loaded(cls, loaded: Loaded) -> SandboxService:
@@ -259,6 +261,9 @@ class SandboxService:
 
         def handler(role: str) -> Callable[[Msg], Awaitable[None]]:
             async def cb(msg: Msg) -> None:  # never waits: a full instance answers at once
+                if self._stopping:  # delivered before the unsubscribe, read after it: answered, never started
+                    await self._refuse(ctx, msg, "the instance is stopping; the request was not started")
+                    return
                 now = time.time()
                 job = Job(msg=msg, role=role, deadline=deadline_of(msg, now, self.cfg.request_deadline_s),
                           arrived=now)
@@ -287,17 +292,32 @@ class SandboxService:
         finally:
             t0 = time.monotonic()
             self._stop_end = t0 + self.drain_timeout_s
-            for sub in subs:  # stop accepting: new creates go to the other instances of the group
-                try:
-                    await sub.unsubscribe()
-                except Exception as e:  # the connection is gone: nothing more arrives anyway
-                    log.debug("unsubscribe failed: %s", e)
+            self._stopping = True
+            # stop accepting (new creates go to other instances); drained, not unsubscribed, which would drop
+            # requests already received, their clients left to time out: each is answered "overloaded" at once
+            requests_end = t0 + self.drain_timeout_s * DRAIN_REQUESTS_SHARE
+            await self._stop_accepting(subs, self.drain_timeout_s * DRAIN_REQUESTS_SHARE / 2)
             for job in adm.abandon():  # never started: the client sends them to another instance
                 await self._refuse(ctx, job.msg, "the instance is stopping; the create was not started")
-            await self._drain_requests(self.drain_timeout_s * DRAIN_REQUESTS_SHARE)
+            await self._drain_requests(max(0.1, requests_end - time.monotonic()))
             await backend.close(max(0.0, t0 + self.drain_timeout_s * DRAIN_CLOSE_SHARE - time.monotonic()))
             gauges()
             log.info("sandbox instance %s stopped serving in %.1fs", backend.instance_id, time.monotonic() - t0)
+
+    async def _stop_accepting(self, subs: list[Any], timeout_s: float) -> None:
+        """Drain ``subs`` (interest removed first), waiting ``timeout_s`` at most for what they hold to be answered;
+        a drain still going then is one more in-flight request of :meth:`_drain_requests`."""
+        async def drain(sub: Any) -> None:
+            try:
+                await sub.drain()
+            except Exception as e:  # the connection is gone: nothing more arrives anyway
+                log.debug("draining a subscription failed: %s", e)
+
+        tasks = [asyncio.create_task(drain(sub), name="sandbox-drain-subscription") for sub in subs]
+        _, late = await asyncio.wait(tasks, timeout=timeout_s)
+        if late:  # held with the in-flight requests: waited for (then cancelled) within their share of the bound
+            self._in_flight.update(late)
+            log.warning("%d subscriptions still hold requests after %.1fs", len(late), timeout_s)
 
     async def _refuse(self, ctx: ServiceContext, msg: Msg, message: str) -> None:
         """Answer a request that was not started ``overloaded``."""
