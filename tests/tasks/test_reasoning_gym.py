@@ -281,9 +281,7 @@ def test_math_verify_reward():
     assert math_verify("q", "42").value == 0.0  # the row has no answer
 
 
+@pytest.mark.timeout(180)  # a hang guard, not a speed figure: math-verify's own per-step timeouts end it
 def test_math_verify_bounds_hostile_input():
-    import time
-
-    started = time.monotonic()
     reward = math_verify("q", "$" + "(" * 2000 + "x" + ")" * 2000 + "^" * 500 + "$", answer="2^(2^(2^(2^10)))")
-    assert reward.value == 0.0 and time.monotonic() - started < 15
+    assert reward.value == 0.0 and "expected" in reward.explanation
