@@ -95,7 +95,7 @@ async def test_requests_in_flight_take_the_new_version(kind, loop_model_dir):
             for t in tasks:  # a request that failed fails the test now, not at the deadline
                 if t.done() and t.exception() is not None:
                     raise t.exception()
-            return engine.stats().total_generated_tokens - start >= N_REQUESTS * 6
+            return engine.stats().total_generated_tokens - start >= N_REQUESTS * 3  # early: the update must land mid-way
 
         await wait_for_async(under_way, 120, "the requests to be under way")
         await engine.update_weights(new_state, version=1)
