@@ -8,13 +8,15 @@ stream sequence). Nothing else:
 
     published = trained + dropped + eval + pending + dead_lettered      (``identity_holds``)
 
-with no trajectory holding more than one outcome (``multiple_outcomes``). Messages carry groups
+with no trajectory holding more than one outcome (``multiple_outcomes``); a message the trainer trained and later
+refused again (a redelivery whose ack the bus lost) counts once, by its outcome (``refused_after_outcome``). Messages carry groups
 (``catalog.members``); every figure here counts trajectories.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +131,13 @@ async def accounting(js: Any, run_id: str) -> dict[str, Any]:
         by_id.setdefault(o.trajectory_id, []).append(o)
     refused = await _refused_seqs(js, run_id, ch.stream.name)
     dead = [t for seq, m in msgs if seq in refused for t in catalog.members(m)]
+    # one verdict per stored copy of a trajectory: its outcome, or a refusal of the message carrying it. When every
+    # message carrying it was refused and it also has its outcome, one refusal was a second look at the message
+    # that was trained (the bus lost the ack and the delivery count, e.g. a nats-server killed mid-run, so the
+    # trainer took the redelivery for a copy): the outcome is the verdict, that refusal is not counted again
+    copies, refusals = Counter(t.msg_id for t in trajectories), Counter(t.msg_id for t in dead)
+    refused_after_outcome = sum(max(0, (t_id in by_id) + r - copies[t_id]) for t_id, r in refusals.items())
+    dead_lettered = len(dead) - refused_after_outcome
     published = {t.msg_id for t in trajectories}
     no_outcome = published - set(by_id) - {t.msg_id for t in dead}
     try:
@@ -143,7 +152,6 @@ async def accounting(js: Any, run_id: str) -> dict[str, Any]:
     in_flight = sorted((ids for seq, ids in open_msgs if floor < seq <= delivered), key=len, reverse=True)
     held = sum(map(len, undelivered)) + sum(map(len, in_flight[:unacked]))
     counts = {k: sum(1 for o in outcomes if o.outcome == k) for k in ("trained", "dropped", "eval")}
-    dead_lettered = len(dead)
     return {
         "published": len(trajectories),
         "unique_published": len(published),
@@ -157,6 +165,8 @@ async def accounting(js: Any, run_id: str) -> dict[str, Any]:
         "dropped_reasons": sorted({o.reason.split(":")[0] for o in outcomes if o.outcome == "dropped"}),
         # trajectories of messages the trainer refused (dead-lettered): never admitted, or copies of ones with an outcome
         "dead_lettered": dead_lettered,
+        # trajectories with their outcome whose message was later also refused (one verdict each: the outcome)
+        "refused_after_outcome": refused_after_outcome,
         "identity_holds": len(trajectories) == sum(counts.values()) + len(no_outcome) + dead_lettered,
         # stored messages that do not decode (garbage published on the streams): skipped, not counted above;
         # the trainer dead-letters such a trajectories message, so it carries no trajectory to account for
