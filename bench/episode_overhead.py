@@ -52,7 +52,6 @@ import contextvars
 import json
 import os
 import statistics
-import string
 import sys
 import time
 from collections.abc import Callable
@@ -63,7 +62,6 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokenizers import Tokenizer, decoders, models  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from bench._episode_tools import wait_async, wait_worker  # noqa: E402
@@ -72,6 +70,7 @@ from services.rollout.config import AgentSection, ToolWorkersSection  # noqa: E4
 from services.rollout.episode import EpisodeLoop  # noqa: E402
 from services.tasks.base import Prompt  # noqa: E402
 from services.tasks.env import Action, FunctionEnvironment, SingleTurn, Step  # noqa: E402
+from tests.agentic.agentic_harness import CHATML_TOOLS, chat_tokenizer  # noqa: E402
 
 #: in the order they run (reversed every other round)
 KINDS = ("bare", "none", "async", "worker", "thread")
@@ -85,33 +84,9 @@ class BenchError(RuntimeError):
     """An episode did not run as the bench expects (its turns, its calls): the figures would mean nothing."""
 
 
-# --- the tokenizer of tests/rollout/env_harness.py: character-level, ChatML, a template that renders tools ---
-
-SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>"]
-TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
-    "\n</tools><|im_end|>\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
-    "\n<tool_response id=\"{{ m.tool_call_id }}\">\n{{ m.content }}\n</tool_response>"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
 def tools_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer over printable ASCII with ChatML specials and :data:`TEMPLATE`."""
-    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
-    backend.add_special_tokens(SPECIALS)
-    backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>")
-    tok.chat_template = TEMPLATE
-    return tok
+    """The environment tests' tokenizer: character-level, ChatML, a template that renders tools."""
+    return chat_tokenizer(CHATML_TOOLS)
 
 
 # --- the engine stand-in and the environments ------------------------------------------------------------

@@ -44,15 +44,31 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['cont
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def chat_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer over printable ASCII with ChatML specials and a ChatML chat template."""
+#: ChatML with tools in a system block and tool results as <tool_response> blocks in one user turn (as Qwen)
+CHATML_TOOLS = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
+    "\n</tools><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response id=\"{{ m.tool_call_id }}\">\n{{ m.content }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chat_tokenizer(template: str = CHATML, specials: Sequence[str] = SPECIALS) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over printable ASCII with ChatML ``specials`` and ``template`` as its chat
+    template."""
     chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    vocab = {tok: i for i, tok in enumerate([*specials, *chars])}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
-    backend.add_special_tokens(SPECIALS)
+    backend.add_special_tokens(list(specials))
     backend.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>")
-    tok.chat_template = CHATML
+    tok.chat_template = template
     return tok
 
 

@@ -12,45 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import string
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tokenizers import Tokenizer, decoders, models
 from tools_for_workers import add, boom, hang, hang_async, huge, multiply, opaque
 from transformers import PreTrainedTokenizerFast
 
 from services.lib.engine.base import EngineStats, GenerationResult, SamplingParams
 from services.tasks.base import Prompt, Reward, register_task
 from services.tasks.env import Action, FunctionEnvironment, Start, Step
-
-SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>"]
-#: ChatML with tools in a system block and tool results as <tool_response> blocks in one user turn (as Qwen)
-TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
-    "\n</tools><|im_end|>\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
-    "\n<tool_response id=\"{{ m.tool_call_id }}\">\n{{ m.content }}\n</tool_response>"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from tests.agentic.agentic_harness import CHATML_TOOLS, chat_tokenizer
 
 
 def tools_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer over printable ASCII with ChatML specials and :data:`TEMPLATE`."""
-    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
-    backend.add_special_tokens(SPECIALS)
-    backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>")
-    tok.chat_template = TEMPLATE
-    return tok
+    """A character-level tokenizer over printable ASCII with ChatML specials and a template that renders tools."""
+    return chat_tokenizer(CHATML_TOOLS)
 
 
 class ReplayEngine:

@@ -4,13 +4,13 @@ calls it renders round-trip through the hermes parser (and through a tokenizer).
 from __future__ import annotations
 
 import json
-import string
 from pathlib import Path
 
 import pytest
 
 from services.tasks.function_tools import check_call, function_schema, tools_by_name
 from services.tasks.toolcalls import get_parser, parse, parser_for_model
+from tests.agentic.agentic_harness import chat_tokenizer
 
 TEMPLATE = Path(__file__).with_name("qwen_tools_template.jinja")
 SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
@@ -30,17 +30,7 @@ def get_weather(city: str, unit: str = "celsius", days: list[int] | None = None)
 @pytest.fixture(scope="module")
 def tokenizer():
     """A character-level tokenizer over printable ASCII with Qwen's specials and the tools template."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
-    backend.add_special_tokens(SPECIALS)
-    backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>")
-    tok.chat_template = TEMPLATE.read_text()
-    return tok
+    return chat_tokenizer(TEMPLATE.read_text(), SPECIALS)
 
 
 CALLS = [
