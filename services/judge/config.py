@@ -29,7 +29,7 @@ from typing import Annotated
 
 import msgspec
 
-from services.runtime.config import ConfigError
+from services.lib.user_code import resolve_max_workers
 from services.tasks.grader_specs import GraderSpec
 
 
@@ -53,11 +53,7 @@ class UserCodeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     idle_retire_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
 
     def __post_init__(self) -> None:
-        if self.max_workers == 0:
-            self.max_workers = max(16, self.workers)
-        elif self.max_workers < self.workers:
-            raise ConfigError(f"config key services.judge.user_code.max_workers is {self.max_workers}, below "
-                              f"workers ({self.workers}): raise it (or set 0 for max(16, workers))")
+        resolve_max_workers(self, "services.judge.user_code")
 
 
 class JudgeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

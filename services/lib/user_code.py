@@ -53,6 +53,18 @@ class PoolBounds(Protocol):
     idle_retire_s: float
 
 
+def resolve_max_workers(bounds: PoolBounds, key: str) -> None:
+    """A pool section's ``max_workers`` check, from its ``__post_init__``: 0 becomes ``max(16, workers)``; below
+    ``workers`` is a configuration error naming ``key`` (the section's path)."""
+    from services.runtime.config import ConfigError
+
+    if bounds.max_workers == 0:
+        bounds.max_workers = max(16, bounds.workers)
+    elif bounds.max_workers < bounds.workers:
+        raise ConfigError(f"config key {key}.max_workers is {bounds.max_workers}, below workers ({bounds.workers}): "
+                          "raise it (or set 0 for max(16, workers))")
+
+
 class UserCallFailed(Exception):
     """A call into user code did not return a value. ``kind``: ``timeout`` (its worker was killed), ``crash``
     (its worker died), ``exception`` (the code raised; the message is ``ExcType: message``, ``traceback`` its

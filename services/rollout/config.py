@@ -7,6 +7,7 @@ from typing import Annotated
 import msgspec
 
 from services.lib.engine.config import AutoEngineConfig, EngineConfig
+from services.lib.user_code import resolve_max_workers
 from services.runtime.config import ConfigError, tag_of
 from services.runtime.weights_config import StoreConfig, StoreTransportConfig, TransportConfig
 
@@ -49,11 +50,7 @@ class ToolWorkersSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     idle_retire_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
 
     def __post_init__(self) -> None:
-        if self.max_workers == 0:
-            self.max_workers = max(16, self.workers)
-        elif self.max_workers < self.workers:
-            raise ConfigError(f"config key services.rollout.agent.tool_workers.max_workers is {self.max_workers}, "
-                              f"below workers ({self.workers}): raise it (or set 0 for max(16, workers))")
+        resolve_max_workers(self, "services.rollout.agent.tool_workers")
 
 
 class AgentSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
