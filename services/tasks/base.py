@@ -22,6 +22,7 @@ calls it with the options from the run config.
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import inspect
 import logging
@@ -234,3 +235,10 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """A chat conversation through the tokenizer's chat template, ready for the assistant's turn."""
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def did_you_mean(name: str, known: list[str]) -> str:
+    """``"did you mean a, b? "`` for the entries of ``known`` close to ``name`` (an option's misspelt value or
+    key), ``""`` when none is."""
+    close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
+    return f"did you mean {', '.join(close)}? " if close else ""

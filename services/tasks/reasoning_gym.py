@@ -41,7 +41,6 @@ on string hashing, e.g. ``polynomial_multiplication``) it uses the JSON copy of 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import inspect
 import json
@@ -54,7 +53,7 @@ from math import gcd, isfinite
 from typing import Any
 
 from services.runtime.config import ConfigError
-from services.tasks.base import Prompt, Reward, encode_chat, encode_text, register_task
+from services.tasks.base import Prompt, Reward, did_you_mean, encode_chat, encode_text, register_task
 
 log = logging.getLogger("rlbus.tasks.reasoning_gym")
 
@@ -83,11 +82,6 @@ def _reasoning_gym() -> Any:
     except ImportError as e:
         raise ReasoningGymError(f"task 'reasoning_gym' needs the reasoning-gym package ({e}): {INSTALL_HINT}") from e
     return reasoning_gym
-
-
-def _close(name: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
-    return f"did you mean {', '.join(close)}? " if close else ""
 
 
 def _json_default(value: Any) -> Any:
@@ -124,14 +118,14 @@ class ReasoningGymTask:
             known = [k for k in inspect.signature(ReasoningGymTask).parameters if k != "unknown"]
             key = sorted(unknown)[0]
             raise ReasoningGymError(f"task.options.{key}: unknown option of the reasoning_gym task; "
-                                    f"{_close(key, known)}known: {', '.join(known)}")
+                                    f"{did_you_mean(key, known)}known: {', '.join(known)}")
         rg = _reasoning_gym()
         datasets = sorted(rg.factory.DATASETS)
         if not dataset:
             raise ReasoningGymError("task.options.dataset: name a reasoning-gym dataset (e.g. chain_sum); "
                                     f"{len(datasets)} are installed: {', '.join(datasets)}")
         if dataset not in rg.factory.DATASETS:
-            close = _close(dataset, datasets)
+            close = did_you_mean(dataset, datasets)
             listed = f"{len(datasets)} are installed (reasoning_gym.factory.DATASETS)" if close else \
                 f"installed: {', '.join(datasets)}"
             raise ReasoningGymError(f"task.options.dataset: {dataset!r} is not a reasoning-gym dataset; "
@@ -178,7 +172,7 @@ class ReasoningGymTask:
                 raise ReasoningGymError(f"task.options.config.{key}: not settable here: {_OWN_KEYS[key]}")
             if key not in fields:
                 raise ReasoningGymError(f"task.options.config.{key}: not a field of {dataset}'s config "
-                                        f"({config_cls.__name__}); {_close(key, fields)}fields: {', '.join(fields)}")
+                                        f"({config_cls.__name__}); {did_you_mean(key, fields)}fields: {', '.join(fields)}")
         own = {k: v for k, v in (("seed", 0), ("size", 1)) if k in {f.name for f in dataclasses.fields(config_cls)}}
         try:
             built = config_cls(**config, **own)

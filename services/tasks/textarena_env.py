@@ -51,7 +51,6 @@ with them present they run offline), and constructor options of a game (choose a
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import inspect
 import itertools
@@ -64,7 +63,7 @@ from functools import cached_property
 from typing import Any
 
 from services.runtime.config import ConfigError
-from services.tasks.base import Prompt, Reward, encode_chat, encode_text, register_task
+from services.tasks.base import Prompt, Reward, did_you_mean, encode_chat, encode_text, register_task
 from services.tasks.env import Action, Start, Step
 
 #: game seeds: the eval split below TRAIN_SEED_BASE, the training stream from it up to 2**32
@@ -87,11 +86,6 @@ def _textarena() -> Any:
     except ImportError as e:
         raise TextArenaError(f"task 'textarena' needs the textarena package ({e}): {INSTALL_HINT}") from e
     return textarena
-
-
-def _close(name: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
-    return f"did you mean {', '.join(close)}? " if close else ""
 
 
 @dataclass
@@ -159,7 +153,7 @@ class TextArenaTask:
             known = [k for k in inspect.signature(TextArenaTask).parameters if k != "unknown"]
             key = sorted(unknown)[0]
             raise TextArenaError(f"task.options.{key}: unknown option of the textarena task; "
-                                 f"{_close(key, known)}known: {', '.join(known)}")
+                                 f"{did_you_mean(key, known)}known: {', '.join(known)}")
         ta = _textarena()
         from textarena.envs.registration import ENV_REGISTRY
 
@@ -168,7 +162,7 @@ class TextArenaTask:
             raise TextArenaError("task.options.game: name a TextArena game (e.g. GuessTheNumber-v0); "
                                  f"{len(games)} are registered (textarena.envs.registration.ENV_REGISTRY)")
         if game not in ENV_REGISTRY:
-            close = _close(game, games)
+            close = did_you_mean(game, games)
             raise TextArenaError(f"task.options.game: {game!r} is not a TextArena game; {close or 'no close match; '}"
                                  f"{len(games)} are registered (textarena.envs.registration.ENV_REGISTRY)")
         if eval_size < 1:
