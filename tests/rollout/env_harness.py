@@ -19,10 +19,10 @@ from typing import Any
 from tools_for_workers import add, boom, hang, hang_async, huge, multiply, opaque
 from transformers import PreTrainedTokenizerFast
 
-from services.lib.engine.base import EngineStats, GenerationResult, SamplingParams
+from services.lib.engine.base import GenerationResult, SamplingParams
 from services.tasks.base import Prompt, Reward, register_task
 from services.tasks.env import Action, FunctionEnvironment, Start, Step
-from tests.agentic.agentic_harness import CHATML_TOOLS, chat_tokenizer
+from tests.agentic.agentic_harness import CHATML_TOOLS, ScriptedEngine, chat_tokenizer
 
 
 def tools_tokenizer() -> PreTrainedTokenizerFast:
@@ -30,14 +30,14 @@ def tools_tokenizer() -> PreTrainedTokenizerFast:
     return chat_tokenizer(CHATML_TOOLS)
 
 
-class ReplayEngine:
+class ReplayEngine(ScriptedEngine):
     """Engine stand-in (see the module docstring): replays fixed token ids, turn ``k`` for a context with ``k``
-    assistant turns; logprob ``-(k + 1) / 10`` and :attr:`version` on every token."""
+    assistant turns; logprob ``-(k + 1) / 10`` and :attr:`version` on every token (the agent tests'
+    :class:`ScriptedEngine`, which replies with texts, given token ids instead)."""
 
     def __init__(self, tokenizer: Any, script: Sequence[list[int]], version: int = 7) -> None:
-        self.tokenizer = tokenizer
-        self.script = [list(s) for s in script]
-        self._version = version
+        super().__init__(tokenizer, [], version=version)
+        self.script = [list(s) for s in script]  # type: ignore[misc]  (token ids, not texts)
         self.requests = 0
 
     @classmethod
@@ -46,22 +46,6 @@ class ReplayEngine:
         return cls(tokenizer, [[*tokenizer.encode(t, add_special_tokens=False), tokenizer.eos_token_id]
                                for t in texts], **kw)
 
-    async def start(self) -> None:
-        return None
-
-    async def stop(self) -> None:
-        return None
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    async def update_weights(self, state_dict: Any, version: int) -> None:
-        self._version = version
-
-    def stats(self) -> EngineStats:
-        return EngineStats(pending=0, running=0, tokens_per_s=0.0, total_generated_tokens=0, version=self._version)
-
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         self.requests += 1
         turn = self.tokenizer.decode(prompt_ids, skip_special_tokens=False).count("<|im_start|>assistant") - 1
@@ -69,6 +53,7 @@ class ReplayEngine:
         finish = "eos"
         if len(ids) > params.max_new_tokens:
             ids, finish = ids[:params.max_new_tokens], "length"
+        self.generated += len(ids)
         await asyncio.sleep(0)
         return GenerationResult(token_ids=list(ids), logprobs=[-(turn + 1) / 10] * len(ids),
                                 versions=[self._version] * len(ids), finish_reason=finish,
