@@ -65,12 +65,12 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from bench._episode_tools import wait_async, wait_worker  # noqa: E402
-from services.lib.engine.base import EngineStats, GenerationResult, SamplingParams  # noqa: E402
+from services.lib.engine.base import GenerationResult, SamplingParams  # noqa: E402
 from services.rollout.config import AgentSection, ToolWorkersSection  # noqa: E402
 from services.rollout.episode import EpisodeLoop  # noqa: E402
 from services.tasks.base import Prompt  # noqa: E402
 from services.tasks.env import Action, FunctionEnvironment, SingleTurn, Step  # noqa: E402
-from tests.agentic.agentic_harness import CHATML_TOOLS, chat_tokenizer  # noqa: E402
+from tests.agentic.agentic_harness import CHATML_TOOLS, ScriptedEngine, chat_tokenizer  # noqa: E402
 
 #: in the order they run (reversed every other round)
 KINDS = ("bare", "none", "async", "worker", "thread")
@@ -92,30 +92,16 @@ def tools_tokenizer() -> PreTrainedTokenizerFast:
 # --- the engine stand-in and the environments ------------------------------------------------------------
 
 
-class SleepEngine:
+class SleepEngine(ScriptedEngine):
     """Engine stand-in (see the module docstring): every ``generate`` waits ``gen_s`` and returns ``text``'s
-    token ids closed by EOS; it notes when each call began in the calling episode's list."""
+    token ids closed by EOS; it notes when each call began in the calling episode's list (the tests'
+    :class:`ScriptedEngine` for start, stop, version and stats)."""
 
     def __init__(self, tokenizer: Any, text: str, gen_s: float) -> None:
+        super().__init__(tokenizer, [])
         self.ids = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
         self.text = tokenizer.decode(self.ids, skip_special_tokens=True)
         self.gen_s = gen_s
-
-    async def start(self) -> None:
-        return None
-
-    async def stop(self) -> None:
-        return None
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    async def update_weights(self, state_dict: Any, version: int) -> None:
-        return None
-
-    def stats(self) -> EngineStats:
-        return EngineStats(pending=0, running=0, tokens_per_s=0.0, total_generated_tokens=0, version=0)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         calls = _generate_calls.get(None)
