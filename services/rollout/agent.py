@@ -36,6 +36,7 @@ the price. The rollout records how often it was retried (``AgentOutcome.sandbox_
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -43,8 +44,9 @@ from proto import sandbox as api
 from services.lib.engine.base import Engine, SamplingParams
 from services.lib.sandbox_client import SandboxClient, SandboxClientError
 from services.rollout.config import AgentSection
-from services.rollout.episode import EpisodeLoop, EpisodeOutcome
+from services.rollout.episode import EnvironmentFailed, EpisodeLoop, EpisodeOutcome
 from services.rollout.frame import ChatFrame
+from services.rollout.sandbox_env import SandboxedEnvironment
 from services.tasks.base import Prompt
 from services.tasks.env import Action, Start, Step
 from services.tasks.tools import (
@@ -52,6 +54,7 @@ from services.tasks.tools import (
     AgentTask,
     NotATool,
     ToolCall,
+    is_agent_task,
     opens_block,
     parse_tool_call,
 )
@@ -196,9 +199,9 @@ class AgentLoop:
         self.active = 0
         self.counters = {"rollouts": 0, "tool_calls": 0, "errors": 0, "wall_time": 0, "sandbox_retries": 0}
 
-    async def run(self, task: AgentTask, prompt: Prompt, prompt_ids: list[int], params: SamplingParams,
+    async def run(self, task: Any, prompt: Prompt, prompt_ids: list[int], params: SamplingParams,
                   labels: dict[str, str] | None = None) -> AgentOutcome:
-        """One episode. Sandbox failures and requests the engine refuses end the rollout with an error
+        """One episode of a sandbox agent task, or of an environment whose tools use the sandbox. Sandbox failures and requests the engine refuses end the rollout with an error
         instead of raising (a sandbox lost with its instance first starts the episode again, up to
         ``sandbox_retries`` times); anything else (the engine stopping, cancellation) propagates after the
         sandbox is destroyed."""
@@ -223,23 +226,32 @@ class AgentLoop:
         self.counters["rollouts"] += 1
         return out
 
-    async def _attempt(self, task: AgentTask, prompt: Prompt, prompt_ids: list[int], params: SamplingParams,
+    async def _attempt(self, task: Any, prompt: Prompt, prompt_ids: list[int], params: SamplingParams,
                        labels: dict[str, str]) -> tuple[AgentOutcome, bool]:
         """The episode from its start on a new sandbox; also says whether it failed because the sandbox's
-        instance is gone (then the sandbox went with it: nothing to destroy)."""
+        instance is gone (then the sandbox went with it: nothing to destroy). ``task``: a sandbox agent task
+        (markdown tools), or an environment whose tools use the sandbox (``services/rollout/sandbox_env.py``)."""
         out = AgentOutcome(turns=[], finish_reason="error")
-        env = SandboxEnvironment(task, self.sandboxes, self.cfg, labels, self.counters)
+        env: SandboxEnvironment | SandboxedEnvironment
+        if is_agent_task(task):
+            env = SandboxEnvironment(task, self.sandboxes, self.cfg, labels, self.counters)
+        else:
+            env = SandboxedEnvironment(task, self.episodes.bounded, self.sandboxes, self.cfg, labels)
         settled = False
         gone = False
         try:
             try:
                 await self.episodes.run(env, prompt, prompt_ids, params, labels, out=out)
             finally:
-                out.sandbox_id, out.tool_calls = env.sandbox_id, env.tool_calls
+                out.sandbox_id = env.sandbox_id
+                out.tool_calls += env.tool_calls  # the markdown tools count in the environment, others in the loop
             if out.finish_reason == "wall_time":
                 self.counters["wall_time"] += 1
             if out.error is None and out.sandbox_id is not None:
-                await self._finish_sandbox(task, prompt, out, env.written)
+                await self._finish_sandbox(env, prompt, out, env.written)
+            settled = True
+        except EnvironmentFailed as e:  # the environment's submission_files failed
+            out.finish_reason, out.error = "error", f"environment: {e}"
             settled = True
         except (SandboxClientError, AgentSandboxError) as e:
             out.finish_reason, out.error = "error", f"sandbox: {e}"
@@ -252,12 +264,15 @@ class AgentLoop:
             await self.destroy_quietly(out.sandbox_id)
         return out, gone
 
-    async def _finish_sandbox(self, task: AgentTask, prompt: Prompt, out: AgentOutcome, written: set[str]) -> None:
+    async def _finish_sandbox(self, env: Any, prompt: Prompt, out: AgentOutcome, written: set[str]) -> None:
         """Write the submission, then hand the sandbox to the judge (paused, longer lease) or destroy it."""
         sid = out.sandbox_id
         if sid is None:
             return
-        files = task.submission_files(prompt, out.assistant_texts, written)
+        files = (env.task if isinstance(env, SandboxEnvironment) else env).submission_files(
+            prompt, out.assistant_texts, written)
+        if inspect.isawaitable(files):
+            files = await files
         if files:
             await self.sandboxes.resume(sid)
             await self.sandboxes.write_files(sid, files)

@@ -158,9 +158,10 @@ class EpisodeLoop:
                 parsed = self.parser.parse(self._raw_text(turn.token_ids), list(tools))
                 calls = len(parsed.calls) + len(parsed.errors)
                 if calls and not final:
-                    results = await self.tools.run_calls(tools, parsed)
+                    results = await self.tools.run_calls(tools, parsed, sandbox=start.sandbox)
                     out.tool_calls += len(results)
-            action = Action(text=turn.text, results=results, index=index, calls=calls, final=final)
+            action = Action(text=turn.text, results=results, index=index, calls=calls, final=final,
+                            sandbox=start.sandbox)
             step = await self._hook(env, "step", Step, state, action)
             state = step.state
             if step.reward is not None:
@@ -186,6 +187,12 @@ class EpisodeLoop:
         if getattr(env, "trusted", False):
             result = fn(*args)
             return await result if asyncio.iscoroutine(result) else result
+        return await self.bounded(fn, kind, *args)
+
+    async def bounded(self, fn: Any, kind: type, *args: Any) -> Any:
+        """``fn(*args)``, environment code: bounded by ``env_timeout_s`` and its result checked to be a
+        ``kind``; :class:`EnvironmentFailed` (naming the method) when it raises, hangs or returns garbage."""
+        name = getattr(fn, "__name__", "call")
         try:
             result = await self.tools.call(fn, *args, timeout_s=self.cfg.env_timeout_s)
         except CallFailed as e:

@@ -45,6 +45,7 @@ from services.tasks import TaskRegistrationError, UnknownTaskError, get_task
 from services.tasks.base import Prompt, Task
 from services.tasks.env import SingleTurn, environment_of, is_environment
 from services.tasks.models import resolve_model
+from services.tasks.sandbox_tools import uses_sandbox
 from services.tasks.tools import is_agent_task
 
 log = logging.getLogger("rlbus.rollout")
@@ -284,6 +285,8 @@ class RolloutService:
             if self.episodes is None or self.episodes.tokenizer is None:
                 raise Poison(f"task {name!r} is a multi-turn environment, which needs a tokenizer; the engine has "
                              "none")
+            if uses_sandbox(task) and self.agents is None:
+                raise Poison(f"task {name!r} has tools that work in a sandbox; this rollout has no sandbox client")
             return task
         return environment_of(task) if task is not None else SingleTurn()
 
@@ -296,7 +299,7 @@ class RolloutService:
             return await self.episodes.run(env, _NO_PROMPT, ticket.prompt_ids, params)
         prompt = Prompt(id=ticket.prompt_id, text=ticket.prompt_text, metadata=dict(ticket.metadata))
         labels = {"task": ticket.task, "group": ticket.group_id, "sample": str(index), "prompt": ticket.prompt_id}
-        if is_agent_task(env):
+        if is_agent_task(env) or uses_sandbox(env):
             assert self.agents is not None
             return await self.agents.run(env, prompt, ticket.prompt_ids, params, labels=labels)
         return await self.episodes.run(env, prompt, ticket.prompt_ids, params, labels=labels)

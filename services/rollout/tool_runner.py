@@ -175,8 +175,9 @@ class ToolRunner:
                 self.hung += 1
             raise
 
-    async def run_calls(self, tools: Mapping[str, ToolSpec], parsed: Parsed) -> list[ToolResult]:
-        """One turn's calls, concurrently, each bounded; results in call order, then one per parse error."""
+    async def run_calls(self, tools: Mapping[str, ToolSpec], parsed: Parsed, sandbox: Any = None) -> list[ToolResult]:
+        """One turn's calls, concurrently, each bounded; results in call order, then one per parse error.
+        ``sandbox``: the episode's sandbox handle, passed to the tools that take one."""
         calls = parsed.calls
         results: list[ToolResult | None] = [None] * len(calls)
         runs = []
@@ -192,9 +193,18 @@ class ToolRunner:
                 self.counters["bad_call"] += 1
                 results[i] = ToolResult(c.id, c.name, "error: " + "; ".join(problems), "bad_call")
                 continue
-            runs.append((i, c))
-        done = await asyncio.gather(*(self._run_one(tools[c.name], c.id, c.arguments) for _, c in runs))
-        for (i, _), r in zip(runs, done, strict=True):
+            spec = tools[c.name]
+            if spec.sandbox_arg is not None:
+                if sandbox is None:
+                    self.counters["bad_call"] += 1
+                    results[i] = ToolResult(c.id, c.name, f"error: tool {c.name!r} works in the episode's sandbox, "
+                                                          "and this episode has none", "bad_call")
+                    continue
+                runs.append((i, c, {**c.arguments, spec.sandbox_arg: sandbox}))
+                continue
+            runs.append((i, c, c.arguments))
+        done = await asyncio.gather(*(self._run_one(tools[c.name], c.id, args) for _, c, args in runs))
+        for (i, _, _), r in zip(runs, done, strict=True):
             results[i] = r
         out = [r for r in results if r is not None]
         for k, problem in enumerate(parsed.errors):

@@ -61,6 +61,9 @@ class Start:
     state: Any = None
     #: stop strings the episode's generations add to the ticket's (e.g. the markdown tools' closing fence)
     stop: Sequence[str] = ()
+    #: the episode's sandbox (a :class:`services.tasks.sandbox_tools.Sandbox`), set by the rollout for an
+    #: environment that uses one; tools that take a ``Sandbox`` parameter get it
+    sandbox: Any = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ class Action:
     calls: int = 0
     #: no turn is left after this one: whatever ``step`` says, the episode ends (``turn_limit`` unless done)
     final: bool = False
+    #: the episode's sandbox handle (environments that use one, :mod:`services.tasks.sandbox_tools`), else None
+    sandbox: Any = None
 
 
 @dataclass

@@ -46,6 +46,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
+from services.tasks.sandbox_tools import Sandbox, sandbox_param
+
 #: JSON Schema of one value, and the OpenAI ``{"type": "function", ...}`` tool description
 Schema = dict[str, Any]
 
@@ -68,6 +70,8 @@ class ToolSpec:
     fn: Callable[..., Any]
     schema: Schema
     is_async: bool
+    #: the parameter that takes the episode's sandbox (:mod:`services.tasks.sandbox_tools`), or None
+    sandbox_arg: str | None = None
 
 
 def is_async(fn: Callable[..., Any]) -> bool:
@@ -99,6 +103,8 @@ def function_schema(fn: Callable[..., Any]) -> Schema:
     properties: dict[str, Schema] = {}
     required: list[str] = []
     for param in inspect.signature(fn).parameters.values():
+        if hints.get(param.name) is Sandbox:
+            continue  # given by the episode, not by the model
         where = f"tool {name!r}, argument {param.name!r}"
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise ToolDefinitionError(f"{where}: *args and **kwargs cannot be described to a model; "
@@ -111,7 +117,7 @@ def function_schema(fn: Callable[..., Any]) -> Schema:
         properties[param.name] = schema
         if param.default is inspect.Parameter.empty:
             required.append(param.name)
-    unknown = sorted(set(arg_docs) - set(properties))
+    unknown = sorted(set(arg_docs) - set(inspect.signature(fn).parameters))
     if unknown:
         raise ToolDefinitionError(f"tool {name!r}: the docstring documents {', '.join(unknown)}, which the "
                                   f"signature does not have (arguments: {', '.join(properties) or 'none'})")
@@ -326,5 +332,9 @@ def tools_by_name(functions: Iterable[Callable[..., Any]]) -> dict[str, ToolSpec
         if name in specs:
             raise ToolDefinitionError(f"two tools are named {name!r} ({specs[name].fn!r} and {fn!r}); "
                                       "tool names must be unique: rename one")
-        specs[name] = ToolSpec(name=name, fn=fn, schema=schema, is_async=is_async(fn))
+        takes_sandbox = sandbox_param(fn)
+        if takes_sandbox is not None and not is_async(fn):
+            raise ToolDefinitionError(f"tool {name!r} takes the sandbox ({takes_sandbox!r}) but is not async def: "
+                                      "the sandbox handle is asynchronous; make the tool `async def`")
+        specs[name] = ToolSpec(name=name, fn=fn, schema=schema, is_async=is_async(fn), sandbox_arg=takes_sandbox)
     return specs

@@ -112,5 +112,7 @@ class AgentTask(Protocol):
 
 
 def is_agent_task(task: object) -> bool:
-    """True for tasks that run as multi-turn agent loops in sandboxes."""
-    return isinstance(task, AgentTask)
+    """True for tasks that run as multi-turn agent loops in sandboxes with the markdown tools (an environment of
+    its own, with ``reset``/``step``, is not one even when it has these attributes)."""
+    return isinstance(task, AgentTask) and not (callable(getattr(task, "reset", None))
+                                                and callable(getattr(task, "step", None)))
