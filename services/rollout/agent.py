@@ -46,7 +46,7 @@ from services.lib.sandbox_client import SandboxClient, SandboxClientError
 from services.rollout.config import AgentSection
 from services.rollout.episode import EnvironmentFailed, EpisodeLoop, EpisodeOutcome
 from services.rollout.frame import ChatFrame
-from services.rollout.sandbox_env import SandboxedEnvironment
+from services.rollout.sandbox_env import SandboxedEnvironment, exec_result
 from services.tasks.base import Prompt
 from services.tasks.env import Action, Start, Step
 from services.tasks.tools import (
@@ -66,29 +66,9 @@ AgentOutcome = EpisodeOutcome
 __all__ = ["AgentLoop", "AgentOutcome", "AgentSandboxError", "ChatFrame", "SandboxEnvironment", "describe_exec"]
 
 
-def _cut(data: bytes, limit: int) -> str:
-    text = data.decode("utf-8", errors="replace")
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}\n... [{len(text) - limit} more characters cut]"
-
-
 def describe_exec(reply: api.ExecReply, limit: int) -> str:
-    """An exec's result as the model reads it."""
-    if reply.timed_out:
-        status = f"timed out after {reply.duration_s:.1f} s"
-    elif reply.oom_killed:
-        status = "killed: out of memory"
-    else:
-        status = f"exit code {reply.exit_code}"
-    parts = [status]
-    if reply.stdout:
-        parts.append("stdout:\n" + _cut(reply.stdout, limit))
-    if reply.stderr:
-        parts.append("stderr:\n" + _cut(reply.stderr, limit))
-    if not reply.stdout and not reply.stderr:
-        parts.append("(no output)")
-    return "\n".join(parts)
+    """An exec's result as the model reads it (status line, then the output, each stream cut to ``limit``)."""
+    return str(exec_result(reply, limit))
 
 
 class AgentSandboxError(Exception):

@@ -34,6 +34,12 @@ def _text(data: bytes, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit]}\n... [{len(text) - limit} more characters cut]"
 
 
+def exec_result(reply: api.ExecReply, limit: int) -> ExecResult:
+    """An exec's reply as tools and models read it, each output stream cut to ``limit`` characters."""
+    return ExecResult(exit_code=reply.exit_code, stdout=_text(reply.stdout, limit), stderr=_text(reply.stderr, limit),
+                      timed_out=reply.timed_out, oom_killed=reply.oom_killed, duration_s=reply.duration_s)
+
+
 class EpisodeSandbox:
     """The episode's sandbox for its tools (:class:`services.tasks.sandbox_tools.Sandbox`)."""
 
@@ -69,9 +75,7 @@ class EpisodeSandbox:
                                               max_output_bytes=4 * limit)
         finally:
             await self._leave()
-        return ExecResult(exit_code=reply.exit_code, stdout=_text(reply.stdout, limit),
-                          stderr=_text(reply.stderr, limit), timed_out=reply.timed_out,
-                          oom_killed=reply.oom_killed, duration_s=reply.duration_s)
+        return exec_result(reply, limit)
 
     async def write(self, path: str, data: bytes | str) -> int:
         await self._enter()

@@ -66,6 +66,8 @@ class ExecResult:
             parts.append(f"stdout:\n{self.stdout}")
         if self.stderr:
             parts.append(f"stderr:\n{self.stderr}")
+        if not self.stdout and not self.stderr:
+            parts.append("(no output)")
         return "\n".join(parts)
 
 
