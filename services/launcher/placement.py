@@ -173,9 +173,11 @@ class Layout:
 
     # --- what a process starts with ------------------------------------------------------------
 
-    def for_instance(self, name: str, index: int, env: Mapping[str, str] | None = None) -> Placed:
+    def for_instance(self, name: str, index: int, env: Mapping[str, str] | None = None,
+                     host_cpus: set[int] | None = None) -> Placed:
         """Environment and CPUs of instance ``index`` of process ``name`` on this host (``env``: the
-        launcher's environment); raises ConfigError when this host cannot serve it."""
+        launcher's environment, ``host_cpus`` the CPUs it may use; None: its own); raises ConfigError when
+        this host cannot serve it."""
         env = os.environ if env is None else env
         entry = self.entries.get(name) or ServicePlacement()
         gpus = self.gpu_slots(name)
@@ -201,7 +203,7 @@ class Layout:
             raise ConfigError(f"config key placement.{name}.cpus: no CPUs left for instance {index} of {name} "
                               f"({len(cpus)} slice(s))")
         mine_cpus = cpus[index] if cpus else []
-        allowed = os.sched_getaffinity(0)
+        allowed = os.sched_getaffinity(0) if host_cpus is None else host_cpus
         if set(mine_cpus) - allowed:
             raise ConfigError(f"config key placement.{name}.cpus: CPU(s) {sorted(set(mine_cpus) - allowed)} are not "
                               f"available to the launcher on this host (it may use {sorted(allowed)})")
