@@ -111,8 +111,8 @@ class DevicesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
     #: where the reference model (loss.kl_coef > 0) lives: "" (the policy's device), "cpu", "cuda" or "cuda:N"
     ref_device: Annotated[str, msgspec.Meta(pattern=r"^(|cpu|cuda(:[0-9]+)?)$")] = ""
-    #: trainer processes (ranks) of this one service instance, sharded with FSDP2 (gloo on CPU,
-    #: NCCL on CUDA); only rank 0 talks to the bus, the batch is split across ranks
+    #: trainer processes (ranks) of this one rank group, on all its nodes (nnodes), sharded with FSDP2
+    #: (gloo on CPU, NCCL on CUDA); only rank 0 talks to the bus, the batch is split across ranks
     world_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     #: a collective (or the group's start) taking longer than this fails the rank group, which the
     #: launcher then restarts from its newest durable point
@@ -197,7 +197,8 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     #: held-out evaluation: { every, prompts, samples, temperature }
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
-    #: placement: { device, ref_device, world_size, rank_timeout_s, num_threads }
+    #: devices and ranks: { device, ref_device, world_size, rank_timeout_s, num_threads, nnodes, node_rank,
+    #: master_addr, master_port } (the GPUs and CPUs themselves: [placement.trainer])
     devices: DevicesConfig = msgspec.field(default_factory=DevicesConfig)
 
     def __post_init__(self) -> None:
