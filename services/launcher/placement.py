@@ -153,22 +153,41 @@ class Layout:
             raise ConfigError(f"config key services.rollout.engine.tensor_parallel_size is "
                               f"{engine.tensor_parallel_size}, but {given}")
 
+    def _implied_gpus(self, name: str) -> list[list[int]] | None:
+        """The GPUs an unplaced process would take from every GPU it sees, where that is certain: on a GPU
+        host (the trainer on "cuda") a trainer's ranks take cuda:0.., a vLLM engine cuda:0.. of its tensor
+        parallel size. None: not knowable from the file (a CPU host, "auto" devices)."""
+        services, parts = self.runfile.services, name.split("+")
+        devices, engine = services.trainer.devices, services.rollout.engine
+        if not devices.device.startswith("cuda"):
+            return None
+        if "trainer" in parts:
+            first = int(devices.device.split(":")[1]) if ":" in devices.device else 0
+            return [list(range(first, first + devices.nproc_per_node))] * self.instances[name]
+        if "rollout" in parts and isinstance(engine, VllmEngineConfig):
+            return [list(range(engine.tensor_parallel_size))] * self.instances[name]
+        return None
+
     def _check_overlap(self) -> None:
         held: dict[int, tuple[str, int, str]] = {}  # GPU -> (process, instance, what holds it)
         for name in self.instances:
             what, gpus = self._holds_whole_gpu(name), self.gpu_slots(name)
+            if gpus is None:  # not placed: what it takes of every GPU it sees, where that is certain
+                gpus = self._implied_gpus(name)
             if what is None or not gpus:
                 continue
             for i, instance in enumerate(gpus[: self.instances[name]]):
                 for gpu in instance:
                     if gpu in held and "vllm" in (what, held[gpu][2]):
                         other, j, other_what = held[gpu]
+                        unset = [f"placement.{n}.gpus" for n in (other, name) if self.gpu_slots(n) is None]
                         raise ConfigError(
                             f"config keys placement.{other}.gpus and placement.{name}.gpus: GPU {gpu} is given to "
-                            f"{other}-{j} ({other_what}) and {name}-{i} ({what}); vLLM takes most of a GPU's "
-                            "memory and does not start beside another process on it. Give each its own GPUs, or "
-                            'colocate the trainer and rollout in one process ([launcher] services = '
-                            '{ "trainer+rollout" = 1 }) so they time-share it')
+                            f"{other}-{j} ({other_what}) and {name}-{i} ({what})"
+                            + (f" ({' and '.join(unset)} unset: every GPU visible, cuda:0 first)" if unset else "")
+                            + "; vLLM takes most of a GPU's memory and does not start beside another process on it. "
+                            'Give each its own GPUs, or colocate the trainer and rollout in one process ([launcher] '
+                            'services = { "trainer+rollout" = 1 }) so they time-share it')
                     held[gpu] = (name, i, what)
 
     # --- what a process starts with ------------------------------------------------------------

@@ -87,6 +87,11 @@ def test_a_trainer_and_a_separate_vllm_engine_never_share_a_gpu():
     msg = refused(runfile({"trainer": 1, "rollout": 1, "trainer+rollout": 1},
                           {"rollout": {"gpus": [3]}, "trainer+rollout": {"gpus": [3]}}))
     assert "placement.rollout.gpus and placement.trainer+rollout.gpus" in msg
+    # unplaced on a GPU host, each would take cuda:0 of every GPU it sees: the "every vLLM lands on GPU 0"
+    msg = refused(runfile({"trainer": 1, "rollout": 1}, {"trainer": {"gpus": [0]}}))
+    assert "GPU 0 is given to trainer-0 (trainer) and rollout-0 (vllm)" in msg and "placement.rollout.gpus unset" in msg
+    runfile({"trainer": 1, "rollout": 1}, {"rollout": {"gpus": [1]}}).check()  # the trainer keeps cuda:0
+    runfile({"trainer": 1, "rollout": 1}, {}, trainer={"device": "auto"}).check()  # a CPU host may run this file
     # colocated in one process they time-share it; a torch engine may share a GPU with the trainer
     runfile({"trainer+rollout": 1}, {"trainer+rollout": {"gpus": [0]}}).check()
     runfile({"trainer": 1, "rollout": 1}, {"trainer": {"gpus": [0]}, "rollout": {"gpus": [0]}},
