@@ -94,8 +94,11 @@ class RankGroup:
         group.dir.mkdir(parents=True, exist_ok=True)
         (group.dir / "rank-0.pid").write_text(str(os.getpid()))
         mine = nodes.rank_cpus(cfg.devices, 0)
-        if mine:  # rank 0 keeps the first share of the node's CPUs; its ranks take the others
+        if mine:  # rank 0 keeps the first share of the node's CPUs (threads to match); its ranks take the others
+            import torch
+
             os.sched_setaffinity(0, mine)
+            torch.set_num_threads(cfg.devices.num_threads or len(mine))
         for rank in range(1, cfg.devices.nproc_per_node):
             group._add(rank, nodes.start_rank(rank, cfg.devices, group.dir))
         log.info("trainer rank group: %d ranks on %d node(s) (pids here %s), rendezvous %s", cfg.devices.world_size,
