@@ -58,6 +58,9 @@ def test_instances_take_their_slices_and_start_with_them():
     judge = layout.for_instance("judge", 0, env, host)
     assert judge.env["CUDA_VISIBLE_DEVICES"] == "" and judge.env["OMP_NUM_THREADS"] == "4"
     assert layout.requests("trainer") == (4, 8) and layout.requests("rollout") == (2, 1)
+    # a third rollout (rlbus scale rollout=3) has no slice left: refused, naming the key
+    with pytest.raises(ConfigError, match="placement.rollout.gpus: no GPUs left for instance 2"):
+        layout.for_instance("rollout", 2, env, host)
     # indices are the launcher's own view: into its CUDA_VISIBLE_DEVICES when it has one
     outer = {"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b,GPU-c,GPU-d,GPU-e,GPU-f,GPU-g,GPU-h"}
     assert layout.for_instance("rollout", 0, outer, host).env["CUDA_VISIBLE_DEVICES"] == "GPU-e,GPU-f"
