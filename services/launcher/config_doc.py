@@ -158,6 +158,10 @@ def render() -> str:
             for svc in msgspec.inspect.type_info(_strip(t)).fields:  # type: ignore[attr-defined]
                 section(_hints(_strip(t))[svc.name], f"services.{svc.name}", out)
             continue
+        bare = _strip(t)
+        if typing.get_origin(bare) is dict and _is_struct(_strip(_args(bare)[1])):  # a table per name ([placement])
+            section(_strip(_args(bare)[1]), f"{f.name}.<name>", out)
+            continue
         for v in _variants(t):
             section(v, f.name, out)
     return "\n".join(out).rstrip() + "\n"

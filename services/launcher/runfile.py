@@ -8,11 +8,12 @@ A run file says everything about a run once::
     [weights]    how weight versions travel trainer -> engines (type = "store" | "broadcast" | "inproc")
     [nats]       the bus; [common] settings every service shares; [gang] all-or-nothing start
     [launcher]   which services ``rlbus run``/``rlbus up`` start, and how they are supervised
+    [placement.<service>]  the GPUs and CPUs of each service's instances (services/launcher/placement.py)
     [services.<name>]   each service's own knobs only (no service reads another's section)
 
 :class:`RunFile` decodes the merged tree (TOML, then ``RLBUS__`` variables, then ``--set``; a moved key
 names its new place), :meth:`RunFile.check` applies the rules that span sections (the weight transport
-against the launcher's layout, relays, autoscaling, the NATS cluster) and :meth:`RunFile.loaded` is one
+against the launcher's layout, relays, autoscaling, the NATS cluster, the placement) and :meth:`RunFile.loaded` is one
 service's view of it. ``docs/CONFIG.md`` is generated from these structs (``services/launcher/config_doc.py``).
 """
 
@@ -42,6 +43,7 @@ from services.runtime.config import (
     weights_tree,
 )
 from services.runtime.gang import GangSection
+from services.runtime.placement import ServicePlacement
 from services.runtime.weights_config import (
     BroadcastConfig,
     InprocConfig,
@@ -140,6 +142,11 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gang: GangSection = msgspec.field(default_factory=GangSection)
     #: what rlbus run / rlbus up start and how they supervise it
     launcher: LauncherSection = msgspec.field(default_factory=LauncherSection)
+    #: per service of [launcher] services ("trainer+rollout" included): its instances' GPUs and CPUs, e.g.
+    #: { trainer = { gpus = [0, 1, 2, 3], cpus = "0-31" }, rollout = { gpus = [4, 5, 6, 7] } }; the launcher
+    #: starts each with CUDA_VISIBLE_DEVICES, CPU affinity and thread counts from it (CPU-only services
+    #: always get CUDA_VISIBLE_DEVICES=""), the deploy files request the same counts
+    placement: dict[str, ServicePlacement] = {}
     #: each service's own knobs
     services: ServicesSection = msgspec.field(default_factory=ServicesSection)
 
@@ -184,6 +191,9 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self._check_layout()
         self._check_cluster()
         derived = self._check_weights()
+        from services.launcher.placement import Layout
+
+        Layout(self).check()
         return derived
 
     def _check_layout(self) -> None:

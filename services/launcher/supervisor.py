@@ -27,12 +27,13 @@ import msgspec
 from proto import catalog
 from services.launcher.autoscale import CONSUMERS, desired_count
 from services.launcher.environments import python_for
+from services.launcher.placement import Layout, Placed
 from services.launcher.runfile import LauncherSection, RunFile, provision_run
 from services.launcher.usage import UsageLog
 from services.runtime import lifeline
 from services.runtime.config import convert, load_tree
 from services.runtime.gang import GANG_FAILED_EXIT
-from services.runtime.natsd import EmbeddedNats, NatsCluster, die_with_parent, port_is_free
+from services.runtime.natsd import EmbeddedNats, NatsCluster, port_is_free
 from services.runtime.service import CONFIG_ERROR_EXIT
 from services.runtime.weights_config import InprocConfig
 
@@ -48,7 +49,6 @@ def _instance_of(data: bytes) -> str:
 
 #: services whose instances share one durable consumer (a queue group): they may come and go mid-run
 SCALABLE = {"rollout", "judge", "sandbox"}
-
 
 #: lines of a crash-looping service's log quoted in the launcher's report
 CRASH_LOG_LINES = 10
@@ -71,6 +71,7 @@ class Child:
     index: int
     argv: list[str]
     log_path: Path
+    placed: Placed = field(default_factory=Placed)  # its GPUs and CPUs (CUDA_VISIBLE_DEVICES, affinity)
     proc: subprocess.Popen[bytes] | None = None
     restarts: list[float] = field(default_factory=list)
     started_at: float = 0.0
@@ -99,8 +100,8 @@ class Supervisor:
         self.overrides += self.runfile.check()
         if self.overrides[len(overrides):]:
             self.runfile = RunFile.load(config_path, env, self.overrides)
-        self.run = self.runfile.run
-        self.launcher = self.runfile.launcher
+        self.run, self.launcher = self.runfile.run, self.runfile.launcher
+        self.layout = Layout(self.runfile).check_host()  # each process's GPUs and CPUs ([placement])
         self.run_dir = Path(self.run.dir).resolve()
         self.nats: EmbeddedNats | NatsCluster | None = None
         self.nats_url = ",".join(self.runfile.nats.servers())
@@ -169,7 +170,7 @@ class Supervisor:
             for part in parts:
                 for o in self.auth.for_role(part).nats_overrides():
                     argv += ["--set", o] if len(parts) == 1 else ["--part-set", f"{part}:{o}"]
-        return Child(name, i, argv, self.run_dir / "logs" / f"{name}-{i}.log")
+        return Child(name, i, argv, self.run_dir / "logs" / f"{name}-{i}.log", self.layout.for_instance(name, i))
 
     # --- elastic fleets ---------------------------------------------------------------------------
 
@@ -187,10 +188,9 @@ class Supervisor:
                                "workers share their work through a durable consumer")
         if count < 0 or count > 64:
             raise ControlError(f"{name}={count}: expected 0..64 instances")
-        if "rollout" in name.split("+"):
-            if isinstance(self.runfile.weights, InprocConfig):
-                raise ControlError("rollout engines of the inproc weight transport live in the trainer's process: "
-                                   "the store and broadcast transports let engines come and go")
+        if "rollout" in name.split("+") and isinstance(self.runfile.weights, InprocConfig):
+            raise ControlError("rollout engines of the inproc weight transport live in the trainer's process: "
+                               "the store and broadcast transports let engines come and go")
         with self._layout_lock:
             if self.stopping.is_set():
                 raise ControlError("the run is stopping")
@@ -234,8 +234,8 @@ class Supervisor:
         with open(c.log_path, "ab") as logf:
             # own session: a terminal Ctrl-C reaches only the supervisor, which stops children in order
             c.proc = subprocess.Popen(c.argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **lifeline.launcher_env(
-                                          self.launcher.stop_timeout_s)}, preexec_fn=die_with_parent)
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **c.placed.env, **lifeline.launcher_env(
+                                          self.launcher.stop_timeout_s)}, preexec_fn=c.placed.preexec())
         c.started_at = time.monotonic()
         self._say(f"started {c.label} (pid {c.proc.pid}, log {c.log_path})")
 

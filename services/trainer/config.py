@@ -111,14 +111,43 @@ class DevicesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
     #: where the reference model (loss.kl_coef > 0) lives: "" (the policy's device), "cpu", "cuda" or "cuda:N"
     ref_device: Annotated[str, msgspec.Meta(pattern=r"^(|cpu|cuda(:[0-9]+)?)$")] = ""
-    #: trainer processes (ranks) of this one service instance, sharded with FSDP2 (gloo on CPU,
-    #: NCCL on CUDA); only rank 0 talks to the bus, the batch is split across ranks
+    #: trainer processes (ranks) of this one rank group, on all its nodes (nnodes), sharded with FSDP2
+    #: (gloo on CPU, NCCL on CUDA); only rank 0 talks to the bus, the batch is split across ranks
     world_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     #: a collective (or the group's start) taking longer than this fails the rank group, which the
     #: launcher then restarts from its newest durable point
     rank_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
     #: torch intra-op threads (0: torch's default)
     num_threads: NonNeg = 0
+    # --- a rank group over several nodes (torchrun's terms: nnodes, node_rank, MASTER_ADDR/PORT) ---
+    #: nodes the rank group spans; each runs world_size / nnodes ranks (nproc_per_node), one per GPU
+    nnodes: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    #: this node's index (0: the node of rank 0, which alone talks to the bus; ranks r of node n:
+    #: n * nproc_per_node <= r < (n + 1) * nproc_per_node)
+    node_rank: NonNeg = 0
+    #: address of node 0 every node reaches (the rendezvous; "" with nnodes = 1: 127.0.0.1)
+    master_addr: str = ""
+    #: rendezvous port on node 0 (0 with nnodes = 1: a free one); node 0 also takes master_port + 1 for
+    #: the other nodes' command links
+    master_port: Annotated[int, msgspec.Meta(ge=0, le=65534)] = 0
+
+    @property
+    def nproc_per_node(self) -> int:
+        """Ranks on each node."""
+        return self.world_size // self.nnodes
+
+    def check(self) -> None:
+        """The rank group's shape across nodes; raises ConfigError naming the keys."""
+        key = "services.trainer.devices"
+        if self.world_size % self.nnodes:
+            raise ConfigError(f"config key {key}.world_size ({self.world_size}) is not a multiple of {key}.nnodes "
+                              f"({self.nnodes}): every node runs the same number of ranks")
+        if self.node_rank >= self.nnodes:
+            raise ConfigError(f"config key {key}.node_rank is {self.node_rank}, but {key}.nnodes is {self.nnodes} "
+                              f"(node ranks 0..{self.nnodes - 1})")
+        if self.nnodes > 1 and (not self.master_addr or not self.master_port):
+            raise ConfigError(f"config keys {key}.master_addr and {key}.master_port: a group over {self.nnodes} "
+                              "nodes needs the address and port of node 0 (torchrun's MASTER_ADDR and MASTER_PORT)")
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -168,7 +197,8 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     #: held-out evaluation: { every, prompts, samples, temperature }
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
-    #: placement: { device, ref_device, world_size, rank_timeout_s, num_threads }
+    #: devices and ranks: { device, ref_device, world_size, rank_timeout_s, num_threads, nnodes, node_rank,
+    #: master_addr, master_port } (the GPUs and CPUs themselves: [placement.trainer])
     devices: DevicesConfig = msgspec.field(default_factory=DevicesConfig)
 
     def __post_init__(self) -> None:

@@ -55,6 +55,7 @@ def resolve(trainer: TrainerConfig, rank: int = 0, dtype: str = "float32") -> Pl
     """The devices of ``rank`` training in ``dtype`` (``[model] dtype``); raises ConfigError (naming the key)
     when the host cannot serve them."""
     cfg = trainer.devices
+    cfg.check()
     wanted = cfg.device
     if wanted == "auto":
         wanted = "cuda" if _cuda_count() > 0 else "cpu"
@@ -66,12 +67,13 @@ def resolve(trainer: TrainerConfig, rank: int = 0, dtype: str = "float32") -> Pl
         if cfg.world_size > 1:
             if index is not None:
                 raise ConfigError(f"config key services.trainer.devices.device is {cfg.device!r} with world_size "
-                                  f"{cfg.world_size}: each rank takes its own GPU (rank r on cuda:r); "
+                                  f"{cfg.world_size}: each rank takes its own GPU (local rank r on cuda:r); "
                                   "set device = \"cuda\"")
-            if cfg.world_size > _cuda_count():
-                raise ConfigError(f"config key services.trainer.devices.world_size is {cfg.world_size}, but this "
-                                  f"host has {_cuda_count()} CUDA device(s) (one rank per GPU)")
-            device = f"cuda:{rank}"
+            if cfg.nproc_per_node > _cuda_count():
+                raise ConfigError(f"config key services.trainer.devices.world_size is {cfg.world_size} "
+                                  f"({cfg.nproc_per_node} rank(s) on each of {cfg.nnodes} node(s)), but this host "
+                                  f"has {_cuda_count()} CUDA device(s) (one rank per GPU)")
+            device = f"cuda:{rank % cfg.nproc_per_node}"  # the node's local rank; GPUs as its placement shows them
         else:
             device = f"cuda:{index or 0}"
     ref = cfg.ref_device or device

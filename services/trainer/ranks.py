@@ -22,7 +22,9 @@ Failure is all-or-nothing, bounded in time:
   few seconds to fail out, and the heap is frozen so the interpreter's final garbage collections skip
   it (over torch's millions of objects they took 1.5–4 s here, 20 s on a loaded machine).
 
-Each rank writes ``<run dir>/ranks/rank-<r>.pid`` and logs to ``<run dir>/ranks/rank-<r>.log``.
+Each rank writes ``<run dir>/ranks/rank-<r>.pid`` and logs to ``<run dir>/ranks/rank-<r>.log``. A group
+over several nodes (``nnodes > 1``) is driven the same way: the other nodes' agents relay the commands to
+their ranks (:mod:`services.trainer.nodes`). A node placed on CPUs gives each rank its own share of them.
 """
 
 from __future__ import annotations
@@ -44,15 +46,13 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from services.runtime.natsd import die_with_parent
+from services.trainer import nodes
 from services.trainer.config import TrainerConfig
 
 if TYPE_CHECKING:
     from services.trainer.rank_ops import Op
 
 log = logging.getLogger("rlbus.trainer.ranks")
-
-_REPO = Path(__file__).resolve().parents[2]
 
 T = TypeVar("T")
 
@@ -74,9 +74,12 @@ class RankGroup:
     def __init__(self, cfg: TrainerConfig, run_dir: Path) -> None:
         self.cfg = cfg
         self.dir = run_dir / "ranks"
-        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        devices = cfg.devices
+        self.init_method = (f"tcp://{devices.master_addr}:{devices.master_port}" if devices.nnodes > 1
+                            else f"tcp://127.0.0.1:{_free_port()}")
+        self.procs: dict[int, subprocess.Popen[bytes] | nodes.RemoteNode] = {}  # other nodes: by their first rank
         self.reason = ""
+        self.joined = False  # the other nodes' agents have connected (nnodes > 1)
         self.closing = False
         self.failed = asyncio.Event()
         self._waiters: set[threading.Event] = set()  # rank 0's calls in progress (guarded), woken by a failure
@@ -90,22 +93,34 @@ class RankGroup:
         group._loop = asyncio.get_running_loop()
         group.dir.mkdir(parents=True, exist_ok=True)
         (group.dir / "rank-0.pid").write_text(str(os.getpid()))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(p for p in (str(_REPO), os.environ.get("PYTHONPATH", "")) if p)}
-        for rank in range(1, cfg.devices.world_size):
-            with open(group.dir / f"rank-{rank}.log", "ab") as logf:
-                proc = subprocess.Popen([sys.executable, "-m", "services.trainer.ranks", "--rank", str(rank)],
-                                        stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                        preexec_fn=die_with_parent)
-            group.procs[rank] = proc
-            (group.dir / f"rank-{rank}.pid").write_text(str(proc.pid))
-            threading.Thread(target=group._watch, args=(rank, proc), name=f"trainer-rank-{rank}-watch",
-                             daemon=True).start()
-        log.info("trainer rank group: %d ranks (pids %s), rendezvous %s", cfg.devices.world_size,
-                 [os.getpid(), *(p.pid for p in group.procs.values())], group.init_method)
+        mine = nodes.rank_cpus(cfg.devices, 0)
+        if mine:  # rank 0 keeps the first share of the node's CPUs (threads to match); its ranks take the others
+            import torch
+
+            os.sched_setaffinity(0, mine)
+            torch.set_num_threads(cfg.devices.num_threads or len(mine))
+        for rank in range(1, cfg.devices.nproc_per_node):
+            group._add(rank, nodes.start_rank(rank, cfg.devices, group.dir))
+        log.info("trainer rank group: %d ranks on %d node(s) (pids here %s), rendezvous %s", cfg.devices.world_size,
+                 cfg.devices.nnodes, [os.getpid(), *(p.pid for p in group.procs.values())], group.init_method)
         return group
 
-    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+    def _add(self, rank: int, proc: subprocess.Popen[bytes] | nodes.RemoteNode) -> None:
+        self.procs[rank] = proc
+        threading.Thread(target=self._watch, args=(rank, proc), name=f"trainer-rank-{rank}-watch", daemon=True).start()
+
+    def _join_nodes(self) -> None:
+        """The other nodes' agents connect (at most rank_timeout_s); each is watched like a local rank."""
+        devices = self.cfg.devices
+        try:
+            joined = nodes.accept_nodes(devices, devices.rank_timeout_s)
+        except (OSError, TimeoutError) as e:
+            self._fail(f"trainer rank group: {e}")
+            raise RankGroupFailed(self.reason) from e
+        for node_rank, node in sorted(joined.items()):
+            self._add(node_rank * devices.nproc_per_node, node)
+
+    def _watch(self, rank: int, proc: subprocess.Popen[bytes] | nodes.RemoteNode) -> None:
         code = proc.wait()
         if self.closing and code == 0:
             return
@@ -126,7 +141,11 @@ class RankGroup:
             self._loop.call_soon_threadsafe(self.failed.set)
 
     def init(self, model_dir: Path, ref_dir: Path | None = None, dtype: str = "float32") -> None:
-        """Ranks 1..N-1 build their learners (and join the process group) from ``model_dir``, in ``dtype``."""
+        """Ranks 1..N-1 build their learners (and join the process group) from ``model_dir``, in ``dtype``
+        (over several nodes: once every node has joined)."""
+        if self.cfg.devices.nnodes > 1 and not self.joined:
+            self._join_nodes()
+            self.joined = True
         self._command("init", msgspec.json.encode(self.cfg), str(model_dir), self.init_method,
                       str(ref_dir) if ref_dir else "", dtype)
 

@@ -40,7 +40,7 @@ from services.runtime import bus, metrics, tracing
 from services.runtime.config import Loaded
 from services.runtime.service import ServiceContext
 from services.tasks.base import TaskMetrics
-from services.trainer import devices, resume
+from services.trainer import devices, nodes, resume
 from services.trainer.admission import Sample
 from services.trainer.collect import Collector, Fleet
 from services.trainer.config import TrainerConfig
@@ -69,6 +69,12 @@ class TrainerService:
     async def run(self, ctx: ServiceContext) -> None:
         run_dir = Path(self.loaded.run.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        if self.cfg.devices.node_rank > 0:  # another node of a multi-node group: node 0's rank 0 drives its ranks
+            code = await asyncio.to_thread(nodes.node_agent, self.cfg.devices, run_dir)
+            if code:
+                raise RuntimeError(f"trainer node {self.cfg.devices.node_rank}: its rank group failed (exit {code}); "
+                                   f"see {run_dir / 'ranks'}")
+            return
         if self.cfg.devices.world_size == 1:
             await self._run(ctx, run_dir, None)
             return
