@@ -1,0 +1,104 @@
+"""The algorithm options run end to end in the real trainer (docs/algorithms.md): dynamic sampling drops groups
+without reward signal with the reason and admits others in their place, so every step still trains exactly
+``groups_per_step`` groups and the accounting identity holds; truncated completions are masked and penalised;
+the loss types and mismatch masks report their figures.
+
+The real trainer service runs against a real nats-server with the tiny model. Rollout and judge are played by
+this test (a stand-in answering every prompt ticket with scored trajectories it makes up): even-numbered groups
+score 1.0 on every sample (no signal), odd-numbered ones 0, 1, 0; sample 0 is cut by the token limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+import nats
+import pytest
+
+from proto import catalog, codec
+from proto.prompts import PromptTicket
+from proto.rollouts import Rollout, Turn
+from proto.trajectories import ScoredTrajectory
+from services.launcher import registry
+from services.launcher.accounting import accounting, read_channel
+from services.runtime import service
+from services.runtime.config import load_service_config
+from services.trainer.ledger import group_index
+from tests.conftest import run_file
+
+STEPS, GROUPS, SIZE, LIMIT = 2, 2, 3, 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", [
+    {"type": "gspo", "is_mode": "icepop", "mismatch": {"mask": "geometric", "low": 0.2, "high": 5.0}},
+    {"type": "cispo", "mismatch": {"mask": "token", "low": 0.2, "high": 5.0}},
+    {"type": "dr_grpo", "mismatch": {"mask": "sequence", "low": 0.01, "high": 100.0}},
+], ids=lambda loss: loss["type"])
+async def test_dynamic_sampling_overlong_and_loss_options_in_the_loop(nats_url, tmp_path, loop_model_dir, loss):
+    run = f"algo{loss['type'].replace('_', '')}"
+    cfg = run_file(tmp_path, loop_model_dir, run_id=run, nats_url=nats_url,
+                   trainer={"groups_per_step": GROUPS, "group_size": SIZE, "total_steps": STEPS, "max_staleness": 0,
+                            "dynamic_sampling": True, "sampling": {"max_new_tokens": LIMIT},
+                            "loss": {**loss, "mask_truncated": True, "overlong_buffer": 2},
+                            "eval": {"prompts": 2}})
+    cfg_cls, factory = registry.load("trainer")
+    loaded = load_service_config("trainer", cfg_cls, cfg)
+    trainer = asyncio.create_task(service.serve("trainer", factory, loaded, "trainer-0"))
+
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+
+    async def answer(msg) -> None:  # the stand-in rollout + judge
+        ticket = codec.decode(msg.data, PromptTicket)
+        index = group_index(ticket.group_id)
+        no_signal = ticket.is_eval or index is None or index % 2 == 0
+        for i in range(ticket.group_size):
+            cut = i == 0 and not ticket.is_eval  # LIMIT tokens, finish_reason "length": masked and penalised
+            n = LIMIT if cut else 2
+            turn = Turn(role="assistant", token_ids=[5, 6, 7, 8][:n], logprobs=[-1.0, -1.5, -2.0, -1.2][:n],
+                        versions=[ticket.policy_version] * n, text="x")
+            rollout = Rollout(run_id=run, task=ticket.task, group_id=ticket.group_id, prompt_id=ticket.prompt_id,
+                              sample_index=i, group_size=ticket.group_size, prompt_ids=ticket.prompt_ids,
+                              turns=[turn], finish_reason="length" if cut else "eos",
+                              policy_version=ticket.policy_version, is_eval=ticket.is_eval)
+            traj = ScoredTrajectory(run_id=run, rollout=rollout, reward=1.0 if no_signal else float(i % 2))
+            traj.msg_id = f"{run}-{ticket.group_id}-s{i}"
+            await js.publish(f"rlbus.{run}.trajectories", codec.encode(traj), headers={"Nats-Msg-Id": traj.msg_id})
+
+    await nc.subscribe(f"rlbus.{run}.prompts", cb=answer)
+    code = await asyncio.wait_for(trainer, 300)
+    assert code == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["step"] == STEPS
+
+    outcomes = [o for o in await read_channel(js, catalog.OUTCOMES, run) if o.outcome != "eval"]
+    trained = [o for o in outcomes if o.outcome == "trained"]
+    # every step trained exactly groups_per_step groups, all of them odd-numbered (with signal)
+    groups_per_step = Counter(step for step, _ in {(o.step, o.group_id) for o in trained})
+    assert groups_per_step == {s: GROUPS for s in range(1, STEPS + 1)}, groups_per_step
+    assert all(group_index(o.group_id) % 2 == 1 for o in trained)  # type: ignore[operator]
+    filtered = [o for o in outcomes if o.outcome == "dropped"]
+    assert filtered and all(o.reason.startswith("filtered: no reward signal (dynamic sampling), all 3 rewards 1")
+                            for o in filtered), [o.reason for o in filtered]
+    assert {group_index(o.group_id) % 2 for o in filtered} == {0}  # type: ignore[operator]
+    assert Counter(o.group_id for o in filtered) == {g: SIZE for g in {o.group_id for o in filtered}}  # whole groups
+    acc = await accounting(js, run)
+    await nc.close()
+    assert acc["lost"] == 0 and acc["multiple_outcomes"] == 0 and acc["identity_holds"], acc
+
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "losses/total" in m]
+    assert len(steps) == STEPS
+    for m in steps:
+        assert 0.0 < m["trainer/filtered_frac"] < 1.0  # groups 0, 2, ... were filtered before each step
+        assert m["overlong/truncated_frac"] == pytest.approx(1 / SIZE)  # sample 0 of each group
+        # at the limit: the full penalty (-1) on one sample of three; the others (2 tokens) are within the buffer
+        assert m["overlong/penalty_mean"] == pytest.approx(-1 / SIZE)
+        for key in ("mismatch/kl", "mismatch/masked_frac", "mismatch/ratio_p05", "mismatch/ratio_p50",
+                    "mismatch/ratio_p95"):
+            assert key in m, key
+        assert m["mismatch/ratio_p05"] <= m["mismatch/ratio_p50"] <= m["mismatch/ratio_p95"]
+        assert m["mismatch/kl"] >= 0.0
