@@ -25,6 +25,8 @@ from services.launcher import registry
 from services.launcher.accounting import accounting, read_channel
 from services.runtime import service
 from services.runtime.config import load_service_config
+from services.trainer.admission import Sample
+from services.trainer.collect import without_signal
 from services.trainer.ledger import group_index
 from tests.conftest import run_file
 
@@ -102,3 +104,23 @@ async def test_dynamic_sampling_overlong_and_loss_options_in_the_loop(nats_url, 
             assert key in m, key
         assert m["mismatch/ratio_p05"] <= m["mismatch/ratio_p50"] <= m["mismatch/ratio_p95"]
         assert m["mismatch/kl"] >= 0.0
+
+
+def _sample(i: int, reward: float, error: str | None = None) -> Sample:
+    turn = Turn(role="assistant", token_ids=[5], logprobs=[-1.0], versions=[0], text="x")
+    rollout = Rollout(run_id="r", task="t", group_id="g00000000", prompt_id="p", sample_index=i, group_size=3,
+                      prompt_ids=[1], turns=[turn], finish_reason="error" if error else "eos", policy_version=0,
+                      error=error)
+    return Sample(key=f"s{i}", group_id="g00000000", sample_index=i, version=0,
+                  item=ScoredTrajectory(run_id="r", rollout=rollout, reward=reward))
+
+
+def test_a_group_without_signal_is_told_by_its_successful_samples():
+    assert without_signal([_sample(0, 1.0), _sample(1, 0.0), _sample(2, 1.0)]) == ""
+    assert without_signal([_sample(0, 0.5), _sample(1, 0.5), _sample(2, 0.5)]) == (
+        "filtered: no reward signal (dynamic sampling), all 3 rewards 0.5")
+    # a failed sample (reward 0 by the judge) does not give the group a signal: it is never trained
+    assert without_signal([_sample(0, 0.0, "sandbox died"), _sample(1, 1.0), _sample(2, 1.0)]).endswith(
+        "all 2 rewards 1")
+    # every sample failed: not this filter's (the step drops them with their errors)
+    assert without_signal([_sample(i, 0.0, "engine error") for i in range(3)]) == ""
