@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections import Counter
 
 import nats
@@ -25,6 +27,7 @@ from services.launcher import registry
 from services.launcher.accounting import accounting, read_channel
 from services.runtime import service
 from services.runtime.config import load_service_config
+from services.runtime.natsd import EmbeddedNats
 from services.trainer.admission import Sample
 from services.trainer.collect import without_signal
 from services.trainer.ledger import group_index
@@ -124,3 +127,42 @@ def test_a_group_without_signal_is_told_by_its_successful_samples():
         "all 2 rewards 1")
     # every sample failed: not this filter's (the step drops them with their errors)
     assert without_signal([_sample(i, 0.0, "engine error") for i in range(3)]) == ""
+
+
+@pytest.mark.slow
+def test_the_options_together_in_a_short_rlbus_run(tmp_path, loop_model_dir):
+    """Real rollout engine and judges (`rlbus run`, separate processes): the engine's behaviour logprobs meet the
+    trainer's, so the mismatch figures are real; every option on at once; nothing is lost."""
+    run_dir = tmp_path / "run"
+    cfg = run_file(tmp_path, loop_model_dir, run_id="algoe2e",
+                   services={"trainer": 1, "rollout": 1, "judge": 1, "weightsync": 1},
+                   trainer={"groups_per_step": 2, "total_steps": 3, "max_staleness": 1, "dynamic_sampling": True,
+                            "sampling": {"max_new_tokens": 6},
+                            "loss": {"type": "gspo", "mask_truncated": True, "overlong_buffer": 2, "is_mode": "icepop",
+                                     "is_cap": 5.0, "mismatch": {"mask": "geometric", "low": 0.5, "high": 2.0}}},
+                   rollout={"max_tickets": 8}, weights={"type": "store"})
+    r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "losses/total" in m]
+    assert len(steps) == 3
+    for m in steps:
+        assert 0.0 <= m["trainer/filtered_frac"] < 1.0 and 0.0 <= m["overlong/truncated_frac"] <= 1.0
+        assert m["mismatch/ratio_p05"] <= m["mismatch/ratio_p50"] <= m["mismatch/ratio_p95"] and m["mismatch/kl"] >= 0
+
+    async def read() -> tuple[dict, list]:
+        with EmbeddedNats(run_dir / "nats", port=None) as server:
+            nc = await nats.connect(server.url)
+            js = nc.jetstream()
+            acc = await accounting(js, "algoe2e")
+            outcomes = await read_channel(js, catalog.OUTCOMES, "algoe2e")
+            await nc.close()
+            return acc, outcomes
+
+    acc, outcomes = asyncio.run(read())
+    assert acc["lost"] == 0 and acc["multiple_outcomes"] == 0 and acc["identity_holds"], acc
+    trained = {(o.step, o.group_id) for o in outcomes if o.outcome == "trained"}
+    assert Counter(step for step, _ in trained) == {1: 2, 2: 2, 3: 2}  # groups_per_step, every step
+    reasons = {o.reason.split(":")[0] for o in outcomes if o.outcome == "dropped"}
+    assert reasons <= {"filtered", "stale"}, reasons
