@@ -51,9 +51,6 @@ RECHECK_S = 5.0
 _REJECTED = metrics.counter("trainer_rejected_samples", "samples dead-lettered by the trainer, by reason")
 #: how often the admission bound is fitted to the live rollout fleet
 FLEET_EVERY_S = 2.0
-#: dynamic sampling filters at most this many times ``groups_per_step`` groups for one step; past it the step
-#: takes groups as they come (a task whose rewards never differ trains, slowly, instead of generating forever)
-MAX_FILTERED_PER_STEP = 8
 
 
 def without_signal(samples: list[Sample]) -> str:
@@ -206,7 +203,7 @@ class Collector:
         if not held or len(held) < held[0].item.rollout.group_size:
             return
         reason = without_signal(held)
-        if not reason or self.filtered >= MAX_FILTERED_PER_STEP * self.cfg.groups_per_step:
+        if not reason or self.filtered >= self.cfg.dynamic_sampling_bound * self.cfg.groups_per_step:
             return
         self.filtered += 1
         held = self._give_up(group_id)

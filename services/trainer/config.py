@@ -201,6 +201,9 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: (outcome "dropped", reason "filtered") and another admitted in its place, so every step still trains
     #: groups_per_step groups
     dynamic_sampling: bool = False
+    #: dynamic sampling filters at most this many times groups_per_step groups for one step; past it the step takes
+    #: groups as they come (a task whose rewards never differ trains, slowly, instead of generating forever)
+    dynamic_sampling_bound: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8
     #: completions per prompt (the GRPO group)
     group_size: Annotated[int, msgspec.Meta(ge=2)] = 8
     #: the run stops after this many optimiser steps
