@@ -99,6 +99,8 @@ async def test_dynamic_sampling_overlong_and_loss_options_in_the_loop(nats_url, 
     assert len(steps) == STEPS
     for m in steps:
         assert 0.0 < m["trainer/filtered_frac"] < 1.0  # groups 0, 2, ... were filtered before each step
+        # the groups admitted in their place came through the same bound: (max_staleness + 1) * groups_per_step
+        assert m["trainer/in_flight_peak"] <= GROUPS and m["trainer/admission_bound"] == GROUPS
         assert m["overlong/truncated_frac"] == pytest.approx(1 / SIZE)  # sample 0 of each group
         # at the limit: the full penalty (-1) on one sample of three; the others (2 tokens) are within the buffer
         assert m["overlong/penalty_mean"] == pytest.approx(-1 / SIZE)
