@@ -34,13 +34,13 @@ completion ``i``'s loss tokens):
 * ``"gspo"`` (Group Sequence Policy Optimisation, Zheng et al. 2025): one ratio per completion, the geometric
   mean of its token ratios, clipped per completion::
 
-      s_i   = exp(mean_t (log pi_theta(t) - log pi_prox(t)))
-      pg(t) = -min(s_i * A_i, clip(s_i, 1 - clip_low, 1 + clip_high) * A_i)     # the same for every token of i
+      rho_i = exp(mean_t (log pi_theta(t) - log pi_prox(t)))
+      pg(t) = -min(rho_i * A_i, clip(rho_i, 1 - clip_low, 1 + clip_high) * A_i)   # the same for every token of i
 
   and ``w`` is taken per completion too: ``is_mode``'s weight of ``exp(mean_t (log pi_prox - log mu))``. With
   ``seq_mean_token_mean`` (the only aggregation allowed) completion ``i`` contributes ``s_i w_i pg_i``, whose
-  gradient is ``s_i A_i mean_t grad log pi_theta(t)`` where unclipped: length-normalised. The GSPO paper clips
-  far tighter than token PPO (``clip_low = 3e-4``, ``clip_high = 4e-4``).
+  gradient is ``-s_i w_i A_i rho_i mean_t grad log pi_theta(t)`` where unclipped: length-normalised. The GSPO
+  paper clips far tighter than token PPO (``clip_low = 3e-4``, ``clip_high = 4e-4``).
 * ``"cispo"`` (MiniMax-M1, 2025): the clipped ratio is a detached weight on a REINFORCE term, so no token loses
   its gradient to the clip::
 
