@@ -219,6 +219,11 @@ class GroupBuffer:
     def complete_groups(self) -> list[str]:
         return [gid for gid, g in self._groups.items() if g.complete()]
 
+    def held(self, group_id: str) -> list[Sample]:
+        """The samples of ``group_id`` held now (by index), left in the buffer."""
+        g = self._groups.get(group_id)
+        return [g.samples[i] for i in sorted(g.samples)] if g else []
+
     def pending_samples(self) -> int:
         return sum(len(g.samples) for g in self._groups.values())
 

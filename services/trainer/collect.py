@@ -4,6 +4,7 @@ Flow::
 
     admission has room ──▶ next training prompt ──▶ ticket (PROMPTS, built and published here)
     trajectory (TRAJECTORIES) ──▶ handle(): eval round | stale → dropped | buffered (ack deferred)
+    a group complete ──▶ dynamic sampling: no reward signal → dropped ("filtered"), its slot admits another
     collect() ──▶ the oldest ``groups_per_step`` complete groups
 
 A buffered trajectory's message is *deferred* (``Delivery.defer()``): the handler returns at
@@ -52,6 +53,16 @@ _REJECTED = metrics.counter("trainer_rejected_samples", "samples dead-lettered b
 FLEET_EVERY_S = 2.0
 
 
+def without_signal(samples: list[Sample]) -> str:
+    """Why a complete group gives GRPO no signal, as a ``filtered`` reason ("" if it gives some): the rewards of
+    its successful samples are all equal (so every advantage is 0). Failed samples are left out (they are dropped
+    with their error, never trained); a group whose every sample failed is not this filter's."""
+    rewards = [s.item.reward for s in samples if not s.item.rollout.error]
+    if not rewards or max(rewards) != min(rewards):
+        return ""
+    return f"filtered: no reward signal (dynamic sampling), all {len(rewards)} rewards {rewards[0]:g}"
+
+
 class Fleet:
     """The live rollout fleet, from its heartbeats (members bucket): the prompt groups it works on at once."""
 
@@ -93,6 +104,10 @@ class Collector:
         self._fleet_at = float("-inf")
         #: groups taken by a step whose version is not yet sent -> redelivered copies settled with that step
         self._stepping: dict[str, list[Sample]] = {}
+        #: groups filtered (dynamic sampling) since the last batch was taken
+        self.filtered = 0
+        #: the figures of the last batch taken (``trainer/filtered_frac``), reported with its step
+        self.figures: dict[str, float] = {}
 
     # --- trajectories in ---------------------------------------------------------------------------
 
@@ -177,7 +192,25 @@ class Collector:
             if displaced is not None:  # a redelivery of a sample already held: the newer delivery is kept, and
                 self.ledger.count("duplicate")  # the older settles with it (acking it now would ack the message)
                 s.copies.append(displaced)
+        if self.cfg.dynamic_sampling:
+            await self._filter(group_id)
         self.arrived.set()
+
+    async def _filter(self, group_id: str) -> None:
+        """Dynamic sampling (DAPO): a complete group without reward signal is dropped with the reason, its slot
+        freed, so the next collect() admits another group in its place (through the same admission bound)."""
+        held = self.buffer.held(group_id)
+        if not held or len(held) < held[0].item.rollout.group_size:
+            return
+        reason = without_signal(held)
+        if not reason or self.filtered >= self.cfg.dynamic_sampling_bound * self.cfg.groups_per_step:
+            return
+        self.filtered += 1
+        held = self._give_up(group_id)
+        failed = [s for s in held if s.item.rollout.error]
+        await self.drop([s for s in held if not s.item.rollout.error], reason)
+        for s in failed:
+            await self.drop([s], f"rollout failed: {(s.item.rollout.error or '')[:300]}")
 
     async def drop(self, samples: list[Sample], reason: str) -> None:
         """Record ``dropped`` outcomes (one per trajectory: a redelivered copy and the one held are one), make
@@ -204,6 +237,10 @@ class Collector:
             await self._expire()
             if len(self.buffer.complete_groups()) >= n:
                 taken = self.buffer.take(n)
+                if self.cfg.dynamic_sampling:
+                    self.figures = {"trainer/filtered_groups": float(self.filtered),
+                                    "trainer/filtered_frac": self.filtered / (self.filtered + len(taken))}
+                    self.filtered = 0
                 for g in taken:  # until its step commits, a redelivered copy is held with it
                     self._stepping[g[0].group_id] = []
                 return taken

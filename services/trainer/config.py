@@ -29,25 +29,87 @@ class LoraConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     target_modules: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
 
 
-class LossConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``[services.trainer.loss]``: the GRPO objective."""
+class MismatchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[services.trainer.loss.mismatch]``: train-inference mismatch, a rejection mask (masked importance
+    sampling) on the ratio of the trainer's policy to the engine's (``services/trainer/mismatch.py``)."""
 
-    #: divide each group's advantages by its reward standard deviation (off: only the mean is subtracted)
-    normalize_std: bool = True
-    #: the PPO ratio is clipped to [1 - clip_low, 1 + clip_high]
+    #: "none"; "token": tokens whose ratio pi_train/mu leaves [low, high] get no policy gradient; "sequence": whole
+    #: completions whose product of token ratios leaves it; "geometric": completions whose geometric-mean ratio does
+    mask: Literal["none", "token", "sequence", "geometric"] = "none"
+    #: the lowest ratio kept
+    low: Annotated[float, msgspec.Meta(gt=0.0)] = 0.5
+    #: the highest ratio kept
+    high: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.low < self.high:
+            raise ConfigError(f"config keys services.trainer.loss.mismatch.low ({self.low}) and .high ({self.high}): "
+                              "low must be below high")
+
+
+class LossConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[services.trainer.loss]``: the GRPO-family objective (``services/trainer/loss.py``; docs/algorithms.md)."""
+
+    #: the policy term: "grpo" (PPO-clipped token ratios), "dr_grpo" (GRPO without std normalisation and with a
+    #: constant normaliser), "gspo" (one length-normalised ratio per completion, clipped per completion) or "cispo"
+    #: (clipped detached IS weight on a REINFORCE term: every token keeps its gradient)
+    type: Literal["grpo", "dr_grpo", "gspo", "cispo"] = "grpo"
+    #: divide each group's advantages by its reward standard deviation (off: only the mean is subtracted);
+    #: unset: on, except for type "dr_grpo"
+    normalize_std: bool | None = None
+    #: the PPO ratio is clipped to [1 - clip_low, 1 + clip_high] (gspo's paper clips its sequence ratio at 3e-4/4e-4)
     clip_low: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.2
     clip_high: Annotated[float, msgspec.Meta(ge=0.0)] = 0.28
     #: weight of the KL penalty against the reference (the initial policy; 0: no reference model)
     kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
-    #: off-policy correction: truncated IS (default), decoupled PPO, or none
-    is_mode: Literal["tis", "decoupled", "none"] = "tis"
-    #: the importance weight's cap (truncated IS)
+    #: off-policy correction: truncated IS (default), decoupled PPO, icepop (tokens whose weight leaves
+    #: [is_floor, is_cap] dropped), or none
+    is_mode: Literal["tis", "decoupled", "icepop", "none"] = "tis"
+    #: the importance weight's cap (truncated IS; decoupled and icepop drop tokens above it)
     is_cap: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
-    #: mean over each completion's tokens then over completions, or over every token of the batch
-    aggregation: Literal["seq_mean_token_mean", "token_mean"] = "seq_mean_token_mean"
+    #: icepop drops tokens whose importance weight is below this
+    is_floor: Annotated[float, msgspec.Meta(gt=0.0)] = 0.5
+    #: mean over each completion's tokens then over completions, over every token of the batch, or each
+    #: completion's token sum divided by norm_tokens then mean over completions; unset: "seq_mean_token_mean",
+    #: except for type "dr_grpo" ("seq_mean_token_sum_norm")
+    aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"] | None = None
+    #: the constant normaliser of aggregation "seq_mean_token_sum_norm" (0: sampling.max_new_tokens)
+    norm_tokens: NonNeg = 0
     #: per-sample loss weight ``staleness_decay ** k``, ``k`` the versions a sample's oldest token is behind
     #: the freshest sample of its batch (1.0: every sample weighs the same, as before)
     staleness_decay: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    #: completions cut by the token limit (finish_reason "length" or "token_budget") are masked out of the loss
+    #: (they still count in their group's advantages)
+    mask_truncated: bool = False
+    #: DAPO's soft overlong penalty: a completion longer than sampling.max_new_tokens - overlong_buffer tokens
+    #: gets a reward penalty growing linearly to overlong_penalty at the limit (0: off)
+    overlong_buffer: NonNeg = 0
+    #: the soft overlong penalty at the token limit
+    overlong_penalty: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    #: train-inference mismatch masks: { mask, low, high }
+    mismatch: MismatchConfig = msgspec.field(default_factory=MismatchConfig)
+
+    def __post_init__(self) -> None:
+        key = "config key services.trainer.loss"
+        if self.type == "dr_grpo":
+            if self.normalize_std:
+                raise ConfigError(f"{key}.normalize_std is true but type is \"dr_grpo\", which does not divide by "
+                                  "the group's std: remove normalize_std, or use type \"grpo\"")
+            if self.aggregation not in (None, "seq_mean_token_sum_norm"):
+                raise ConfigError(f"{key}.aggregation is {self.aggregation!r} but type is \"dr_grpo\", whose "
+                                  "normaliser is a constant (\"seq_mean_token_sum_norm\"): remove aggregation, or "
+                                  "use type \"grpo\"")
+        if self.type == "gspo" and self.aggregation not in (None, "seq_mean_token_mean"):
+            raise ConfigError(f"{key}.aggregation is {self.aggregation!r} but type is \"gspo\", whose ratio is one "
+                              "per completion (length-normalised): use aggregation \"seq_mean_token_mean\"")
+        if self.is_mode == "icepop" and not self.is_floor < self.is_cap:
+            raise ConfigError(f"{key}.is_floor ({self.is_floor}) must be below {key}.is_cap ({self.is_cap}) for "
+                              "is_mode \"icepop\"")
+        # unset: the type's own
+        if self.normalize_std is None:
+            self.normalize_std = self.type != "dr_grpo"
+        if self.aggregation is None:
+            self.aggregation = "seq_mean_token_sum_norm" if self.type == "dr_grpo" else "seq_mean_token_mean"
 
 
 class OptimConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -164,6 +226,13 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # --- batch ---
     #: prompt groups per optimiser step
     groups_per_step: Pos = 16
+    #: DAPO's dynamic sampling: a group whose rewards are all equal (no signal) is dropped when it completes
+    #: (outcome "dropped", reason "filtered") and another admitted in its place, so every step still trains
+    #: groups_per_step groups
+    dynamic_sampling: bool = False
+    #: dynamic sampling filters at most this many times groups_per_step groups for one step; past it the step takes
+    #: groups as they come (a task whose rewards never differ trains, slowly, instead of generating forever)
+    dynamic_sampling_bound: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8
     #: completions per prompt (the GRPO group)
     group_size: Annotated[int, msgspec.Meta(ge=2)] = 8
     #: the run stops after this many optimiser steps
@@ -188,7 +257,8 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     checkpoint_every: NonNeg = 20
 
     # --- groups ---
-    #: the objective: { normalize_std, clip_low, clip_high, kl_coef, is_mode, is_cap, aggregation, staleness_decay }
+    #: the objective: { type, normalize_std, clip_low, clip_high, kl_coef, is_mode, is_cap, is_floor, aggregation,
+    #: norm_tokens, staleness_decay, mask_truncated, overlong_buffer, overlong_penalty, mismatch }
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
     #: the optimiser and the update: { lr, weight_decay, max_grad_norm, lr_schedule, lr_warmup_steps, ppo_epochs,
     #: minibatches, micro_batch_size, max_tokens_per_micro_batch, gradient_checkpointing }
@@ -202,6 +272,20 @@ class TrainerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     devices: DevicesConfig = msgspec.field(default_factory=DevicesConfig)
 
     def __post_init__(self) -> None:
+        loss, budget = self.loss, self.sampling.max_new_tokens
+        if loss.aggregation == "seq_mean_token_sum_norm" and not loss.norm_tokens:
+            if not budget:
+                raise ConfigError("config key services.trainer.loss.aggregation is \"seq_mean_token_sum_norm\" (type "
+                                  f"{loss.type!r}), whose normaliser is a constant: set services.trainer.loss."
+                                  "norm_tokens or services.trainer.sampling.max_new_tokens")
+            loss.norm_tokens = budget
+        if loss.overlong_buffer:
+            if not budget:
+                raise ConfigError("config key services.trainer.loss.overlong_buffer needs the token limit it counts "
+                                  "back from: set services.trainer.sampling.max_new_tokens")
+            if loss.overlong_buffer > budget:
+                raise ConfigError(f"config key services.trainer.loss.overlong_buffer ({loss.overlong_buffer}) is "
+                                  f"more than services.trainer.sampling.max_new_tokens ({budget}): lower it")
         if self.optim.minibatches > self.groups_per_step * self.group_size:
             raise ConfigError(f"config key services.trainer.optim.minibatches is {self.optim.minibatches}, more "
                               f"than the {self.groups_per_step * self.group_size} completions of a batch "

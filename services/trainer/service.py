@@ -184,6 +184,7 @@ class Trainer:
             weights = await asyncio.to_thread(self.learner.snapshot if overlap else self.learner.state_dict)
             metrics["time/snapshot_s"] = time.perf_counter() - t0
             metrics["time/wait_s"] = wait_s  # blocked in collect for this batch
+            metrics.update(self.collector.figures)  # dynamic sampling's filtered fraction
             done = self._publish_and_commit(groups, weights, metrics, version_lag)
             if overlap:
                 self._pending = asyncio.create_task(done, name=f"trainer-publish-{state.version}")

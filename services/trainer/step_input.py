@@ -55,19 +55,34 @@ class StepInput:
     total: float
     #: per-completion loss weights (``loss.staleness_decay``); empty: all 1
     weights: list[float] = field(default_factory=list)
+    #: figures of the batch's shaping (``overlong/...``), reported with the step's metrics
+    figures: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, batch: list[ScoredTrajectory], cfg: TrainerConfig) -> StepInput:
-        rewards = torch.tensor([t.reward for t in batch], dtype=torch.float32)
-        # 1. group-normalised advantages, over whole groups
         loss = cfg.loss
-        advantages = group_advantages(rewards, [t.rollout.group_id for t in batch], normalize_std=loss.normalize_std)
         prompts, completions, masks, behaviour = completion_tensors(batch)
+        rewards = torch.tensor([t.reward for t in batch], dtype=torch.float32)
+        # 1. overlong shaping: the soft penalty on the rewards, truncated completions out of the loss
+        penalties = overlong_penalties([sum(m) for m in masks], cfg.sampling.max_new_tokens, loss.overlong_buffer,
+                                       loss.overlong_penalty)
+        truncated = [t.rollout.finish_reason in TRUNCATED for t in batch]
+        if loss.mask_truncated:
+            masks = [[0] * len(m) if cut else m for m, cut in zip(masks, truncated, strict=True)]
+        n = max(len(batch), 1)
+        figures = {"overlong/truncated_frac": sum(truncated) / n}
+        if loss.overlong_buffer:
+            figures["overlong/penalty_mean"] = sum(penalties) / n
+            figures["overlong/penalised_frac"] = sum(1 for p in penalties if p < 0) / n
+        # 2. group-normalised advantages, over whole groups (the penalty shapes them; the rewards reported are
+        # the task's)
+        shaped = rewards + torch.tensor(penalties, dtype=torch.float32)
+        advantages = group_advantages(shaped, [t.rollout.group_id for t in batch], normalize_std=bool(loss.normalize_std))
         weights: list[float] = []
         if loss.staleness_decay < 1.0:
             weights = [loss.staleness_decay ** k for k in behind_freshest(batch)]
         return cls(prompts, completions, masks, behaviour, advantages.tolist(), rewards.tolist(),
-                   loss_total(masks, range(len(masks)), loss.aggregation), weights)
+                   loss_total(masks, range(len(masks)), str(loss.aggregation)), weights, figures)
 
     @property
     def lengths(self) -> list[int]:
@@ -82,8 +97,26 @@ def behind_freshest(batch: list[ScoredTrajectory]) -> list[int]:
     return [newest - v for v in versions]
 
 
+#: the finish reasons of a completion cut by the token limit (``loss.mask_truncated``)
+TRUNCATED = ("length", "token_budget")
+
+
+def overlong_penalties(lengths: list[int], limit: int, buffer: int, penalty: float) -> list[float]:
+    """DAPO's soft overlong punishment per completion of ``lengths`` policy tokens: 0 up to ``limit - buffer``
+    tokens, then falling linearly to ``-penalty`` at ``limit`` (and beyond)::
+
+        R(L) = 0                                       L <= limit - buffer
+             = (limit - buffer - L) / buffer * penalty  limit - buffer < L <= limit
+             = -penalty                                 L > limit
+
+    ``buffer`` 0: no penalty."""
+    if not buffer:
+        return [0.0] * len(lengths)
+    return [-penalty * min(max(n - (limit - buffer), 0), buffer) / buffer for n in lengths]
+
+
 def loss_total(masks: list[list[int]], rows: Any, aggregation: str) -> float:
-    """The loss normaliser of ``rows``: completions with a loss token (seq_mean_token_mean) or loss tokens."""
-    if aggregation == "seq_mean_token_mean":
+    """The loss normaliser of ``rows``: completions with a loss token (the seq_mean aggregations) or loss tokens."""
+    if aggregation in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):
         return float(sum(1 for i in rows if sum(masks[i]) > 0))
     return float(sum(sum(masks[i]) for i in rows))
