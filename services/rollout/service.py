@@ -99,6 +99,7 @@ class RolloutService:
         self.agents: AgentLoop | None = None  # set by attach() when the engine has a tokenizer
         self.episodes: EpisodeLoop | None = None  # set by attach(): the one loop every episode runs through
         self.engine_failure: BaseException | None = None  # set when the engine died under requests
+        self.endpoint: Any = None  # the OpenAI/Anthropic-compatible endpoint, when [services.rollout] endpoint is on
 
     def _engine(self) -> tuple[Engine, bool]:
         """The engine (not started) and whether it sleeps while a colocated trainer steps."""
@@ -116,6 +117,8 @@ class RolloutService:
         self.attach(engine, engine.tokenizer, SandboxClient(
             ctx.nc, ctx.run_id, timeout_s=self.cfg.agent.sandbox_timeout_s,
             default_exec_timeout_s=self.cfg.agent.exec_timeout_s))
+        if self.cfg.endpoint.enabled:
+            await self.serve_endpoint(ctx)
         receiver = make_receiver(self.cfg.weight_source(self.loaded.weights), ctx.nc, ctx.run_id)
         weights = asyncio.create_task(self.follow_weights(ctx, receiver), name="rollout-weights")
         reports = asyncio.create_task(self._report(ctx), name="rollout-metrics")
@@ -144,10 +147,23 @@ class RolloutService:
                 log.debug("closing the weight receiver: %s", e)
             if self.episodes is not None:
                 await self.episodes.close()
+            if self.endpoint is not None:
+                await self.endpoint.stop()
             DEVICE_SHARE.unregister(self.engine)
             await self.engine.stop()
         if self.engine_failure is not None:
             raise EngineError(f"the engine died: {self.engine_failure}") from self.engine_failure
+
+    async def serve_endpoint(self, ctx: Any) -> None:
+        """Start the OpenAI/Anthropic-compatible endpoint over the engine (services/rollout/endpoint.py)."""
+        from services.rollout.endpoint import Endpoint  # aiohttp only where the endpoint is on
+
+        if self.episodes is None or self.episodes.tokenizer is None:
+            raise EngineError("the endpoint needs the engine's tokenizer; this engine has none")
+        self.endpoint = Endpoint(self.engine, self.episodes.tokenizer, self.cfg.endpoint, self.loaded.model.name,
+                                 tool_parser=self.cfg.agent.tool_parser)
+        await self.endpoint.start()
+        ctx.gauges["rollout/endpoint/port"] = float(self.endpoint.port)
 
     async def _watch_engine(self, ctx: ServiceContext) -> None:
         """An engine that dies while idle (no request to fail) stops this service too, within
@@ -232,6 +248,9 @@ class RolloutService:
                     "rollout/agent_tool_calls": float(self.agents.counters["tool_calls"]),
                     "rollout/agent_errors": float(self.agents.counters["errors"]),
                     "rollout/agent_sandbox_retries": float(self.agents.counters["sandbox_retries"])}),
+                **({} if self.endpoint is None else {
+                    "rollout/endpoint/sessions": float(len(self.endpoint.sessions)),
+                    **{f"rollout/endpoint/{k}": float(v) for k, v in self.endpoint.counters.items()}}),
                 **({} if self.episodes is None else {
                     **{f"rollout/episode/{k}": float(v) for k, v in self.episodes.counters.items()},
                     **{f"rollout/tools/{k}": v for k, v in self.episodes.tools.metrics().items()}}),

@@ -215,3 +215,32 @@ async def test_a_client_that_disconnects_mid_stream_cancels_only_its_call():
         ok = await c.chat.completions.create(model="tiny", messages=QUESTION)
         assert ok.choices[0].message.content == "never"
         assert session.calls[1].segment == 1  # the aborted call continues nothing
+
+
+async def test_the_rollout_service_serves_the_endpoint_over_its_one_engine(engine):
+    """[services.rollout] endpoint on: the service starts it over the engine its episodes use, reports it, and
+    native episodes and endpoint calls share that engine at once."""
+    from types import SimpleNamespace
+
+    from services.rollout.config import EndpointSection, RolloutConfig
+    from services.rollout.service import RolloutService
+    from services.runtime.config import CommonSection, Loaded, ModelSection, NatsSection, RunSection
+
+    loaded = Loaded(run=RunSection(id="ep"), nats=NatsSection(url="nats://unused:1"), common=CommonSection(),
+                    model=ModelSection(name="tiny"),
+                    service=RolloutConfig(endpoint=EndpointSection(enabled=True, served_model="policy")))
+    svc = RolloutService(loaded)
+    svc.attach(engine, TOK, sandboxes=None)
+    ctx = SimpleNamespace(gauges={})
+    await svc.serve_endpoint(ctx)
+    try:
+        assert svc.endpoint.engine is svc.engine and ctx.gauges["rollout/endpoint/port"] == svc.endpoint.port
+        session = svc.endpoint.sessions.open()
+        c = client(svc.endpoint, session.id)
+        ids = TOK.encode("2 + 3 =", add_special_tokens=False)
+        native, served = await asyncio.gather(
+            engine.generate(ids, SamplingParams(max_new_tokens=6, temperature=0)),
+            c.completions.create(model="policy", prompt=ids, max_tokens=6, temperature=0))
+        assert served.choices[0].text == native.text and served.model == "policy"
+    finally:
+        await svc.endpoint.stop()
