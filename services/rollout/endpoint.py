@@ -29,6 +29,7 @@ feature → 400 naming it; no or an unknown session → 401; a prompt longer tha
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -49,7 +50,14 @@ from services.rollout import anthropic_api, openai_api
 from services.rollout.chat_render import ChatRenderer, RenderError, message_key, tools_key
 from services.rollout.config import EndpointSection
 from services.rollout.openai_api import ApiError, ChoiceResult, GenerationRequest
-from services.rollout.sessions import Call, Choice, Session, SessionStore, UnknownSessionError
+from services.rollout.sessions import (
+    Call,
+    Choice,
+    Session,
+    SessionBudgetError,
+    SessionStore,
+    UnknownSessionError,
+)
 from services.tasks.toolcalls import get_parser
 
 log = logging.getLogger("rlbus.rollout.endpoint")
@@ -237,6 +245,7 @@ class Endpoint:
         self.counters["requests"] += 1
         prompt_ids, context, continues = self._prompt(session, req)
         params = self._params(req, len(prompt_ids))
+        params = self._budget(session, params, prompt_ids, continues)
         call = session.begin(prompt_ids, context, continues)
         try:
             if started is not None:
@@ -259,6 +268,26 @@ class Endpoint:
                                      key=message_key(m) if req.messages is not None else c.text)
                               for r, (c, m) in zip(results, messages, strict=True)])
         return call, choices
+
+    def _budget(self, session: Session, params: SamplingParams, prompt_ids: list[int],
+                continues: tuple[Call, int] | None) -> SamplingParams:
+        """``params`` with max_new_tokens capped by the session's token budget; a call past a budget is refused."""
+        try:
+            left = session.tokens_left()
+        except SessionBudgetError as e:
+            raise ApiError(400, str(e), code="session_budget_exhausted") from e
+        if left is None:
+            return params
+        if continues is not None:  # the new prompt tokens count against the budget too
+            prev, j = continues
+            left -= len(prompt_ids) - len(prev.prompt_ids) - len(prev.choices[j].token_ids)
+        elif session.calls:
+            left -= len(prompt_ids)
+        if left <= 0:
+            session.exhausted = session.exhausted or "token_budget"
+            raise ApiError(400, f"the session's budget of {session.max_tokens} tokens is spent by this prompt",
+                           code="session_budget_exhausted")
+        return dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, left))
 
     def _prompt(self, session: Session, req: GenerationRequest) -> tuple[list[int], Any, tuple[Call, int] | None]:
         """The call's prompt ids, its context, and the (call, choice) it continues, if it does."""
@@ -325,7 +354,7 @@ class Endpoint:
 
     async def _generate(self, prompt_ids: list[int], params: SamplingParams, index: int) -> GenerationResult:
         if params.seed is not None and index:
-            params = SamplingParams(**{**params.__dict__, "seed": params.seed + index})  # n distinct choices
+            params = dataclasses.replace(params, seed=params.seed + index)  # n distinct choices
         delay = 0.05
         while True:
             try:

@@ -45,6 +45,15 @@ class UnknownSessionError(SessionError, KeyError):
         return str(self.args[0])
 
 
+class SessionBudgetError(SessionError):
+    """A call past the session's budget of calls or tokens; ``reason`` is the finish reason it ends the episode
+    with (``turn_limit`` or ``token_budget``)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class SessionLimitError(SessionError):
     """Opening another session would pass ``max_sessions``."""
 
@@ -128,13 +137,38 @@ class Segment:
 class Session:
     """One episode's calls and the segments they make."""
 
-    def __init__(self, session_id: str, labels: dict[str, str] | None = None) -> None:
+    def __init__(self, session_id: str, labels: dict[str, str] | None = None, max_calls: int | None = None,
+                 max_tokens: int | None = None) -> None:
         self.id = session_id
         self.labels = dict(labels or {})
+        #: budgets (None: none): model calls, and tokens generated + prompt tokens added after the first call
+        self.max_calls = max_calls
+        self.max_tokens = max_tokens
+        #: the budget a call ran into (``turn_limit``/``token_budget``), None while none did
+        self.exhausted: str | None = None
         self.calls: list[Call] = []
         self.segments: list[Segment] = []
         self.generated_tokens = 0
         self.prefilled_tokens = 0
+
+    @property
+    def used_tokens(self) -> int:
+        """Tokens counted against ``max_tokens``: generated, and prompt tokens added after the first call."""
+        return self.generated_tokens + self.prefilled_tokens - (len(self.calls[0].prompt_ids) if self.calls else 0)
+
+    def tokens_left(self) -> int | None:
+        """What ``max_tokens`` leaves (None: no budget). Raises :class:`SessionBudgetError` when a call would
+        pass a budget (and records which, in :attr:`exhausted`)."""
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            self.exhausted = self.exhausted or "turn_limit"
+            raise SessionBudgetError("turn_limit", f"the session's budget of {self.max_calls} model calls is spent")
+        if self.max_tokens is None:
+            return None
+        left = self.max_tokens - self.used_tokens
+        if left <= 0:
+            self.exhausted = self.exhausted or "token_budget"
+            raise SessionBudgetError("token_budget", f"the session's budget of {self.max_tokens} tokens is spent")
+        return left
 
     def tips(self) -> list[Call]:
         """The calls a new call may continue, newest first: finished, and still the tip of their segment."""
@@ -211,15 +245,17 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._open)
 
-    def open(self, labels: dict[str, str] | None = None, session_id: str | None = None) -> Session:
-        """A new session (its id: ``session_id``, else a random ``rls-...`` string, usable as an API key)."""
+    def open(self, labels: dict[str, str] | None = None, session_id: str | None = None, *,
+             max_calls: int | None = None, max_tokens: int | None = None) -> Session:
+        """A new session (its id: ``session_id``, else a random ``rls-...`` string, usable as an API key) with
+        budgets of model calls and tokens (None: none)."""
         if len(self._open) >= self.max_sessions:
             raise SessionLimitError(f"{len(self._open)} sessions are open (max_sessions = {self.max_sessions}); "
                                     "close finished ones")
         sid = session_id or f"rls-{secrets.token_urlsafe(18)}"
         if sid in self._open:
             raise SessionError(f"session {sid!r} is already open")
-        session = self._open[sid] = Session(sid, labels)
+        session = self._open[sid] = Session(sid, labels, max_calls=max_calls, max_tokens=max_tokens)
         return session
 
     def get(self, session_id: str) -> Session:
