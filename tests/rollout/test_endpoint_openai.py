@@ -244,3 +244,20 @@ async def test_the_rollout_service_serves_the_endpoint_over_its_one_engine(engin
         assert served.choices[0].text == native.text and served.model == "policy"
     finally:
         await svc.endpoint.stop()
+
+
+async def test_an_episode_spanning_two_weight_versions_records_both_per_token(engine):
+    """New weights applied between two calls of one session: each generated token keeps the version that
+    sampled it, and the assembled sequence holds both (the staleness filter reads its oldest)."""
+    from endpoint_harness import tiny_model
+
+    async with serving(engine, TOK) as ep:
+        session = ep.sessions.open()
+        c = client(ep, session.id)
+        r = await c.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=4, temperature=0)
+        await engine.update_weights(tiny_model(TOK, seed=1).state_dict(), version=1)
+        messages = [*QUESTION, r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
+        await c.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+        [segment] = ep.sessions.close(session.id).close()
+        _, turns = segment.sequence()
+        assert [set(t.versions) for t in turns if t.role == "assistant"] == [{0}, {1}]
