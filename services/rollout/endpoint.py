@@ -41,6 +41,7 @@ from aiohttp import web
 
 from services.lib.engine.base import (
     Engine,
+    EngineError,
     EngineOverloadedError,
     GenerationResult,
     InvalidRequestError,
@@ -132,6 +133,12 @@ class Endpoint:
                 raise
             error = ApiError(e.status, f"{request.method} {request.path}: {e.reason}",
                              kind="not_found_error" if e.status == 404 else "invalid_request_error")
+        except EngineError as e:  # the engine stopped or died under the request: the client may retry elsewhere
+            error = ApiError(503, f"the engine cannot serve the request: {e}", kind="server_error",
+                             code="engine_unavailable")
+        except Exception as e:  # a bug of the endpoint: said in the API's shape, and logged with its trace
+            log.exception("endpoint request %s %s failed", request.method, request.path)
+            error = ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
         self.counters["errors"] += 1
         body = anthropic_api.error_body(error) if anthropic else openai_api.error_body(error)
         return web.json_response(body, status=error.status)

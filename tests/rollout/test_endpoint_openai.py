@@ -261,3 +261,13 @@ async def test_an_episode_spanning_two_weight_versions_records_both_per_token(en
         [segment] = ep.sessions.close(session.id).close()
         _, turns = segment.sequence()
         assert [set(t.versions) for t in turns if t.role == "assistant"] == [{0}, {1}]
+
+
+async def test_a_stopped_engine_is_a_503_in_the_apis_shape_and_the_call_is_aborted():
+    async with torch_engine(TOK) as engine, serving(engine, TOK) as ep:
+        session = ep.sessions.open()
+        await engine.stop()
+        with pytest.raises(openai.InternalServerError, match="the engine cannot serve") as e:
+            await client(ep, session.id).chat.completions.create(model="tiny", messages=QUESTION, max_tokens=2)
+        assert e.value.status_code == 503 and e.value.code == "engine_unavailable"
+        assert session.calls[0].aborted is not None and "engine" in session.calls[0].aborted
