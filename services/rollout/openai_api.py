@@ -136,7 +136,8 @@ def parse_chat(body: Any, max_n: int) -> GenerationRequest:
     _need(isinstance(body, dict), "the request body must be a JSON object", "body")
     req = GenerationRequest()
     _sampling(body, req, max_n)
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    limit = body.get("max_completion_tokens")
+    limit = body.get("max_tokens") if limit is None else limit
     req.max_tokens = _integer({"max_tokens": limit}, "max_tokens", 1)
     raw = body.get("messages")
     _need(isinstance(raw, list) and bool(raw), "messages must be a non-empty list", "messages")

@@ -100,8 +100,9 @@ async def test_n_choices_and_completions_with_text_and_token_prompts(engine):
     async with serving(engine, TOK, max_n=3) as ep:
         session = ep.sessions.open()
         c = client(ep, session.id)
-        r = await c.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=6, n=3, seed=1)
+        r = await c.chat.completions.create(model="tiny", messages=QUESTION, max_completion_tokens=6, n=3, seed=1)
         assert len(r.choices) == 3 and len(session.calls[-1].choices) == 3
+        assert all(1 <= len(ch.token_ids) <= 6 for ch in session.calls[-1].choices)
         text = await c.completions.create(model="tiny", prompt="2 + 3 =", max_tokens=5, temperature=0, logprobs=1)
         ids = TOK.encode("2 + 3 =", add_special_tokens=False)
         direct = await engine.generate(ids, SamplingParams(max_new_tokens=5, temperature=0))
@@ -118,7 +119,7 @@ async def test_n_choices_and_completions_with_text_and_token_prompts(engine):
 
 
 async def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(engine):
-    async with serving(engine, TOK, max_n=2) as ep:
+    async with serving(engine, TOK, max_n=2, max_request_bytes=64 * 1024) as ep:
         session = ep.sessions.open()
         c = client(ep, session.id)
         with pytest.raises(openai.AuthenticationError, match="unknown session"):
@@ -144,6 +145,11 @@ async def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(engine)
                 assert "not valid JSON" in body["error"]["message"]
             async with http.post(f"{ep.base_url}/chat/completions", json={"messages": QUESTION}) as resp:
                 assert resp.status == 401 and "no session" in (await resp.json())["error"]["message"]
+            big = {"messages": [{"role": "user", "content": "x" * 70_000}]}
+            async with http.post(f"{ep.base_url}/chat/completions", json=big,
+                                 headers={"Authorization": f"Bearer {session.id}"}) as resp:
+                body = await resp.json()
+                assert resp.status == 413 and "max_request_bytes" in body["error"]["message"]
             async with http.get(f"{ep.base_url}/nowhere") as resp:
                 assert resp.status == 404 and "error" in await resp.json()
             # the session id in the path works without an API key
