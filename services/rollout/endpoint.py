@@ -59,6 +59,7 @@ from services.rollout.sessions import (
     SessionStore,
     UnknownSessionError,
 )
+from services.runtime import tracing
 from services.tasks.toolcalls import get_parser
 
 log = logging.getLogger("rlbus.rollout.endpoint")
@@ -257,7 +258,9 @@ class Endpoint:
         try:
             if started is not None:
                 await started(len(prompt_ids))
-            results = await asyncio.gather(*(self._generate(prompt_ids, params, i) for i in range(req.n)))
+            with tracing.span("endpoint call", call=call.index, segment=call.segment, n=req.n,
+                              prompt_tokens=len(prompt_ids), new_tokens=call.new_tokens, **session.labels):
+                results = await asyncio.gather(*(self._generate(prompt_ids, params, i) for i in range(req.n)))
         except asyncio.CancelledError:
             self.counters["aborted"] += 1
             session.abort(call, "the client went away")
