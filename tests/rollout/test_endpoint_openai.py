@@ -277,3 +277,26 @@ async def test_a_stopped_engine_is_a_503_in_the_apis_shape_and_the_call_is_abort
             await client(ep, session.id).chat.completions.create(model="tiny", messages=QUESTION, max_tokens=2)
         assert e.value.status_code == 503 and e.value.code == "engine_unavailable"
         assert session.calls[0].aborted is not None and "engine" in session.calls[0].aborted
+
+
+async def test_concurrent_sessions_batch_in_one_engine_and_keep_their_own_sequences(engine):
+    """16 agents at once, two turns each: every session is one sequence of its own calls (its own question,
+    its own answer's ids), while all share the engine's batches."""
+    async with serving(engine, TOK) as ep:
+        async def agent(i: int) -> tuple[object, list[int]]:
+            session = ep.sessions.open(labels={"agent": str(i)})
+            c = client(ep, session.id)
+            messages = [{"role": "user", "content": f"What is {i} + {i}?"}]
+            r = await c.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+            messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
+            await c.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+            return ep.sessions.close(session.id), session.calls[0].choices[0].token_ids
+
+        results = await asyncio.gather(*(agent(i) for i in range(16)))
+        for i, (session, first) in enumerate(results):
+            [segment] = session.close()
+            assert session.labels == {"agent": str(i)} and [c.segment for c in session.calls] == [0, 0]
+            assert f"What is {i} + {i}?" in TOK.decode(segment.token_ids)
+            head = session.calls[0].prompt_ids + first
+            assert segment.token_ids[:len(head)] == head and segment.generated[len(head) - 1]
+        assert len(ep.sessions) == 0
