@@ -60,6 +60,9 @@ class RolloutSample(msgspec.Struct, kw_only=True):
     worker: str = ""
     #: what this sample adds to the ticket's metadata (e.g. ``sandbox_retries``)
     metadata: dict[str, str] = {}
+    #: the prompt this sample's turns follow, when it is not the ticket's: a black-box agent's episode starts
+    #: from the prompt its own first call rendered (None: the ticket's ``prompt_ids``)
+    prompt_ids: list[int] | None = None
 
 
 class Rollout(Envelope, kw_only=True, tag="rollout"):
@@ -101,7 +104,8 @@ def joined(group: Envelope, ticket: PromptTicket, s: RolloutSample) -> Rollout:
     """Sample ``s`` of ``group`` with its ticket's fields (no list is copied)."""
     return Rollout(run_id=group.run_id, msg_id=s.id, created_at=group.created_at, task=ticket.task,
                    group_id=ticket.group_id, prompt_id=ticket.prompt_id, sample_index=s.sample_index,
-                   group_size=ticket.group_size, prompt_ids=ticket.prompt_ids, turns=s.turns,
+                   group_size=ticket.group_size,
+                   prompt_ids=ticket.prompt_ids if s.prompt_ids is None else s.prompt_ids, turns=s.turns,
                    finish_reason=s.finish_reason, policy_version=ticket.policy_version,
                    metadata={**ticket.metadata, **s.metadata},
                    is_eval=ticket.is_eval, sandbox_id=s.sandbox_id, error=s.error, worker=s.worker,
@@ -112,7 +116,8 @@ def split(r: Rollout, ticket: PromptTicket) -> RolloutSample:
     """The per-sample part of ``r`` (its metadata beyond the ticket's)."""
     extra = {k: v for k, v in r.metadata.items() if ticket.metadata.get(k) != v}
     return RolloutSample(id=r.msg_id, sample_index=r.sample_index, turns=r.turns, finish_reason=r.finish_reason,
-                         error=r.error, sandbox_id=r.sandbox_id, worker=r.worker, metadata=extra)
+                         error=r.error, sandbox_id=r.sandbox_id, worker=r.worker, metadata=extra,
+                        prompt_ids=None if r.prompt_ids == ticket.prompt_ids else r.prompt_ids)
 
 
 def ticket_of(r: Rollout, msg_id: str) -> PromptTicket:

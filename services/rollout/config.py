@@ -105,6 +105,30 @@ class AgentSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                               f"the parsers are: {', '.join(sorted(PARSERS))}")
 
 
+class EndpointSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The OpenAI- and Anthropic-compatible HTTP endpoint over the rollout's engine (services/rollout/endpoint.py).
+
+    Each request is one call of a session (its id is the API key, or the ``/s/<session>`` path prefix);
+    sessions are opened by the rollout for its episodes (or by code holding the endpoint)."""
+
+    #: serve the endpoint beside the engine (off: nothing listens)
+    enabled: bool = False
+    #: the address it listens on (127.0.0.1: this host only; sandboxes reach it through their egress allowlist)
+    host: str = "127.0.0.1"
+    #: the TCP port (0: a free port, chosen at start and logged)
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    #: the model id /v1/models lists and responses name ("": the run's [model] name); requests may name any
+    served_model: str = ""
+    #: most choices one request may ask for (``n``); more is refused with a 400
+    max_n: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
+    #: completion tokens of a request that names no max_tokens (capped by what the context leaves)
+    default_max_tokens: Pos = 512
+    #: sessions held at once; opening one more is refused (close finished ones)
+    max_sessions: Pos = 4096
+    #: largest request body in bytes (larger: 413)
+    max_request_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 8 * 1024 * 1024
+
+
 class WeightsSource(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A weightsync relay a rollout reads versions from (``[services.rollout] weights_from``)."""
 
@@ -132,6 +156,8 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weights_from: WeightsSource | None = None
     #: budgets and tools of multi-turn episodes (environments, sandbox agents); single-turn tasks ignore it
     agent: AgentSection = msgspec.field(default_factory=AgentSection)
+    #: the OpenAI/Anthropic-compatible endpoint over the engine, for black-box agents (off by default)
+    endpoint: EndpointSection = msgspec.field(default_factory=EndpointSection)
 
     def weight_source(self, weights: TransportConfig) -> TransportConfig:
         """The transport this rollout reads versions with: ``weights`` (the run's ``[weights]``), or its scope

@@ -69,6 +69,10 @@ class EpisodeOutcome:
     assistant_texts: list[str] = field(default_factory=list)
     #: times the episode started again on a new sandbox because its sandbox's instance was gone
     sandbox_retries: int = 0
+    #: the prompt the turns follow when it is not the ticket's (a black-box agent's first call rendered it)
+    prompt_ids: list[int] | None = None
+    #: what the episode adds to the sample's metadata (e.g. a black-box agent's ``agent_answer``)
+    metadata: dict[str, str] = field(default_factory=dict)
 
 
 class EnvironmentFailed(Exception):

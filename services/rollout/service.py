@@ -43,6 +43,7 @@ from services.runtime.consume import Delivery, Poison, Retry
 from services.runtime.service import ServiceContext
 from services.tasks import TaskRegistrationError, UnknownTaskError, get_task
 from services.tasks.base import Prompt, Task
+from services.tasks.black_box import is_black_box_agent
 from services.tasks.env import SingleTurn, environment_of, is_environment
 from services.tasks.models import resolve_model
 from services.tasks.sandbox_tools import uses_sandbox
@@ -70,7 +71,7 @@ def rollout_sample(ctx: ServiceContext, ticket: PromptTicket, index: int,
     # started again on a new sandbox after losing its instance: said in the sample's metadata
     extra = {"sandbox_retries": str(out.sandbox_retries)} if out.sandbox_retries else {}
     return RolloutSample(**common, turns=out.turns, finish_reason=out.finish_reason, sandbox_id=out.sandbox_id,
-                         error=out.error, metadata=extra)
+                         error=out.error, metadata={**out.metadata, **extra}, prompt_ids=out.prompt_ids)
 
 
 async def publish_group(ctx: ServiceContext, ticket: PromptTicket,
@@ -100,6 +101,8 @@ class RolloutService:
         self.agents: AgentLoop | None = None  # set by attach() when the engine has a tokenizer
         self.episodes: EpisodeLoop | None = None  # set by attach(): the one loop every episode runs through
         self.engine_failure: BaseException | None = None  # set when the engine died under requests
+        self.endpoint: Any = None  # the OpenAI/Anthropic-compatible endpoint, when [services.rollout] endpoint is on
+        self.black_box: Any = None  # black-box agent episodes (services/rollout/black_box.py), with the endpoint
 
     def _engine(self) -> tuple[Engine, bool]:
         """The engine (not started) and whether it sleeps while a colocated trainer steps."""
@@ -117,6 +120,8 @@ class RolloutService:
         self.attach(engine, engine.tokenizer, SandboxClient(
             ctx.nc, ctx.run_id, timeout_s=self.cfg.agent.sandbox_timeout_s,
             default_exec_timeout_s=self.cfg.agent.exec_timeout_s))
+        if self.cfg.endpoint.enabled:
+            await self.serve_endpoint(ctx)
         receiver = make_receiver(self.cfg.weight_source(self.loaded.weights), ctx.nc, ctx.run_id)
         weights = asyncio.create_task(self.follow_weights(ctx, receiver), name="rollout-weights")
         reports = asyncio.create_task(self._report(ctx), name="rollout-metrics")
@@ -145,10 +150,25 @@ class RolloutService:
                 log.debug("closing the weight receiver: %s", e)
             if self.episodes is not None:
                 await self.episodes.close()
+            if self.endpoint is not None:
+                await self.endpoint.stop()
             DEVICE_SHARE.unregister(self.engine)
             await self.engine.stop()
         if self.engine_failure is not None:
             raise EngineError(f"the engine died: {self.engine_failure}") from self.engine_failure
+
+    async def serve_endpoint(self, ctx: Any) -> None:
+        """Start the OpenAI/Anthropic-compatible endpoint over the engine (services/rollout/endpoint.py)."""
+        from services.rollout.black_box import BlackBoxLoop  # aiohttp only where the endpoint is on
+        from services.rollout.endpoint import Endpoint
+
+        if self.episodes is None or self.episodes.tokenizer is None:
+            raise EngineError("the endpoint needs the engine's tokenizer; this engine has none")
+        self.endpoint = Endpoint(self.engine, self.episodes.tokenizer, self.cfg.endpoint, self.loaded.model.name,
+                                 tool_parser=self.cfg.agent.tool_parser)
+        await self.endpoint.start()
+        self.black_box = BlackBoxLoop(self.endpoint, self.cfg.agent)
+        ctx.gauges["rollout/endpoint/port"] = float(self.endpoint.port)
 
     async def _watch_engine(self, ctx: ServiceContext) -> None:
         """An engine that dies while idle (no request to fail) stops this service too, within
@@ -233,6 +253,10 @@ class RolloutService:
                     "rollout/agent_tool_calls": float(self.agents.counters["tool_calls"]),
                     "rollout/agent_errors": float(self.agents.counters["errors"]),
                     "rollout/agent_sandbox_retries": float(self.agents.counters["sandbox_retries"])}),
+                **({} if self.endpoint is None else {
+                    "rollout/endpoint/sessions": float(len(self.endpoint.sessions)),
+                    **{f"rollout/endpoint/{k}": float(v) for k, v in self.endpoint.counters.items()},
+                    **{f"rollout/black_box/{k}": float(v) for k, v in self.black_box.counters.items()}}),
                 **({} if self.episodes is None else {
                     **{f"rollout/episode/{k}": float(v) for k, v in self.episodes.counters.items()},
                     **{f"rollout/tools/{k}": v for k, v in self.episodes.tools.metrics().items()}}),
@@ -277,6 +301,11 @@ class RolloutService:
         :attr:`agents`), a task that is an environment, or the single-turn environment (also for a task this
         process does not know: one generation on the ticket's prompt ids)."""
         task = self.task(name)
+        if task is not None and is_black_box_agent(task):
+            if self.black_box is None:
+                raise Poison(f"task {name!r} runs black-box agents against the endpoint, which is off: set "
+                             "[services.rollout] endpoint.enabled = true")
+            return task
         if task is not None and is_agent_task(task):
             if self.agents is None:
                 raise Poison(f"task {name!r} runs agent loops, which need a tokenizer; the engine has none")
@@ -299,6 +328,9 @@ class RolloutService:
             return await self.episodes.run(env, _NO_PROMPT, ticket.prompt_ids, params)
         prompt = Prompt(id=ticket.prompt_id, text=ticket.prompt_text, metadata=dict(ticket.metadata))
         labels = {"task": ticket.task, "group": ticket.group_id, "sample": str(index), "prompt": ticket.prompt_id}
+        if is_black_box_agent(env):
+            assert self.black_box is not None
+            return await self.black_box.run(env, prompt, labels)
         if is_agent_task(env) or uses_sandbox(env):
             assert self.agents is not None
             return await self.agents.run(env, prompt, ticket.prompt_ids, params, labels=labels)

@@ -14,7 +14,7 @@ import pytest
 from proto import catalog, codec, registry
 from proto.accounting import OutcomeBatch, TrajectoryOutcome
 from proto.prompts import PromptTicket, Sampling
-from proto.rollouts import Rollout, RolloutGroup, RolloutGroupV1, RolloutSample, Turn
+from proto.rollouts import Rollout, RolloutGroup, RolloutGroupV1, RolloutSample, Turn, split
 from proto.trajectories import ScoredGroup, ScoredGroupV1, ScoredTrajectory, scored
 from services.launcher.accounting import read_channel
 from services.launcher.tap import render
@@ -45,7 +45,9 @@ def test_a_group_carries_the_ticket_once_and_its_records_join_it():
     group = RolloutGroup(run_id=RUN, ticket=ticket(), rollouts=samples)
     assert group.schema == 2 and group.group_id == "g1"
     wire = msgspec.to_builtins(group)
-    assert "prompt_ids" not in json.dumps(wire["rollouts"])  # the ticket's fields are not repeated per sample
+    # the ticket's fields are not repeated per sample (a sample names its own prompt only when it has one)
+    assert all(r["prompt_ids"] is None for r in wire["rollouts"])
+    assert "prompt_text" not in json.dumps(wire["rollouts"]) and "policy_version" not in json.dumps(wire["rollouts"])
     got = codec.decode(codec.encode(group), RolloutGroup)
     assert got == group
     first, second = got.records()
@@ -141,3 +143,14 @@ def test_a_dead_lettered_group_is_fixed_field_by_field_in_its_ticket_and_samples
         fix_payload(subject, codec.encode(group), ['ticket.policy_version="late"'])
     old = codec.decode(fix_payload(subject, codec.encode(bare_rollout()), ["policy_version=7"]), RolloutGroup)
     assert old.records()[0].policy_version == 7  # an older bare record: fixed as stored, read as a group of one
+
+
+def test_a_sample_with_its_own_prompt_keeps_it_through_the_group():
+    """A black-box agent's sample starts from the prompt its first call rendered: readers get that prompt."""
+    own = RolloutSample(id=f"{RUN}-g1-s0", sample_index=0, turns=[Turn(role="assistant", token_ids=[9])],
+                        finish_reason="eos", prompt_ids=[1, 2])
+    group = codec.decode(codec.encode(RolloutGroup(run_id=RUN, ticket=ticket(), rollouts=[own])), RolloutGroup)
+    [record] = group.records()
+    assert record.prompt_ids == [1, 2]
+    assert split(record, ticket()).prompt_ids == [1, 2]
+    assert split(bare_rollout(), ticket()).prompt_ids is None  # the ticket's prompt is not repeated

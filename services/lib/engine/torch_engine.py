@@ -176,6 +176,11 @@ class TorchEngine:
         """The tokenizer loaded with the model (``None`` if there is none)."""
         return self._tokenizer
 
+    @property
+    def max_positions(self) -> int | None:
+        """The most tokens (prompt + completion) one sequence may hold; None before start or when unknown."""
+        return self._max_positions
+
     def stats(self) -> EngineStats:
         """Pending/running requests, recent tokens/s, total tokens, version."""
         with self._cond:

@@ -207,6 +207,11 @@ class VllmEngine:
         return self._tokenizer
 
     @property
+    def max_positions(self) -> int | None:
+        """The most tokens (prompt + completion) one sequence may hold (max_model_len); None before start."""
+        return self._max_len or None
+
+    @property
     def errored(self) -> bool:
         """True once vLLM's engine core or a worker died (the owner should exit so a supervisor restarts it)."""
         return self._llm is not None and (bool(self._procs.died) or bool(self._llm.errored))

@@ -1,0 +1,82 @@
+"""Black-box agent episodes: the task's own agent code (``solve``) against a session of the endpoint.
+
+Per episode: open a session with the episode's budgets (``max_turns`` calls, ``max_total_tokens`` tokens),
+await ``task.solve(AgentEndpoint(base_url, session id, model), prompt)`` within ``wall_time_s``, close the
+session, and assemble the trajectory from what the session recorded (``services/rollout/sessions.py``):
+
+* **one segment** (every call continued the previous one, or a single call): the sample's prompt is the
+  segment's prompt (what the agent's first call rendered; the sample carries it, ``RolloutSample.prompt_ids``)
+  and its turns the segment's runs of generated (``assistant``, trained) and other (``tool``, masked) tokens;
+* **several segments** (the agent rewrote or truncated its history): the trainer takes one sequence per
+  sample today, so the episode ends with ``finish_reason = "error"`` and the reason (the judge scores it 0
+  and the accounting sees it) rather than train tokens on a context the model never saw;
+* **no model call**: an error with the reason.
+
+The finish reason is the last generated choice's (``eos``/``stop``/``length``), or the budget the agent ran
+into (``turn_limit``/``token_budget``; the agent saw the refusal and returned or raised), or ``wall_time``.
+An agent that raises (for a reason other than a spent budget) ends its episode with ``error`` and the
+exception. ``solve``'s return value is kept as the sample's ``agent_answer`` metadata (cut to 2,000 chars).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from services.rollout.config import AgentSection
+from services.rollout.endpoint import Endpoint
+from services.rollout.episode import EpisodeOutcome
+from services.tasks.base import Prompt
+from services.tasks.black_box import AgentEndpoint
+
+log = logging.getLogger("rlbus.rollout.black_box")
+
+#: characters of ``solve``'s return value kept in the sample's metadata
+ANSWER_CHARS = 2000
+
+
+class BlackBoxLoop:
+    """Runs black-box agent episodes against one endpoint; one instance serves every such episode."""
+
+    def __init__(self, endpoint: Endpoint, cfg: AgentSection) -> None:
+        self.endpoint = endpoint
+        self.cfg = cfg
+        self.counters = {"episodes": 0, "errors": 0, "segments_refused": 0, "wall_time": 0, "calls": 0}
+
+    async def run(self, task: Any, prompt: Prompt, labels: dict[str, str] | None = None) -> EpisodeOutcome:
+        self.counters["episodes"] += 1
+        ep = self.endpoint
+        session = ep.sessions.open(labels, max_calls=self.cfg.max_turns, max_tokens=self.cfg.max_total_tokens)
+        out = EpisodeOutcome(turns=[], finish_reason="error")
+        finish: str | None = None
+        try:
+            async with asyncio.timeout(self.cfg.wall_time_s):
+                answer = await task.solve(AgentEndpoint(ep.base_url, session.id, ep.model_name), prompt)
+            if answer is not None:
+                out.metadata["agent_answer"] = str(answer)[:ANSWER_CHARS]
+        except TimeoutError:
+            finish = "wall_time"
+            self.counters["wall_time"] += 1
+        except Exception as e:  # the agent's own failure ends its episode only
+            if session.exhausted is None:
+                out.error = f"agent: {type(e).__name__}: {e}"
+        finally:
+            ep.sessions.close(session.id)
+        self.counters["calls"] += len(session.calls)
+        out.metadata["agent_calls"] = str(len(session.calls))
+        segments = session.close()
+        if out.error is None and not segments:
+            out.error = "agent: the agent returned without a model call that finished"
+        elif out.error is None and len(segments) > 1:
+            self.counters["segments_refused"] += 1
+            out.error = (f"agent: its calls make {len(segments)} segments (it rewrote or truncated its history); "
+                         "an episode trains as one sequence")
+        if out.error is not None:
+            self.counters["errors"] += 1
+            log.warning("black-box episode %s: %s", prompt.id, out.error)
+            return out
+        out.prompt_ids, out.turns = segments[0].sequence(lambda ids: ep.renderer.decode(ids))
+        last = next(c for c in reversed(session.calls) if c.choices and c.continued_by is not None)
+        out.finish_reason = finish or session.exhausted or last.choices[last.continued_by].finish_reason
+        return out

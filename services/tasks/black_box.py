@@ -1,0 +1,78 @@
+"""Black-box agents: a task whose episode is the user's own agent code, talking to the policy over the
+rollout's OpenAI/Anthropic-compatible endpoint.
+
+A :class:`BlackBoxAgentTask` has prompts and a ``reward`` like any task, and an ``async def solve(endpoint,
+prompt)``: the agent. Per episode the rollout opens a session on its endpoint and awaits ``solve`` with an
+:class:`AgentEndpoint` (the base URL and the session's API key: hand them to any OpenAI or Anthropic client,
+or :meth:`AgentEndpoint.openai` builds one). Whatever the agent does between its model calls (tools, retries,
+its own prompts) is its business; what the model generated is recorded token for token by the session, and
+the episode's trajectory is assembled from it (``services/rollout/black_box.py``). The judge scores the
+assistant turns with the task's ``reward`` as for any task; ``solve``'s return value is kept in the sample's
+metadata (``agent_answer``).
+
+Budgets (``[services.rollout] agent``): ``max_turns`` model calls, ``max_total_tokens`` tokens (generated and
+new prompt tokens after the first call), ``wall_time_s`` for the whole ``solve``. A call past a budget is
+answered with an error (the agent sees it); an agent that raises ends its episode with the error, one that
+does not return within the wall time is cancelled (its pending calls with it).
+
+Not here yet: agents as commands inside the episode's sandbox (with ``OPENAI_BASE_URL``/``OPENAI_API_KEY``
+from :meth:`AgentEndpoint.env`), and verifiers environments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.tasks.base import Prompt
+
+
+@dataclass(frozen=True)
+class AgentEndpoint:
+    """Where an agent's model calls go: its own session on the rollout's endpoint."""
+
+    #: the OpenAI base URL (``http://host:port/v1``)
+    base_url: str
+    #: the session's id, to use as the API key
+    api_key: str
+    #: the model id the endpoint serves (any name is accepted)
+    model: str
+
+    @property
+    def anthropic_base_url(self) -> str:
+        """The base URL for Anthropic clients (they add ``/v1/messages`` themselves)."""
+        return self.base_url.removesuffix("/v1")
+
+    def env(self) -> dict[str, str]:
+        """Environment variables that point OpenAI and Anthropic clients (and most harnesses) at the session."""
+        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key,
+                "ANTHROPIC_BASE_URL": self.anthropic_base_url, "ANTHROPIC_API_KEY": self.api_key}
+
+    def openai(self, **kwargs: Any) -> Any:
+        """An ``openai.AsyncOpenAI`` client for the session (needs the ``agents`` extra)."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+
+class BlackBoxAgentTask:
+    """Base of black-box agent tasks: subclasses give prompts, ``reward`` and ``async def solve``."""
+
+    #: the rollout runs this task's episodes through its endpoint (see the module docstring)
+    black_box = True
+    max_new_tokens = 256
+    stop: list[str] = []
+
+    async def solve(self, endpoint: AgentEndpoint, prompt: Prompt) -> Any:
+        """The agent: talk to the model through ``endpoint``; the return value is kept as ``agent_answer``."""
+        raise NotImplementedError
+
+    def format_prompt(self, tokenizer: Any, prompt: Prompt) -> list[int]:
+        """The ticket's prompt ids (the trainer's): the prompt's text. The trajectory's own prompt is what the
+        agent's first model call rendered (the sample carries it)."""
+        return list(tokenizer.encode(prompt.text or " ", add_special_tokens=False))
+
+
+def is_black_box_agent(task: object) -> bool:
+    """True for tasks whose episodes run user agent code against the endpoint."""
+    return getattr(task, "black_box", False) is True and callable(getattr(task, "solve", None))
