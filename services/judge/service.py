@@ -77,7 +77,7 @@ class JudgeService:
         self.task_errors: dict[str, str] = {}
         self.graders: dict[str, list[Any]] = {}
         self.cache = JudgeCache(self.cfg.judge_cache_entries)
-        self.user_code = ProcessUserCode(self.cfg.user_code, {loaded.task.name: dict(loaded.task.options)})
+        self.user_code = ProcessUserCode(self.cfg.user_code, {e.name: dict(e.options) for e in loaded.task.entries()})
         self.factory = GraderFactory(None, self.cache, seed=self.seed, user_code=self.user_code)
         self.sandboxes: Any = None
         #: samples scored failed, by why (timeout, exception, crash, bad_value, out_of_range, poison, task)

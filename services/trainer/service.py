@@ -39,7 +39,7 @@ from services.lib.weights.transport import WeightSender, make_sender
 from services.runtime import bus, metrics, tracing
 from services.runtime.config import Loaded
 from services.runtime.service import ServiceContext
-from services.tasks.base import TaskMetrics
+from services.tasks.mixture import env_figures
 from services.trainer import devices, resume
 from services.trainer.admission import Sample
 from services.trainer.collect import Collector, Fleet
@@ -108,10 +108,9 @@ class Trainer:
         self.versions = Versions(sender, ledger)
         self.started = time.time()
         self.reporter = Reporter(ctx, run_dir)
-        tickets = Tickets(ctx, cfg, loaded.task.name, self.task, self.learner.tokenizer)
-        eval_prompts = self.task.eval_prompts()
-        self.evals = Evaluations(eval_prompts[: cfg.eval.prompts] if cfg.eval.prompts else eval_prompts,
-                                 cfg.eval.samples, ledger, tickets, self.reporter)
+        tickets = Tickets(ctx, cfg, self.task, self.learner.tokenizer)
+        self.evals = Evaluations(self.task.eval_prompts(cfg.eval.prompts), cfg.eval.samples, ledger, tickets,
+                                 self.reporter, per_env=self.task.is_mixture)
         self.outcomes = Outcomes(ctx, ledger)
         prompts = self.task.train_prompts(loaded.run.seed, start=ledger.state.data_position)
         self.collector = Collector(cfg, ledger, prompts, tickets, self.evals, self.outcomes, Fleet(ctx))
@@ -123,8 +122,8 @@ class Trainer:
             await self.versions.send(await asyncio.to_thread(self.learner.state_dict))
         await self.ledger.save()
         await self.outcomes.flush()  # what a crash left owed (ledger.py, rule 1)
-        if isinstance(self.task, TaskMetrics):  # figures about the task's data (its prompts are built by now)
-            await self.reporter.emit(self.task.metrics(), step=state.step)
+        if figures := self.task.metrics():  # figures about the tasks' data (their prompts are built by now)
+            await self.reporter.emit(figures, step=state.step)
         consumer = asyncio.create_task(ctx.consume(catalog.TRAJECTORIES, self.collector.handle, concurrency=64),
                                        name="trainer-consume")
         try:
@@ -178,6 +177,8 @@ class Trainer:
             weights = await asyncio.to_thread(self.learner.snapshot if overlap else self.learner.state_dict)
             metrics["time/snapshot_s"] = time.perf_counter() - t0
             metrics["time/wait_s"] = wait_s  # blocked in collect for this batch
+            if self.task.is_mixture:  # each environment's reward and share of the batch
+                metrics.update(env_figures([(s.item.rollout.task, s.item.reward) for s in samples]))
             done = self._publish_and_commit(groups, weights, metrics, version_lag)
             if overlap:
                 self._pending = asyncio.create_task(done, name=f"trainer-publish-{state.version}")
