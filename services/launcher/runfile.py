@@ -49,6 +49,7 @@ from services.runtime.weights_config import (
     TransportConfig,
 )
 from services.sandbox.config import SandboxConfig
+from services.teacher.config import TeacherConfig
 from services.tracker.config import TrackerConfig
 from services.trainer.config import TrainerConfig
 from services.weightsync.config import WeightsyncConfig
@@ -112,6 +113,8 @@ class ServicesSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tracker: TrackerConfig = msgspec.field(default_factory=TrackerConfig)
     #: the echo service (a request/reply example and bus check)
     echo: EchoConfig = msgspec.field(default_factory=EchoConfig)
+    #: the teacher of on-policy distillation: a model that scores the student's sampled tokens
+    teacher: TeacherConfig = msgspec.field(default_factory=TeacherConfig)
 
 
 #: the services this struct types; others come from the ``rlbus.services`` entry points (their sections are
