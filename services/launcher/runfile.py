@@ -31,6 +31,7 @@ from services.rollout.config import RolloutConfig
 from services.runtime.config import (
     CommonSection,
     ConfigError,
+    DistillSection,
     Loaded,
     ModelSection,
     NatsSection,
@@ -135,6 +136,8 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: anchors + deltas in a blob store, engines pull), "broadcast" (torch.distributed, rendezvous over the
     #: bus), "inproc" (trainer and rollout colocated: ``[launcher] services = { "trainer+rollout" = 1 }``)
     weights: TransportConfig = msgspec.field(default_factory=StoreTransportConfig)
+    #: on-policy distillation: a teacher service scores the samples, advantages per token
+    distill: DistillSection = msgspec.field(default_factory=DistillSection)
     #: the bus
     nats: NatsSection = msgspec.field(default_factory=NatsSection)
     #: settings every service shares
@@ -173,7 +176,8 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if service not in BUILTIN_SERVICES:
             raise ConfigError(f"service {service!r} has no section in this run file's struct")
         return Loaded(run=self.run, nats=self.nats, common=self.common, model=self.model, task=self.task,
-                      weights=self.weights, service=getattr(self.services, service), gang=self.gang)
+                      weights=self.weights, distill=self.distill, service=getattr(self.services, service),
+                      gang=self.gang)
 
     def resolved(self) -> dict[str, Any]:
         """Every key with its value, defaults included (``config.resolved.json``, ``rlbus config show``)."""
@@ -185,6 +189,7 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Check the rules between sections for the launcher's layout; returns the overrides the launcher
         derives (``weights.world_size=N`` for a broadcast), which every service it starts gets."""
         self._check_layout()
+        self._check_distill()
         self._check_cluster()
         derived = self._check_weights()
         return derived
@@ -212,6 +217,16 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"config key nats.replicas is {self.nats.replicas}, but the embedded NATS has {nodes} "
                               f"node(s): set launcher.nats_cluster = {self.nats.replicas} (or rlbus up "
                               f"--nats-cluster {self.nats.replicas}), or nats.replicas = 1")
+
+    def _check_distill(self) -> None:
+        """Distillation needs a teacher to ask and a model for it; a teacher without distillation idles."""
+        if not self.distill.enabled:
+            return
+        if self.launcher.count("teacher") == 0:
+            raise ConfigError("config key distill.enabled: distillation needs a teacher service: add it to "
+                              "launcher.services (e.g. teacher = 1) and name its model in services.teacher.model")
+        if not self.services.teacher.model:
+            raise ConfigError("config key services.teacher.model: distill.enabled needs the teacher's model")
 
     def _check_weights(self) -> list[str]:
         """The weight transport against the layout: inproc needs the trainer and rollout in one process, a

@@ -180,6 +180,30 @@ class TaskSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return next((dict(e.options) for e in self.entries() if e.name == name), {})
 
 
+class DistillSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """On-policy distillation (section ``[distill]``), read by the judge and the trainer: the teacher service
+    (``[services.teacher]``) scores every sample's tokens, and each token's advantage is
+    ``kl_coef * (log pi_teacher - log pi_student) + reward_weight * (the group advantage)``."""
+
+    #: on: the judge asks the teacher for every sample's logprobs, and the trainer trains on per-token advantages
+    #: (a sample without teacher logprobs is dropped with the reason, never trained)
+    enabled: bool = False
+    #: weight of the negative reverse KL to the teacher, per token
+    kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    #: weight of the task's group-normalised advantage mixed in (0: pure distillation)
+    reward_weight: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    #: seconds a group waits for the teacher (asking again while none answers) before its samples are published
+    #: failed ("teacher logprobs unavailable: ..."), which the trainer drops with that reason
+    wait_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    #: seconds one request to the teacher may take
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+
+    def __post_init__(self) -> None:
+        if self.enabled and self.kl_coef == 0 and self.reward_weight == 0:
+            raise ValueError("distill.kl_coef and distill.reward_weight are both 0: every advantage would be 0; "
+                             "set distill.kl_coef > 0 (or turn distill.enabled off)")
+
+
 class CommonSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Settings every service shares (section ``[common]``)."""
 
@@ -337,6 +361,8 @@ class Loaded(msgspec.Struct, kw_only=True):
     task: TaskSection = msgspec.field(default_factory=TaskSection)
     #: how weight versions travel from the trainer to the engines (``[weights]``)
     weights: TransportConfig = msgspec.field(default_factory=StoreTransportConfig)
+    #: on-policy distillation (``[distill]``): read by the judge and the trainer
+    distill: DistillSection = msgspec.field(default_factory=DistillSection)
     service: Any = None
     gang: Any = None  # services.runtime.gang.GangSection
 
@@ -361,6 +387,7 @@ def load_service_config(
         model=convert(tree.get("model"), ModelSection, "model"),
         task=convert(tree.get("task"), TaskSection, "task"),
         weights=convert(weights_tree(tree.get("weights")), TransportConfig, "weights"),  # type: ignore[arg-type]
+        distill=convert(tree.get("distill"), DistillSection, "distill"),
         service=convert(services.get(service), cls, f"services.{service}"),
         gang=convert(tree.get("gang"), GangSection, "gang"),
     )

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from proto.trajectories import ScoredTrajectory
+
 
 class DistillInputError(ValueError):
     """Teacher logprobs that do not match the sample (missing, wrong length, not finite)."""
@@ -68,3 +70,16 @@ def pad_token_advantages(rows: Sequence[Sequence[float]], width: int, device: to
         n = min(len(row), width)
         out[k, :n] = torch.tensor(list(row[:n]), dtype=torch.float32)
     return out.to(device)
+
+
+def missing_teacher(trajectory: ScoredTrajectory) -> str:
+    """Why ``trajectory`` cannot be trained with distillation (its teacher logprobs are missing or do not fit its
+    tokens), or ``""`` when it can."""
+    tokens = sum(len(turn.token_ids) for turn in trajectory.rollout.turns)
+    teacher = trajectory.teacher_logprobs
+    if teacher is None:
+        return ("no teacher logprobs: distill.enabled but the judge sent none (a judge without [distill], or "
+                "this sample was scored before distillation was turned on)")
+    if len(teacher) != tokens:
+        return f"teacher logprobs do not fit: {len(teacher)} for {tokens} tokens"
+    return ""

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from proto import catalog
 from services.lib.colocation import DEVICE_SHARE
 from services.lib.weights.transport import WeightSender, make_sender
@@ -44,6 +46,7 @@ from services.trainer import devices, resume
 from services.trainer.admission import Sample
 from services.trainer.collect import Collector, Fleet
 from services.trainer.config import TrainerConfig
+from services.trainer.distill import missing_teacher
 from services.trainer.evaluation import Evaluations
 from services.trainer.faults import fault_point
 from services.trainer.learner import Learner
@@ -102,6 +105,7 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = run_dir
         self.task = start.task
+        self.distill = loaded.distill
         self.learner: Learner = start.learner
         self.ledger = ledger
         self.version_kept = start.version_kept
@@ -145,6 +149,10 @@ class Trainer:
     async def _train_step(self, groups: list[list[Sample]], wait_s: float = 0.0) -> None:
         state = self.ledger.state
         samples = [s for g in groups for s in g]
+        if self.distill.enabled:  # never trained without its teacher logprobs: dropped with the reason
+            for s in samples:
+                if not s.item.rollout.error and (why := missing_teacher(s.item)):
+                    s.item = msgspec.structs.replace(s.item, rollout=msgspec.structs.replace(s.item.rollout, error=why))
         # a failed rollout (sandbox died, engine error) is dropped with its error, never trained on as reward 0
         failed = [s for s in samples if s.item.rollout.error]
         samples = [s for s in samples if not s.item.rollout.error]
@@ -158,7 +166,7 @@ class Trainer:
                           step=state.step + 1, samples=len(samples), groups=len(groups)):
             async with DEVICE_SHARE.trainer_turn():  # colocated engines with enable_sleep_mode give memory back
                 with tracing.span("learner step"):
-                    metrics = await asyncio.to_thread(self.learner.step, [s.item for s in samples])
+                    metrics = await asyncio.to_thread(self.learner.step, [s.item for s in samples], self.distill)
             # the previous step's version is sent and its batch committed before this step moves the state
             t_settle = time.perf_counter()
             await self._settle()

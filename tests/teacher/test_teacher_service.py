@@ -1,7 +1,8 @@
 """The teacher service on a real nats-server with locally built tiny models: it answers requests with the
 teacher's logprob of every completion token (the same numbers as a direct forward pass), answers bad requests
 with the reason and goes on serving, and stops start-up naming the keys when its tokenizer is not the
-student's."""
+student's. The judge's client gets a rollout's teacher logprobs from it, and with no teacher running gives up
+after ``distill.wait_s`` with the reason."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import pytest
 import torch
 
 from proto import catalog, codec
+from proto.rollouts import Rollout, Turn
 from proto.teacher import TeacherReply, TeacherRequest, TeacherSequence
+from services.judge.teacher_client import TeacherUnavailable, teacher_logprobs
 from services.launcher import registry
 from services.lib.model_io import load_policy, save_policy, sequence_logprobs
 from services.runtime import service
-from services.runtime.config import ConfigError, load_service_config
+from services.runtime.config import ConfigError, DistillSection, load_service_config
 from services.tasks.tiny_model import build_char_tokenizer, build_tiny_model
 from services.teacher.service import TeacherService
 from tests.conftest import run_file
@@ -87,9 +90,33 @@ async def test_the_teacher_scores_sampled_tokens_over_the_bus(nats_url, tmp_path
         assert "request of run 'another'" in other_run.error
         again = await _ask(nc, TeacherRequest(run_id=RUN, sequences=seqs[1:2], temperature=0.7))
         assert again.error == "" and again.logprobs[0] == pytest.approx(reply.logprobs[1])
+
+        # the judge's client: a rollout's tokens (assistant and observation turns, in order) at temperature 1
+        rollout = _rollout([1, 5, 6], [[7, 8], [9], [2]])
+        (got,) = await teacher_logprobs(nc, RUN, [rollout], DistillSection(enabled=True, wait_s=30))
+        with torch.no_grad():
+            direct, _ = sequence_logprobs(model, [[1, 5, 6]], [[7, 8, 9, 2]])
+        assert torch.allclose(torch.tensor(got), direct[0], atol=1e-5)
     finally:
         stop.set()
         assert await asyncio.wait_for(served, 60) == 0
+        await nc.close()
+
+
+def _rollout(prompt: list[int], turns: list[list[int]]) -> Rollout:
+    return Rollout(run_id=RUN, task="addition", group_id="g", prompt_id="p", sample_index=0, group_size=1,
+                   prompt_ids=prompt, finish_reason="eos", policy_version=0,
+                   turns=[Turn(role="assistant" if k % 2 == 0 else "tool", token_ids=ids, text="x")
+                          for k, ids in enumerate(turns)])
+
+
+async def test_with_no_teacher_running_the_judge_gives_up_after_wait_s_with_the_reason(nats_url):
+    nc = await nats.connect(nats_url)
+    try:
+        with pytest.raises(TeacherUnavailable, match=r"no teacher logprobs after 1.5s \(\d+ tries; distill.wait_s\): "
+                                                     r"no teacher service is running"):
+            await teacher_logprobs(nc, RUN, [_rollout([1, 5], [[6]])], DistillSection(enabled=True, wait_s=1.5))
+    finally:
         await nc.close()
 
 

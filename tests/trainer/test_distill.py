@@ -65,3 +65,43 @@ def test_per_sequence_advantages_are_per_token_ones_repeated():
     assert float(tok) == pytest.approx(float(seq))
     with pytest.raises(LossInputError, match=r"advantages \[B\] or \[B, T\]"):
         grpo_loss(logprobs, behaviour, torch.zeros(2, 3), mask)
+
+
+def _trajectory(group: str, index: int, reward: float, tokens: list[int], logprobs: list[float],
+                teacher: list[float] | None, observation: list[int] | None = None):
+    from proto.rollouts import Rollout, Turn
+    from proto.trajectories import ScoredTrajectory
+
+    turns = [Turn(role="assistant", token_ids=tokens, logprobs=logprobs, versions=[0] * len(tokens), text="x")]
+    if observation:
+        turns.append(Turn(role="tool", token_ids=observation, text="obs"))
+    rollout = Rollout(run_id="r", task="addition", group_id=group, prompt_id="p", sample_index=index, group_size=2,
+                      prompt_ids=[1, 2], turns=turns, finish_reason="eos", policy_version=0)
+    return ScoredTrajectory(run_id="r", rollout=rollout, reward=reward, teacher_logprobs=teacher)
+
+
+def test_the_step_input_of_a_distillation_batch():
+    from services.runtime.config import DistillSection
+    from services.trainer.config import TrainerConfig
+    from services.trainer.step_input import StepInput
+
+    batch = [_trajectory("g", 0, 1.0, [5, 6], [-1.0, -2.0], [-0.5, -2.5, -9.0], observation=[7]),
+             _trajectory("g", 1, 0.0, [8], [-0.2], [-1.2])]
+    cfg = TrainerConfig()
+    plain = StepInput.of(batch, cfg)
+    assert plain.token_advantages == [] and plain.advantages == pytest.approx([0.7071, -0.7071], abs=1e-3)
+    inp = StepInput.of(batch, cfg, DistillSection(enabled=True, kl_coef=1.0, reward_weight=0.5))
+    a = 0.5 * plain.advantages[0]
+    # (teacher - behaviour) on the assistant's tokens, 0 on the observation token, plus half the group advantage
+    assert inp.token_advantages[0] == pytest.approx([0.5 + a, -0.5 + a, 0.0])
+    assert inp.token_advantages[1] == pytest.approx([-1.0 - a])
+    assert StepInput.of(batch, cfg, DistillSection(enabled=False)).token_advantages == []
+
+
+def test_a_trajectory_without_fitting_teacher_logprobs_is_named():
+    from services.trainer.distill import missing_teacher
+
+    assert missing_teacher(_trajectory("g", 0, 1.0, [5, 6], [-1.0, -2.0], [-0.5, -2.5])) == ""
+    assert missing_teacher(_trajectory("g", 0, 1.0, [5, 6], [-1.0, -2.0], None)).startswith("no teacher logprobs")
+    assert missing_teacher(_trajectory("g", 0, 1.0, [5, 6], [-1.0, -2.0], [-0.5])) == \
+        "teacher logprobs do not fit: 1 for 2 tokens"
