@@ -55,13 +55,21 @@ class Mixture:
     @classmethod
     def build(cls, section: TaskSection) -> Mixture:
         """Build every environment of ``section`` (``[task]``). A task that is not registered stops start-up
-        with a :class:`ConfigError` naming its key (``task.name`` / ``task.mix[i].name``)."""
+        with a :class:`ConfigError` naming its key (``task.name`` / ``task.mix[i].name``); in a mixture, a task
+        that refuses its options too, naming the entry's key (``task.mix[i].options...``)."""
         envs = []
         for i, entry in enumerate(section.entries()):
+            key = section.key_of(i)
             try:
                 task = get_task(entry.name, **entry.options)
             except UnknownTaskError as e:
-                raise ConfigError(f"config key {section.key_of(i)}.name: {e}") from None
+                raise ConfigError(f"config key {key}.name: {e}") from None
+            except (ConfigError, ValueError, TypeError) as e:
+                if section.mix is None:  # the one task: its own error, as it always was
+                    raise
+                text = str(e).replace("task.options.", f"{key}.options.")
+                raise ConfigError(text if text.startswith(f"{key}.options.") or text.startswith("config key")
+                                  else f"config key {key}.options: task {entry.name!r} refused them: {text}") from e
             envs.append(Environment(entry.name, task, entry.weight))
         return cls(envs)
 

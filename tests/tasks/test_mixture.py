@@ -99,3 +99,14 @@ def test_an_unknown_task_in_a_mixture_stops_start_up_naming_its_key(data):
         Mixture.build(section)
     with pytest.raises(ConfigError, match=r"config key task.name: unknown task 'nope'"):
         Mixture.build(RunFile.load(None, env={}, overrides=["task.name=nope"]).task)
+
+
+def test_a_task_refusing_its_options_in_a_mixture_names_its_entry(data):
+    bad_dataset = _section(data, 'task.mix=[{name="addition"}, {name="dataset", options={path="DATA", eval_fraction=2}}]')
+    with pytest.raises(ConfigError, match=r"^task.mix\[1\].options.eval_fraction: must be in \[0, 1\), got 2"):
+        Mixture.build(bad_dataset)
+    bad_addition = _section(data, 'task.mix=[{name="addition", options={low=50, high=10}}, {name="dataset", '
+                                  'options={path="DATA"}}]')
+    with pytest.raises(ConfigError, match=r"^config key task.mix\[0\].options: task 'addition' refused them: need "
+                                          r"0 <= low <= high, got low=50, high=10"):
+        Mixture.build(bad_addition)
