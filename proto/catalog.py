@@ -35,6 +35,7 @@ from proto import (
     rollouts,
     sandbox,
     subjects,
+    teacher,
     trajectories,
     weights,
 )
@@ -44,7 +45,7 @@ DAY = 24 * 3600.0
 
 #: Who may be named as a publisher or subscriber: the service roles, ``launcher`` (the
 #: supervisor), ``admin`` (the read-only CLI) and ``any`` (every service, through the harness).
-ROLES = ("trainer", "rollout", "judge", "sandbox", "weightsync", "echo", "launcher", "admin", "any")
+ROLES = ("trainer", "rollout", "judge", "sandbox", "weightsync", "echo", "teacher", "launcher", "admin", "any")
 
 _TOKEN = re.compile(r"^[^.*>\s]+$")
 _PLACEHOLDER = re.compile(r"^\{([a-z_]+)\}$")
@@ -332,10 +333,16 @@ ECHO_REPLIES = Channel(
     stream=ECHO_STREAM, publishers=("echo",),
     description="echo workers' replies, read from the stream by whoever drove the demo",
 )
+TEACHER_REQUESTS = Channel(
+    name="teacher_requests", family=teacher.FAMILY, pattern="rlbus.{run}.teacher.logprobs",
+    msg_type=teacher.TeacherRequest, reply_type=teacher.TeacherReply, publishers=("judge",), subscribers=("teacher",),
+    description="on-policy distillation: the judge asks a teacher worker (queue group) for the teacher's logprobs "
+                "of finished samples' tokens",
+)
 
 CHANNELS: dict[str, Channel] = {c.name: c for c in (
     PROMPTS, ROLLOUTS, TRAJECTORIES, OUTCOMES, METRICS, DEAD_LETTERS, HEARTBEATS, WEIGHT_ANNOUNCEMENTS,
-    WEIGHT_BROADCASTS, SANDBOX_REQUESTS, SANDBOX_LIST, SANDBOX_EVENTS, ECHO_REQUESTS, ECHO_REPLIES,
+    WEIGHT_BROADCASTS, SANDBOX_REQUESTS, SANDBOX_LIST, SANDBOX_EVENTS, ECHO_REQUESTS, ECHO_REPLIES, TEACHER_REQUESTS,
 )}
 
 

@@ -39,6 +39,9 @@ class ScoredSample(RolloutSample, kw_only=True):
     reward: float
     scores: list[GraderScore] = []
     judge: str = ""
+    #: on-policy distillation (``[distill]``): the teacher's logprob of every token after the prompt, in the
+    #: order of the turns (assistant and observation tokens alike); None: the teacher was not asked
+    teacher_logprobs: list[float] | None = None
 
 
 class ScoredTrajectory(Envelope, kw_only=True, tag="scored_trajectory"):
@@ -49,11 +52,15 @@ class ScoredTrajectory(Envelope, kw_only=True, tag="scored_trajectory"):
     reward: float
     scores: list[GraderScore] = []
     judge: str = ""
+    #: the teacher's logprobs of the tokens after the prompt (on-policy distillation; None: not asked)
+    teacher_logprobs: list[float] | None = None
 
 
-def scored(s: RolloutSample, reward: float, scores: list[GraderScore], judge: str) -> ScoredSample:
-    """Sample ``s`` with its reward and the graders' scores."""
-    return ScoredSample(**msgspec.structs.asdict(s), reward=reward, scores=scores, judge=judge)
+def scored(s: RolloutSample, reward: float, scores: list[GraderScore], judge: str,
+           teacher_logprobs: list[float] | None = None) -> ScoredSample:
+    """Sample ``s`` with its reward, the graders' scores and (distillation) the teacher's logprobs."""
+    return ScoredSample(**msgspec.structs.asdict(s), reward=reward, scores=scores, judge=judge,
+                        teacher_logprobs=teacher_logprobs)
 
 
 class ScoredGroup(TicketGroup, kw_only=True, tag="scored_group"):
@@ -66,7 +73,7 @@ class ScoredGroup(TicketGroup, kw_only=True, tag="scored_group"):
         """One :class:`ScoredTrajectory` per sample, its rollout joined with the ticket."""
         return [ScoredTrajectory(run_id=self.run_id, msg_id=s.id, created_at=self.created_at,
                                  rollout=joined(self, self.ticket, s), reward=s.reward, scores=s.scores,
-                                 judge=s.judge) for s in self.trajectories]
+                                 judge=s.judge, teacher_logprobs=s.teacher_logprobs) for s in self.trajectories]
 
     @classmethod
     def of(cls, trajectories: list[ScoredTrajectory], msg_id: str | None = None) -> ScoredGroup:
@@ -78,7 +85,7 @@ class ScoredGroup(TicketGroup, kw_only=True, tag="scored_group"):
         ticket = ticket_of(first.rollout, f"{msg_id or first.msg_id}-ticket")
         return cls(run_id=first.run_id, msg_id=msg_id or first.msg_id, created_at=first.created_at, ticket=ticket,
                    trajectories=[scored(msgspec.structs.replace(split(t.rollout, ticket), id=t.msg_id), t.reward,
-                                        t.scores, t.judge) for t in trajectories])
+                                        t.scores, t.judge, t.teacher_logprobs) for t in trajectories])
 
 
 class ScoredGroupV1(Envelope, kw_only=True, tag="scored_group"):

@@ -4,7 +4,7 @@
 role="$1"
 group="${SKYPILOT_JOBGROUP_NAME:-rlbus}"
 export RLBUS__NATS__URL="nats://${RLBUS_NATS_HOST:-trainer-0.$group}:4222"
-for r in trainer rollout judge sandbox weightsync echo tracker admin launcher; do
+for r in trainer rollout judge sandbox weightsync echo tracker teacher admin launcher; do
   pw="$(printf '%s:%s' "$RLBUS_NATS_PASSWORD_SEED" "$r" | sha256sum | cut -c1-48)"
   export "RLBUS_${r^^}_PASSWORD=$pw"
 done

@@ -39,6 +39,7 @@ from proto import catalog
 from proto.rollouts import Rollout, RolloutGroup
 from proto.trajectories import GraderScore, ScoredGroup, scored
 from services.judge.config import JudgeConfig
+from services.judge.teacher_client import TeacherUnavailable, teacher_logprobs
 from services.judge.user_code import ProcessUserCode
 from services.lib.sandbox_client import SandboxClient, SandboxClientError
 from services.runtime.config import Loaded
@@ -71,13 +72,15 @@ class JudgeService:
 
         self.cfg: JudgeConfig = loaded.service
         self.seed = loaded.run.seed
+        #: on-policy distillation: the teacher's logprobs of every training sample go with its score
+        self.distill = loaded.distill
         self.run_task = loaded.task
         self.tasks: dict[str, Any] = {}
         #: tasks this judge failed to build: name -> why (run-file options do not change while it runs)
         self.task_errors: dict[str, str] = {}
         self.graders: dict[str, list[Any]] = {}
         self.cache = JudgeCache(self.cfg.judge_cache_entries)
-        self.user_code = ProcessUserCode(self.cfg.user_code, {loaded.task.name: dict(loaded.task.options)})
+        self.user_code = ProcessUserCode(self.cfg.user_code, {e.name: dict(e.options) for e in loaded.task.entries()})
         self.factory = GraderFactory(None, self.cache, seed=self.seed, user_code=self.user_code)
         self.sandboxes: Any = None
         #: samples scored failed, by why (timeout, exception, crash, bad_value, out_of_range, poison, task)
@@ -131,29 +134,53 @@ class JudgeService:
         for g in gradings:
             if isinstance(g, BaseException):  # not the task's verdict (e.g. a sandbox request failed): retried
                 raise g
-        await self._publish(ctx, msg, [(g, g.failure_kind) for g in gradings])
+        teacher, teacher_failure = await self._teacher(ctx, msg, rollouts, gradings)
+        await self._publish(ctx, msg, [(g, g.failure_kind) for g in gradings], teacher, teacher_failure)
         if self.cfg.destroy_sandboxes and self.sandboxes is not None:
             await asyncio.gather(*(self._destroy(r.sandbox_id) for r in rollouts if r.sandbox_id is not None))
         ctx.gauges["judge/llm_cache_hits"] = float(self.cache.hits)
         ctx.gauges["judge/llm_cache_misses"] = float(self.cache.misses)
 
-    async def _publish(self, ctx: ServiceContext, msg: RolloutGroup,
-                       graded: list[tuple[Grading, str | None]]) -> None:
+    async def _teacher(self, ctx: ServiceContext, msg: RolloutGroup, rollouts: list[Any],
+                       gradings: list[Any]) -> tuple[list[list[float] | None], str | None]:
+        """Distillation: the teacher's logprobs of each training sample that did not fail (None for the others),
+        or why the teacher gave none within ``distill.wait_s`` (every such sample then fails with it)."""
+        teacher: list[list[float] | None] = [None] * len(rollouts)
+        if not self.distill.enabled or msg.ticket.is_eval:
+            return teacher, None
+        asked = [i for i, (r, g) in enumerate(zip(rollouts, gradings, strict=True))
+                 if r.error is None and g.failure is None]
+        try:
+            got = await teacher_logprobs(ctx.nc, ctx.run_id, [rollouts[i] for i in asked], self.distill, ctx.stop)
+        except TeacherUnavailable as e:
+            return teacher, f"teacher logprobs unavailable: {e}"
+        for i, logprobs in zip(asked, got, strict=True):
+            teacher[i] = logprobs
+        return teacher, None
+
+    async def _publish(self, ctx: ServiceContext, msg: RolloutGroup, graded: list[tuple[Grading, str | None]],
+                       teacher: list[list[float] | None] | None = None, teacher_failure: str | None = None) -> None:
         """The scored group, the rollout group's ticket passed on once (``graded``: one grading per sample, in
-        order); a sample that could not be scored carries the reason as its error (the trainer records it as
-        dropped with it) and is counted in ``judge/failed/<kind>``."""
+        order; ``teacher``: the teacher's logprobs of each, distillation); a sample that could not be scored, or
+        whose teacher logprobs are missing (``teacher_failure``), carries the reason as its error (the trainer
+        records it as dropped with it) and is counted in ``judge/failed/<kind>``."""
         trajs = []
-        for sample, (grading, failure_kind) in zip(msg.rollouts, graded, strict=True):
+        teacher = teacher or [None] * len(graded)
+        for sample, (grading, failure_kind), logprobs in zip(msg.rollouts, graded, teacher, strict=True):
             if grading.failure is not None:
                 sample = msgspec.structs.replace(sample, error=f"grading failed: {grading.failure}")
                 kind = failure_kind or "other"
                 self.failed[kind] = self.failed.get(kind, 0) + 1
                 log.warning("rollout %s scored failed: %s", sample.id, grading.failure)
-            trajs.append(scored(sample, grading.reward, grading.scores, ctx.instance))
+            elif teacher_failure is not None and sample.error is None:
+                sample = msgspec.structs.replace(sample, error=teacher_failure)
+                self.failed["teacher"] = self.failed.get("teacher", 0) + 1
+                log.warning("rollout %s: %s", sample.id, teacher_failure)
+            trajs.append(scored(sample, grading.reward, grading.scores, ctx.instance, logprobs))
         await ctx.publish_parts(catalog.TRAJECTORIES, trajs, lambda part: ScoredGroup(
             run_id=ctx.run_id, ticket=msg.ticket, trajectories=part,
             msg_id=f"{msg.msg_id}-{part[0].sample_index}-scored"))
-        if any(g.failure is not None for g, _ in graded):
+        if teacher_failure is not None or any(g.failure is not None for g, _ in graded):
             await ctx.report({"judge/failed_total": float(sum(self.failed.values())),
                               **{f"judge/failed/{k}": float(v) for k, v in self.failed.items()},
                               "judge/user_code_restarts": float(self.user_code.restarts),

@@ -95,6 +95,16 @@ def _variants(t: Any) -> list[type]:
     return [t] if _is_struct(t) else []
 
 
+def _list_items(t: Any) -> list[type]:
+    """The struct of a list-of-tables field (``list[A] | None`` -> [A]): its entries are ``[[key]]`` tables."""
+    t = _strip(t)
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
+        return [s for a in _args(t) for s in _list_items(a)]
+    if typing.get_origin(t) is list and _is_struct(_strip(_args(t)[0])):
+        return [_strip(_args(t)[0])]
+    return []
+
+
 def type_name(t: Any) -> str:
     t = _strip(t)
     origin = typing.get_origin(t)
@@ -125,19 +135,23 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True)
 
 
-def section(cls: type, path: str, out: list[str], level: int = 2) -> None:
-    """The rows of ``cls``'s plain keys, then a subsection per table-valued key."""
+def section(cls: type, path: str, out: list[str], level: int = 2, array: bool = False) -> None:
+    """The rows of ``cls``'s plain keys, then a subsection per table-valued key (``array``: the entries of a
+    list of tables, headed ``[[path]]``)."""
     hints, comments = _hints(cls), field_comments(cls)
     fields = msgspec.inspect.type_info(cls).fields  # type: ignore[attr-defined]
     tag = cls.__struct_config__.tag  # type: ignore[attr-defined]
     doc = inspect.getdoc(cls) or ""
-    out += [f"{'#' * min(level, 6)} `[{path}]`" + (f' (`type = "{tag}"`)' if isinstance(tag, str) else ""), ""]
+    head = f"[[{path}]]" if array else f"[{path}]"
+    out += [f"{'#' * min(level, 6)} `{head}`" + (f' (`type = "{tag}"`)' if isinstance(tag, str) else ""), ""]
     if doc and doc != inspect.getdoc(msgspec.Struct):
         out += [doc.split("\n\n")[0].replace("\n", " ").replace("``", "`"), ""]
     nested: list[tuple[str, Any]] = []
+    arrays: list[tuple[str, type]] = []
     rows = []
     for f in fields:
         t = hints[f.name]
+        arrays += [(f.name, item) for item in _list_items(t)]
         variants = _variants(t)
         if variants and not f.required and typing.get_origin(_strip(t)) not in (list, dict):
             nested.append((f.name, t))
@@ -147,6 +161,8 @@ def section(cls: type, path: str, out: list[str], level: int = 2) -> None:
     for name, t in nested:
         for v in _variants(t):
             section(v, f"{path}.{name}" if path else name, out, level + 1)
+    for name, item in arrays:
+        section(item, f"{path}.{name}" if path else name, out, level + 1, array=True)
 
 
 def render() -> str:

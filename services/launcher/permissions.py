@@ -328,6 +328,8 @@ ROLES: dict[str, Role] = {
     "weightsync": Role(description="retention of the trainer's versions; relays them into its own scopes",
                        grants=_weightsync),
     "echo": Role(description="the echo demo worker", grants=_service("echo")),
+    "teacher": Role(description="on-policy distillation: answers requests for a teacher model's logprobs",
+                    grants=_service("teacher")),
     "tracker": Role(description="experiment tracking: reads metrics, trajectories and outcomes through its own "
                                 "consumers; publishes only its metrics", grants=_tracker),
     "admin": Role(description="read-only operator (rlbus tap, rlbus status)", grants=_admin, private_inbox=False,

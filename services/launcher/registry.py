@@ -50,6 +50,12 @@ def _weightsync() -> Spec:
     return config.WeightsyncConfig, service.build
 
 
+def _teacher() -> Spec:
+    from services.teacher import config, service
+
+    return config.TeacherConfig, service.build
+
+
 def _tracker() -> Spec:
     from services.tracker import config, service
 
@@ -64,6 +70,7 @@ _BUILTIN: dict[str, Callable[[], Spec]] = {
     "rollout": _rollout,
     "judge": _judge,
     "tracker": _tracker,
+    "teacher": _teacher,
 }
 
 

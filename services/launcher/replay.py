@@ -127,7 +127,7 @@ def replay_step(run_dir: str | Path, step: int) -> Replayed:
     import torch
 
     from services.launcher.accounting import Undecodable
-    from services.runtime.config import ModelSection
+    from services.runtime.config import DistillSection, ModelSection
     from services.runtime.weights_config import TransportConfig
     from services.tasks.models import resolve_model
     from services.trainer.config import TrainerConfig
@@ -147,6 +147,7 @@ def replay_step(run_dir: str | Path, step: int) -> Replayed:
         cfg = msgspec.convert(tree.get("services", {}).get("trainer", {}), TrainerConfig, strict=False)
         model = msgspec.convert(tree.get("model", {}), ModelSection, strict=False)
         transport = msgspec.convert(tree.get("weights", {}), TransportConfig, strict=False)  # type: ignore[arg-type]
+        distill = msgspec.convert(tree.get("distill", {}), DistillSection, strict=False)
     except msgspec.ValidationError as e:
         raise ReplayError(f"the run's trainer config does not load in this rlbus: {e}") from e
     if cfg.devices.world_size != 1:
@@ -162,7 +163,7 @@ def replay_step(run_dir: str | Path, step: int) -> Replayed:
     if weights is not None:
         learner.load_weights({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
     learner.optimizer.zero_grad(set_to_none=True)
-    sums, n_mb, passes = learner.accumulate(StepInput.of(batch, cfg))
+    sums, n_mb, passes = learner.accumulate(StepInput.of(batch, cfg, distill))
     recomputed = {k: v for k, v in sums.items() if k.startswith("losses/")}
     if passes:
         with torch.no_grad():

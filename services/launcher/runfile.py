@@ -32,6 +32,7 @@ from services.rollout.config import RolloutConfig
 from services.runtime.config import (
     CommonSection,
     ConfigError,
+    DistillSection,
     Loaded,
     ModelSection,
     NatsSection,
@@ -51,6 +52,7 @@ from services.runtime.weights_config import (
     TransportConfig,
 )
 from services.sandbox.config import SandboxConfig
+from services.teacher.config import TeacherConfig
 from services.tracker.config import TrackerConfig
 from services.trainer.config import TrainerConfig
 from services.weightsync.config import WeightsyncConfig
@@ -114,6 +116,8 @@ class ServicesSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tracker: TrackerConfig = msgspec.field(default_factory=TrackerConfig)
     #: the echo service (a request/reply example and bus check)
     echo: EchoConfig = msgspec.field(default_factory=EchoConfig)
+    #: the teacher of on-policy distillation: a model that scores the student's sampled tokens
+    teacher: TeacherConfig = msgspec.field(default_factory=TeacherConfig)
 
 
 #: the services this struct types; others come from the ``rlbus.services`` entry points (their sections are
@@ -134,6 +138,8 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: anchors + deltas in a blob store, engines pull), "broadcast" (torch.distributed, rendezvous over the
     #: bus), "inproc" (trainer and rollout colocated: ``[launcher] services = { "trainer+rollout" = 1 }``)
     weights: TransportConfig = msgspec.field(default_factory=StoreTransportConfig)
+    #: on-policy distillation: a teacher service scores the samples, advantages per token
+    distill: DistillSection = msgspec.field(default_factory=DistillSection)
     #: the bus
     nats: NatsSection = msgspec.field(default_factory=NatsSection)
     #: settings every service shares
@@ -177,7 +183,8 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if service not in BUILTIN_SERVICES:
             raise ConfigError(f"service {service!r} has no section in this run file's struct")
         return Loaded(run=self.run, nats=self.nats, common=self.common, model=self.model, task=self.task,
-                      weights=self.weights, service=getattr(self.services, service), gang=self.gang)
+                      weights=self.weights, distill=self.distill, service=getattr(self.services, service),
+                      gang=self.gang)
 
     def resolved(self) -> dict[str, Any]:
         """Every key with its value, defaults included (``config.resolved.json``, ``rlbus config show``)."""
@@ -189,6 +196,7 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Check the rules between sections for the launcher's layout; returns the overrides the launcher
         derives (``weights.world_size=N`` for a broadcast), which every service it starts gets."""
         self._check_layout()
+        self._check_distill()
         self._check_cluster()
         derived = self._check_weights()
         from services.launcher.placement import Layout
@@ -219,6 +227,16 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(f"config key nats.replicas is {self.nats.replicas}, but the embedded NATS has {nodes} "
                               f"node(s): set launcher.nats_cluster = {self.nats.replicas} (or rlbus up "
                               f"--nats-cluster {self.nats.replicas}), or nats.replicas = 1")
+
+    def _check_distill(self) -> None:
+        """Distillation needs a teacher to ask and a model for it; a teacher without distillation idles."""
+        if not self.distill.enabled:
+            return
+        if self.launcher.count("teacher") == 0:
+            raise ConfigError("config key distill.enabled: distillation needs a teacher service: add it to "
+                              "launcher.services (e.g. teacher = 1) and name its model in services.teacher.model")
+        if not self.services.teacher.model:
+            raise ConfigError("config key services.teacher.model: distill.enabled needs the teacher's model")
 
     def _check_weights(self) -> list[str]:
         """The weight transport against the layout: inproc needs the trainer and rollout in one process, a

@@ -85,12 +85,12 @@ def shape_of(run_dir: Path, cores: float | None = None) -> Shape:
 
 
 def _task_budget(rf: Any) -> int:
-    """The task's own completion budget (``[services.trainer] sampling.max_new_tokens = 0``); 64 when the task
-    cannot be built here."""
+    """The task's own completion budget (``[services.trainer] sampling.max_new_tokens = 0``; a mixture: the
+    largest of its environments'); 64 when a task cannot be built here."""
     from services.tasks import get_task
 
     try:
-        return int(get_task(rf.task.name, **rf.task.options).max_new_tokens)
+        return max(int(get_task(e.name, **e.options).max_new_tokens) for e in rf.task.entries())
     except Exception:  # a task of another package, or options pointing at data not on this machine
         return 64
 

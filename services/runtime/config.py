@@ -116,19 +116,92 @@ class ModelSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache_dir: str = ""
 
 
+class TaskMixEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One environment of a mixture (``[[task.mix]]``): a task, its options and its share of the training
+    prompts."""
+
+    #: task name from the task registry; also the environment's name in tickets, metrics
+    #: (``train/<name>/reward_mean``, ``eval/<name>/reward``) and the judge's ``[services.judge.graders.<name>]``
+    name: str
+    #: the task's options, passed to its factory as keyword arguments (as ``[task.options]`` for one task)
+    options: dict[str, TaskOption] = {}
+    #: sampling weight: this environment's expected share of the training prompts is weight / (sum of weights)
+    weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+
+
+#: the one task's name when ``[task]`` names none
+DEFAULT_TASK = "addition"
+
+
 class TaskSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The task (environment) the run trains on (section ``[task]``), read alike by trainer, rollout and judge."""
+    """The task (environment) the run trains on (section ``[task]``), read alike by trainer, rollout and judge:
+    one task (``name`` and ``options``), or a mixture of several (``[[task.mix]]``), each with a sampling weight."""
 
     #: task name from the task registry (``rlbus services`` lists them), e.g. addition, dataset, coding
-    name: str = "addition"
+    name: str = DEFAULT_TASK
     #: the task's options, passed to its factory as keyword arguments (``[task.options]``); which keys a
     #: task takes is the task's to say (services/tasks/: a dataset's path, columns and rewards, ...)
     options: dict[str, TaskOption] = {}
+    #: several environments in one run (``[[task.mix]]`` entries with name, options, weight): each training
+    #: prompt comes from one of them, drawn by weight from the run's seed; each is evaluated and reported on
+    #: its own. Unset: the one task of ``name`` and ``options`` (then leave those two unset). One entry per task
+    mix: list[TaskMixEntry] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mix is None:
+            return
+        if not self.mix:
+            raise ValueError("task.mix is empty: list at least one environment ([[task.mix]] name = ...), or "
+                             "remove it and name the one task in task.name")
+        if self.name != DEFAULT_TASK or self.options:
+            raise ValueError("task.mix is set together with task.name / task.options: with a mixture, each "
+                             "[[task.mix]] entry names its task and options; remove task.name and task.options")
+        seen: dict[str, int] = {}
+        for i, entry in enumerate(self.mix):
+            if entry.name in seen:
+                raise ValueError(f"task.mix[{i}].name: task {entry.name!r} is already task.mix[{seen[entry.name]}]; "
+                                 "one entry per task (merge their weights)")
+            seen[entry.name] = i
+
+    def entries(self) -> list[TaskMixEntry]:
+        """The run's environments: the mixture's entries, or the one task as a mixture of one."""
+        if self.mix is not None:
+            return list(self.mix)
+        return [TaskMixEntry(name=self.name, options=dict(self.options))]
+
+    def key_of(self, index: int) -> str:
+        """The config key of environment ``index`` (``task.mix[i]``, or ``task`` for the one task)."""
+        return f"task.mix[{index}]" if self.mix is not None else "task"
 
     def options_for(self, name: str) -> dict[str, TaskOption]:
-        """The options to build task ``name`` with: this section's for its own task, none for another
-        (a message naming a task this run does not train on gets that task's defaults)."""
-        return dict(self.options) if name == self.name else {}
+        """The options to build task ``name`` with: those of its entry (the one task's, or its mixture
+        entry's), none for another (a message naming a task this run does not train on gets that task's
+        defaults)."""
+        return next((dict(e.options) for e in self.entries() if e.name == name), {})
+
+
+class DistillSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """On-policy distillation (section ``[distill]``), read by the judge and the trainer: the teacher service
+    (``[services.teacher]``) scores every sample's tokens, and each token's advantage is
+    ``kl_coef * (log pi_teacher - log pi_student) + reward_weight * (the group advantage)``."""
+
+    #: on: the judge asks the teacher for every sample's logprobs, and the trainer trains on per-token advantages
+    #: (a sample without teacher logprobs is dropped with the reason, never trained)
+    enabled: bool = False
+    #: weight of the negative reverse KL to the teacher, per token
+    kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    #: weight of the task's group-normalised advantage mixed in (0: pure distillation)
+    reward_weight: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    #: seconds a group waits for the teacher (asking again while none answers) before its samples are published
+    #: failed ("teacher logprobs unavailable: ..."), which the trainer drops with that reason
+    wait_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    #: seconds one request to the teacher may take
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+
+    def __post_init__(self) -> None:
+        if self.enabled and self.kl_coef == 0 and self.reward_weight == 0:
+            raise ValueError("distill.kl_coef and distill.reward_weight are both 0: every advantage would be 0; "
+                             "set distill.kl_coef > 0 (or turn distill.enabled off)")
 
 
 class CommonSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -263,6 +336,8 @@ def convert(section: Any, cls: type[T], key: str) -> T:
             bad = reason.split("`")[1] if "`" in reason else "?"
             full = ".".join(k for k in (full, bad) if k)
             raise ConfigError(f"config key {full}: unknown key (check the spelling; see --help)") from None
+        if full and reason.startswith(full + "."):  # a struct's own rule that names its key (a __post_init__)
+            raise ConfigError(f"config key {reason}") from None
         raise ConfigError(f"config key {full}: {reason.replace('Expected', 'expected')}") from None
 
 
@@ -286,6 +361,8 @@ class Loaded(msgspec.Struct, kw_only=True):
     task: TaskSection = msgspec.field(default_factory=TaskSection)
     #: how weight versions travel from the trainer to the engines (``[weights]``)
     weights: TransportConfig = msgspec.field(default_factory=StoreTransportConfig)
+    #: on-policy distillation (``[distill]``): read by the judge and the trainer
+    distill: DistillSection = msgspec.field(default_factory=DistillSection)
     service: Any = None
     gang: Any = None  # services.runtime.gang.GangSection
 
@@ -310,6 +387,7 @@ def load_service_config(
         model=convert(tree.get("model"), ModelSection, "model"),
         task=convert(tree.get("task"), TaskSection, "task"),
         weights=convert(weights_tree(tree.get("weights")), TransportConfig, "weights"),  # type: ignore[arg-type]
+        distill=convert(tree.get("distill"), DistillSection, "distill"),
         service=convert(services.get(service), cls, f"services.{service}"),
         gang=convert(tree.get("gang"), GangSection, "gang"),
     )

@@ -50,6 +50,9 @@ class Prompt(msgspec.Struct, frozen=True, kw_only=True):
     text: str = ""
     messages: list[dict[str, str]] | None = None
     metadata: dict[str, str] = {}
+    #: the environment (task name) of a mixture this prompt was drawn from (set by the mixture,
+    #: :mod:`services.tasks.mixture`; empty: the run's one task)
+    env: str = ""
 
     @property
     def answer(self) -> str | None:

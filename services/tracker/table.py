@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from proto.accounting import TrajectoryOutcome
 from proto.trajectories import ScoredTrajectory
 
-#: the fixed columns; each grader's score follows as a column ``score/<grader>``
-COLUMNS = ("step", "prompt", "completion", "reward", "staleness", "finish_reason", "group_id")
+#: the fixed columns (``env``: the environment, i.e. the task, of a run's mixture); each grader's score follows
+#: as a column ``score/<grader>``
+COLUMNS = ("step", "prompt", "completion", "reward", "staleness", "finish_reason", "group_id", "env")
 
 
 def cut(text: str, limit: int) -> str:
@@ -51,6 +52,7 @@ class Pending:
     scores: dict[str, float]
     finish_reason: str
     group_id: str
+    env: str = ""
 
 
 @dataclass
@@ -111,6 +113,7 @@ class CompletionSampler:
             scores={s.grader: s.score for s in t.scores},
             finish_reason=t.rollout.finish_reason,
             group_id=t.rollout.group_id,
+            env=t.rollout.task,
         )
         if t.msg_id in self._chosen:
             self._rows[t.msg_id] = row
@@ -187,7 +190,7 @@ class CompletionSampler:
         graders = sorted({g for p, _ in rows for g in p.scores})
         columns = [*COLUMNS, *(f"score/{g}" for g in graders)]
         return Table(step=step, columns=columns, rows=[
-            [step, p.prompt, p.completion, p.reward, staleness, p.finish_reason, p.group_id,
+            [step, p.prompt, p.completion, p.reward, staleness, p.finish_reason, p.group_id, p.env,
              *(p.scores.get(g, math.nan) for g in graders)]
             for p, staleness in rows
         ])

@@ -4,7 +4,8 @@ A round starts after every ``eval.every`` steps (and at the start and end of the
 ticket per held-out prompt, ``eval.samples`` completions each, at ``eval.temperature``. Its
 trajectories bypass the staleness filter and the learner; the round closes once all have come
 back, its mean reward joins ``TrainerState.eval_history`` (through the ledger) and is reported
-(``eval/reward``, ``eval/version``). A round that never completes (its trajectories lost with a
+(``eval/reward``, ``eval/version``). In a mixture of environments (``[[task.mix]]``) every environment's
+held-out prompts are in the round, and each environment's mean is reported too (``eval/<env>/reward``). A round that never completes (its trajectories lost with a
 crashed worker) is simply not recorded.
 """
 
@@ -29,6 +30,8 @@ class EvalRound:
     step: int
     expected: int
     rewards: dict[str, float] = field(default_factory=dict)
+    #: the environment (task) of each sample of ``rewards``
+    envs: dict[str, str] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -38,13 +41,22 @@ class EvalRound:
     def mean(self) -> float:
         return sum(self.rewards.values()) / max(len(self.rewards), 1)
 
+    def env_means(self) -> dict[str, float]:
+        """Each environment's mean reward."""
+        by_env: dict[str, list[float]] = {}
+        for key, reward in self.rewards.items():
+            by_env.setdefault(self.envs.get(key, ""), []).append(reward)
+        return {env: sum(r) / len(r) for env, r in by_env.items()}
+
 
 class Evaluations:
     """Open rounds by version: started with :meth:`start`, fed by :meth:`receive`, recorded in the ledger."""
 
     def __init__(self, prompts: list[Prompt], samples: int, ledger: Ledger, tickets: Tickets,
-                 reporter: Reporter) -> None:
+                 reporter: Reporter, per_env: bool = False) -> None:
+        """``per_env``: report each environment's mean too (a mixture)."""
         self.prompts = prompts
+        self.per_env = per_env
         self.samples = samples
         self.ledger = ledger
         self.tickets = tickets
@@ -81,6 +93,7 @@ class Evaluations:
         if rnd is None:
             return None
         rnd.rewards[f"{r.group_id}/{r.sample_index}"] = traj.reward
+        rnd.envs[f"{r.group_id}/{r.sample_index}"] = r.task
         if not rnd.complete:
             return None
         del self.open[rnd.version]
@@ -93,7 +106,10 @@ class Evaluations:
     async def receive(self, samples: list[Sample]) -> None:
         """Evaluation trajectories in: every round they complete is recorded and reported."""
         for rnd in [f for s in samples if (f := self.record(s.item)) is not None]:
-            await self.reporter.emit({"eval/reward": rnd.mean, "eval/version": float(rnd.version)}, step=rnd.step)
+            figures = {"eval/reward": rnd.mean, "eval/version": float(rnd.version)}
+            if self.per_env:
+                figures.update({f"eval/{env}/reward": mean for env, mean in rnd.env_means().items()})
+            await self.reporter.emit(figures, step=rnd.step)
 
     async def wait_all(self, stop: asyncio.Event) -> None:
         """Until every open round has completed (or ``stop``)."""

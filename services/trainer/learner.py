@@ -36,9 +36,11 @@ import torch.distributed as dist
 
 from proto.trajectories import ScoredTrajectory
 from services.lib.model_io import load_policy, sequence_logprobs
+from services.runtime.config import DistillSection
 from services.trainer import batching, checkpoint
 from services.trainer.config import TrainerConfig
 from services.trainer.devices import Placement
+from services.trainer.distill import pad_token_advantages
 from services.trainer.loss import grpo_loss
 from services.trainer.optim import build_lr_schedule, build_optimizer, optimizer_step
 from services.trainer.rank_ops import OPS, Op
@@ -158,9 +160,10 @@ class Learner:
 
     # --- the step -------------------------------------------------------------------------------
 
-    def step(self, batch: list[ScoredTrajectory]) -> dict[str, float]:
-        """One optimiser step on whole groups; returns metrics named by path."""
-        return self.run_on_all_ranks(Op.STEP, StepInput.of(batch, self.cfg))
+    def step(self, batch: list[ScoredTrajectory], distill: DistillSection | None = None) -> dict[str, float]:
+        """One optimiser step on whole groups (``distill``: on-policy distillation's per-token advantages);
+        returns metrics named by path."""
+        return self.run_on_all_ranks(Op.STEP, StepInput.of(batch, self.cfg, distill))
 
     def step_input(self, inp: StepInput) -> dict[str, float]:
         """This rank's part of one step (every rank calls it with the same input).
@@ -293,7 +296,10 @@ class Learner:
                 ref_lp, _ = sequence_logprobs(ref_model, prompts, completions, completion_masks=masks,
                                               pad_token_id=self.pad_id, temperature=cfg.sampling.temperature)
             ref_lp = ref_lp.to(logprobs.device)
-        advantages = torch.tensor([inp.advantages[i] for i in rows], dtype=torch.float32, device=logprobs.device)
+        if inp.token_advantages:  # on-policy distillation: one advantage per token
+            advantages = pad_token_advantages([inp.token_advantages[i] for i in rows], width, logprobs.device)
+        else:
+            advantages = torch.tensor([inp.advantages[i] for i in rows], dtype=torch.float32, device=logprobs.device)
         weights = torch.tensor([inp.weights[i] for i in rows], dtype=torch.float32,
                                device=logprobs.device) if inp.weights else None
         loss, m = grpo_loss(  # loss_mask: the step's own masks (loss.mask_truncated) on the model's padding

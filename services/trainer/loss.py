@@ -3,7 +3,8 @@
 Notation (one completion ``i`` of a prompt group ``g``, token ``t`` of it):
 
 * ``r_i``                 the completion's reward;
-* ``A_i``                 its advantage, shared by all of its tokens;
+* ``A_i``                 its advantage, shared by all of its tokens (or ``A_i(t)``, one per token: on-policy
+  distillation's, :mod:`services.trainer.distill`);
 * ``log pi_theta(t)``     ``logprobs``: the policy being trained (carries the gradient);
 * ``log pi_prox(t)``      ``old_logprobs``: the proximal ("old") policy the PPO ratio is
   taken against. The learner passes it when it makes several optimiser steps per batch
@@ -208,7 +209,7 @@ def grpo_loss(
     Args:
         logprobs: current-policy logprobs of the sampled tokens; carries the gradient.
         behaviour_logprobs: logprobs recorded by the rollout engine when sampling.
-        advantages: per-completion advantages ``[B]``.
+        advantages: per-completion advantages ``[B]``, or per-token ones ``[B, T]`` (distillation).
         loss_mask: 1 where a token counts, 0 for prompt/padding/tool-output tokens.
         old_logprobs: proximal-policy logprobs; default: see module docstring.
         ref_logprobs: frozen-reference logprobs; needed when ``kl_coef > 0``.
@@ -246,9 +247,9 @@ def grpo_loss(
     ):
         if tensor is not None and tensor.shape != shape:
             raise LossInputError(f"{name} has shape {tuple(tensor.shape)}, logprobs has {tuple(shape)}")
-    if logprobs.dim() != 2 or advantages.shape != shape[:1]:
+    if logprobs.dim() != 2 or advantages.shape not in (shape[:1], shape):
         raise LossInputError(
-            f"expected logprobs [B, T] and advantages [B]; got {tuple(shape)} and {tuple(advantages.shape)}"
+            f"expected logprobs [B, T] and advantages [B] or [B, T]; got {tuple(shape)} and {tuple(advantages.shape)}"
         )
     if sample_weights is not None and sample_weights.shape != shape[:1]:
         raise LossInputError(f"sample_weights has shape {tuple(sample_weights.shape)}, expected [B] = {shape[:1]}")
@@ -277,7 +278,8 @@ def grpo_loss(
 
     # 2. The ratio and the policy term (per token; gspo: per completion, the same for each of its tokens).
     log_ratio = logprobs - prox_logprobs
-    adv = advantages.to(logprobs.dtype).unsqueeze(1)
+    adv = advantages.to(logprobs.dtype)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv  # [B, T]: per-token advantages (distillation)
     if loss_type == "gspo":
         ratio = torch.exp(seq_mean(log_ratio, mask)).unsqueeze(1).expand_as(log_ratio)
     else:
@@ -335,7 +337,8 @@ def grpo_loss(
             "policy/is_weight_mean": token_mean(weight),
             "policy/is_truncated_frac": token_mean(is_truncated),
             "policy/entropy": token_mean(-logprobs),
-            "policy/advantage_abs_mean": float(advantages.abs().mean()) if advantages.numel() else 0.0,
+            "policy/advantage_abs_mean": (token_mean(adv.abs()) if adv.shape == shape else float(advantages.abs().mean())
+                                          if advantages.numel() else 0.0),
             **mismatch_metrics(train_vs_mu, mask, zeroed),
         }
     return loss, metrics

@@ -26,7 +26,8 @@ from proto.prompts import PromptTicket, Sampling
 from services.lib.weights.transport import WeightSender
 from services.runtime import metrics, tracing
 from services.runtime.service import ServiceContext
-from services.tasks.base import Prompt, Task
+from services.tasks.base import Prompt
+from services.tasks.mixture import Mixture
 from services.trainer.admission import Sample
 from services.trainer.config import TrainerConfig
 from services.trainer.ledger import Ledger
@@ -54,28 +55,31 @@ class Versions:
 
 
 class Tickets:
-    """Builds and publishes the prompt tickets of one run (its task, tokenizer and sampling settings)."""
+    """Builds and publishes the prompt tickets of one run (its environments, tokenizer and sampling settings)."""
 
-    def __init__(self, ctx: ServiceContext, cfg: TrainerConfig, task_name: str, task: Task, tokenizer: Any) -> None:
+    def __init__(self, ctx: ServiceContext, cfg: TrainerConfig, tasks: Mixture, tokenizer: Any) -> None:
         self.ctx = ctx
-        self.task_name = task_name
-        self.task = task
+        self.tasks = tasks
         self.tokenizer = tokenizer
         s = cfg.sampling
-        self.train_sampling = Sampling(max_new_tokens=s.max_new_tokens or task.max_new_tokens,
-                                       temperature=s.temperature, top_p=s.top_p, stop=list(task.stop))
-        self.eval_sampling = msgspec.structs.replace(self.train_sampling, temperature=cfg.eval.temperature)
+        #: per environment: the sampling of its training and its evaluation tickets (its budget and stops)
+        self.sampling: dict[str, tuple[Sampling, Sampling]] = {}
+        for env in tasks.envs:
+            train = Sampling(max_new_tokens=s.max_new_tokens or env.task.max_new_tokens, temperature=s.temperature,
+                             top_p=s.top_p, stop=list(env.task.stop))
+            self.sampling[env.name] = (train, msgspec.structs.replace(train, temperature=cfg.eval.temperature))
         self.group_size = cfg.group_size
         self.eval_samples = cfg.eval.samples
 
     async def publish(self, prompt: Prompt, group_id: str, version: int, *, is_eval: bool = False) -> None:
-        """One ticket: ``group_size`` completions of ``prompt`` (``eval.samples`` for an evaluation round)."""
+        """One ticket: ``group_size`` completions of ``prompt`` (``eval.samples`` for an evaluation round), in
+        the environment the prompt was drawn from."""
         group_size = self.eval_samples if is_eval else self.group_size
+        env = self.tasks.env(prompt.env)
         ticket = PromptTicket(
-            run_id=self.ctx.run_id, task=self.task_name, group_id=group_id, prompt_id=prompt.id,
-            prompt_ids=self.task.format_prompt(self.tokenizer, prompt), prompt_text=prompt.text,
-            group_size=group_size, policy_version=version,
-            sampling=self.eval_sampling if is_eval else self.train_sampling,
+            run_id=self.ctx.run_id, task=env.name, group_id=group_id, prompt_id=prompt.id,
+            prompt_ids=env.task.format_prompt(self.tokenizer, prompt), prompt_text=prompt.text,
+            group_size=group_size, policy_version=version, sampling=self.sampling[env.name][int(is_eval)],
             metadata=dict(prompt.metadata), is_eval=is_eval)
         # deterministic msg id: a retried publish (or a resumed trainer) is de-duplicated by JetStream
         ticket.msg_id = f"{self.ctx.run_id}-{group_id}"

@@ -29,8 +29,7 @@ from typing import Any
 
 from services.lib.weights.transport import WeightSender
 from services.runtime.config import ModelSection, TaskSection
-from services.tasks import get_task
-from services.tasks.base import Task
+from services.tasks.mixture import Mixture
 from services.tasks.models import resolve_model
 from services.trainer import ledger
 from services.trainer.config import TrainerConfig
@@ -44,9 +43,10 @@ log = logging.getLogger("rlbus.trainer.resume")
 
 @dataclass
 class Start:
-    """What the trainer starts from: its task, learner (weights loaded) and bookkeeping."""
+    """What the trainer starts from: its task (the run's environments), learner (weights loaded) and
+    bookkeeping."""
 
-    task: Task
+    task: Mixture
     learner: Learner
     state: TrainerState
     checkpoint: Path | None
@@ -61,11 +61,11 @@ def base_model(model: ModelSection, seed: int) -> Path:
 
 def load(cfg: TrainerConfig, model: ModelSection, task_section: TaskSection, checkpoints: Path, seed: int,
          placement: Placement | None = None, group: RankGroup | None = None) -> Start:
-    """Build the task and the learner from the newest checkpoint, else from the configured model (blocking).
+    """Build the task (every environment of ``[task]``) and the learner from the newest checkpoint, else from the configured model (blocking).
 
     With a rank group, every rank builds its learner from the same directory and loads its shard
     of the checkpoint (written by any number of ranks)."""
-    task = get_task(task_section.name, **task_section.options)
+    task = Mixture.build(task_section)
     ckpt = Learner.latest_checkpoint(checkpoints)
     # a LoRA checkpoint holds adapters only: the model is the configured base again, the adapters load into it
     model_dir = ckpt if ckpt and cfg.lora is None else base_model(model, seed)

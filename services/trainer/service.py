@@ -33,17 +33,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from proto import catalog
 from services.lib.colocation import DEVICE_SHARE
 from services.lib.weights.transport import WeightSender, make_sender
 from services.runtime import bus, metrics, tracing
 from services.runtime.config import Loaded
 from services.runtime.service import ServiceContext
-from services.tasks.base import TaskMetrics
+from services.tasks.mixture import env_figures
 from services.trainer import devices, nodes, resume
 from services.trainer.admission import Sample
 from services.trainer.collect import Collector, Fleet
 from services.trainer.config import TrainerConfig
+from services.trainer.distill import missing_teacher
 from services.trainer.evaluation import Evaluations
 from services.trainer.faults import fault_point
 from services.trainer.learner import Learner
@@ -108,16 +111,16 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = run_dir
         self.task = start.task
+        self.distill = loaded.distill
         self.learner: Learner = start.learner
         self.ledger = ledger
         self.version_kept = start.version_kept
         self.versions = Versions(sender, ledger)
         self.started = time.time()
         self.reporter = Reporter(ctx, run_dir)
-        tickets = Tickets(ctx, cfg, loaded.task.name, self.task, self.learner.tokenizer)
-        eval_prompts = self.task.eval_prompts()
-        self.evals = Evaluations(eval_prompts[: cfg.eval.prompts] if cfg.eval.prompts else eval_prompts,
-                                 cfg.eval.samples, ledger, tickets, self.reporter)
+        tickets = Tickets(ctx, cfg, self.task, self.learner.tokenizer)
+        self.evals = Evaluations(self.task.eval_prompts(cfg.eval.prompts), cfg.eval.samples, ledger, tickets,
+                                 self.reporter, per_env=self.task.is_mixture)
         self.outcomes = Outcomes(ctx, ledger)
         prompts = self.task.train_prompts(loaded.run.seed, start=ledger.state.data_position)
         self.collector = Collector(cfg, ledger, prompts, tickets, self.evals, self.outcomes, Fleet(ctx))
@@ -129,8 +132,8 @@ class Trainer:
             await self.versions.send(await asyncio.to_thread(self.learner.state_dict))
         await self.ledger.save()
         await self.outcomes.flush()  # what a crash left owed (ledger.py, rule 1)
-        if isinstance(self.task, TaskMetrics):  # figures about the task's data (its prompts are built by now)
-            await self.reporter.emit(self.task.metrics(), step=state.step)
+        if figures := self.task.metrics():  # figures about the tasks' data (their prompts are built by now)
+            await self.reporter.emit(figures, step=state.step)
         consumer = asyncio.create_task(ctx.consume(catalog.TRAJECTORIES, self.collector.handle, concurrency=64),
                                        name="trainer-consume")
         try:
@@ -152,6 +155,10 @@ class Trainer:
     async def _train_step(self, groups: list[list[Sample]], wait_s: float = 0.0) -> None:
         state = self.ledger.state
         samples = [s for g in groups for s in g]
+        if self.distill.enabled:  # never trained without its teacher logprobs: dropped with the reason
+            for s in samples:
+                if not s.item.rollout.error and (why := missing_teacher(s.item)):
+                    s.item = msgspec.structs.replace(s.item, rollout=msgspec.structs.replace(s.item.rollout, error=why))
         # a failed rollout (sandbox died, engine error) is dropped with its error, never trained on as reward 0
         failed = [s for s in samples if s.item.rollout.error]
         samples = [s for s in samples if not s.item.rollout.error]
@@ -165,7 +172,7 @@ class Trainer:
                           step=state.step + 1, samples=len(samples), groups=len(groups)):
             async with DEVICE_SHARE.trainer_turn():  # colocated engines with enable_sleep_mode give memory back
                 with tracing.span("learner step"):
-                    metrics = await asyncio.to_thread(self.learner.step, [s.item for s in samples])
+                    metrics = await asyncio.to_thread(self.learner.step, [s.item for s in samples], self.distill)
             # the previous step's version is sent and its batch committed before this step moves the state
             t_settle = time.perf_counter()
             await self._settle()
@@ -185,6 +192,8 @@ class Trainer:
             metrics["time/snapshot_s"] = time.perf_counter() - t0
             metrics["time/wait_s"] = wait_s  # blocked in collect for this batch
             metrics.update(self.collector.figures)  # dynamic sampling's filtered fraction
+            if self.task.is_mixture:  # each environment's reward and share of the batch
+                metrics.update(env_figures([(s.item.rollout.task, s.item.reward) for s in samples]))
             done = self._publish_and_commit(groups, weights, metrics, version_lag)
             if overlap:
                 self._pending = asyncio.create_task(done, name=f"trainer-publish-{state.version}")

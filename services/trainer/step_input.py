@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from proto.trajectories import ScoredTrajectory
+from services.runtime.config import DistillSection
 from services.trainer.config import TrainerConfig
+from services.trainer.distill import token_advantages
 from services.trainer.loss import group_advantages
 
 
@@ -57,9 +59,14 @@ class StepInput:
     weights: list[float] = field(default_factory=list)
     #: figures of the batch's shaping (``overlong/...``), reported with the step's metrics
     figures: dict[str, float] = field(default_factory=dict)
+    #: on-policy distillation: per-token advantages (one list per completion, :mod:`services.trainer.distill`),
+    #: used instead of ``advantages``; empty: none
+    token_advantages: list[list[float]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, batch: list[ScoredTrajectory], cfg: TrainerConfig) -> StepInput:
+    def of(cls, batch: list[ScoredTrajectory], cfg: TrainerConfig, distill: DistillSection | None = None) -> StepInput:
+        """The step input of ``batch``; with ``distill`` enabled, its per-token advantages from each trajectory's
+        teacher logprobs (every trajectory must carry them: the trainer drops those that do not first)."""
         loss = cfg.loss
         prompts, completions, masks, behaviour = completion_tensors(batch)
         rewards = torch.tensor([t.reward for t in batch], dtype=torch.float32)
@@ -81,8 +88,12 @@ class StepInput:
         weights: list[float] = []
         if loss.staleness_decay < 1.0:
             weights = [loss.staleness_decay ** k for k in behind_freshest(batch)]
+        tokens: list[list[float]] = []
+        if distill is not None and distill.enabled:  # 3. per token: kl_coef * reverse KL + reward_weight * A_group
+            tokens = token_advantages([t.teacher_logprobs or [] for t in batch], behaviour, masks, advantages.tolist(),
+                                      kl_coef=distill.kl_coef, reward_weight=distill.reward_weight)
         return cls(prompts, completions, masks, behaviour, advantages.tolist(), rewards.tolist(),
-                   loss_total(masks, range(len(masks)), str(loss.aggregation)), weights, figures)
+                   loss_total(masks, range(len(masks)), str(loss.aggregation)), weights, figures, tokens)
 
     @property
     def lengths(self) -> list[int]:

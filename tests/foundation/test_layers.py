@@ -1,7 +1,7 @@
 """The package layering, checked by static analysis of every import (module- and function-level).
 
 proto ← services/runtime ← services/lib ← services/tasks ← each service (trainer, rollout, judge,
-sandbox, weightsync, echo, tracker) ← services/launcher. A layer imports only from itself and the layers to
+sandbox, weightsync, echo, tracker, teacher) ← services/launcher. A layer imports only from itself and the layers to
 its left; services do not import one another; there are no cycles between packages, nor between the
 modules of the packages in ``NO_MODULE_CYCLES``.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SERVICES = ("trainer", "rollout", "judge", "sandbox", "weightsync", "echo", "tracker")
+SERVICES = ("trainer", "rollout", "judge", "sandbox", "weightsync", "echo", "tracker", "teacher")
 LAYERS = ("proto", "runtime", "lib", "tasks")
 NODES = (*LAYERS, *SERVICES, "launcher")
 NO_MODULE_CYCLES = ("services/trainer",)  # packages whose modules import one another without a cycle

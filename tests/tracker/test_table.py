@@ -44,7 +44,7 @@ def test_rows_join_in_either_order_and_the_sample_does_not_depend_on_it():
     row = dict(zip(a.columns, a.rows[0], strict=True))
     tid = row["group_id"].removeprefix("g-")
     assert row == {"step": 3, "prompt": f"prompt of {tid}", "completion": "42", "reward": 1.0, "staleness": 2,
-                   "finish_reason": "eos", "group_id": f"g-{tid}", "score/exact": 1.0, "score/format": 0.5}
+                   "finish_reason": "eos", "group_id": f"g-{tid}", "env": "addition", "score/exact": 1.0, "score/format": 0.5}
 
 
 def test_a_step_is_ready_once_a_later_step_arrives_and_its_rows_are_joined():

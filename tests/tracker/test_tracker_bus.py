@@ -70,7 +70,7 @@ async def _publish_step(nc, js, step: int) -> dict[str, ScoredTrajectory]:
 
 
 def _check_rows(columns: list[str], rows: list[list[object]], step: int, trajs: dict[str, ScoredTrajectory]) -> None:
-    assert columns == ["step", "prompt", "completion", "reward", "staleness", "finish_reason", "group_id",
+    assert columns == ["step", "prompt", "completion", "reward", "staleness", "finish_reason", "group_id", "env",
                        "score/exact", "score/format"]
     assert len(rows) == ROWS
     by_prompt = {t.rollout.prompt_text: t for tid, t in trajs.items() if not tid.endswith("-0")}  # trained only

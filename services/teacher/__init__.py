@@ -1,0 +1,1 @@
+"""The teacher service: a teacher model's logprobs of sampled tokens, for on-policy distillation."""
