@@ -237,6 +237,15 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                               "launcher.services (e.g. teacher = 1) and name its model in services.teacher.model")
         if not self.services.teacher.model:
             raise ConfigError("config key services.teacher.model: distill.enabled needs the teacher's model")
+        trainer = self.services.trainer
+        if trainer.loss.type == "gspo":
+            raise ConfigError("config keys distill.enabled and services.trainer.loss.type: GSPO's one ratio per "
+                              "completion does not go with distillation's per-token advantages; use loss.type = "
+                              '"grpo", "dr_grpo" or "cispo", or turn distillation off')
+        if trainer.dynamic_sampling and self.distill.reward_weight == 0:
+            raise ConfigError("config keys services.trainer.dynamic_sampling and distill.reward_weight: dynamic "
+                              "sampling drops groups whose rewards are all equal, which still carry a distillation "
+                              "signal when the reward is not used (reward_weight = 0); turn one of them off")
 
     def _check_weights(self) -> list[str]:
         """The weight transport against the layout: inproc needs the trainer and rollout in one process, a

@@ -105,3 +105,29 @@ def test_a_trajectory_without_fitting_teacher_logprobs_is_named():
     assert missing_teacher(_trajectory("g", 0, 1.0, [5, 6], [-1.0, -2.0], None)).startswith("no teacher logprobs")
     assert missing_teacher(_trajectory("g", 0, 1.0, [5, 6], [-1.0, -2.0], [-0.5])) == \
         "teacher logprobs do not fit: 1 for 2 tokens"
+
+
+def _distill_runfile(tmp_path, extra: str):
+    from services.launcher.runfile import RunFile
+
+    path = tmp_path / "run.toml"
+    path.write_text('[launcher]\nservices = { trainer = 1, rollout = 1, judge = 1, weightsync = 1, teacher = 1 }\n'
+                    '[model]\nname = "tiny-addition"\n[task]\nname = "addition"\n[distill]\nenabled = true\n'
+                    f'reward_weight = 0.0\n[services.teacher]\nmodel = "tiny-addition"\n{extra}')
+    return RunFile.load(path, env={})
+
+
+def test_distillation_refuses_what_does_not_go_with_it(tmp_path):
+    import pytest
+
+    from services.runtime.config import ConfigError
+
+    _distill_runfile(tmp_path, "").check()  # the base file is fine
+    with pytest.raises(ConfigError, match="distill.enabled and services.trainer.loss.type"):
+        _distill_runfile(tmp_path, '[services.trainer.loss]\ntype = "gspo"\n').check()
+    with pytest.raises(ConfigError, match="dynamic_sampling and distill.reward_weight"):
+        _distill_runfile(tmp_path, "[services.trainer]\ndynamic_sampling = true\n").check()
+    no_teacher = _distill_runfile(tmp_path, "")
+    no_teacher.launcher.services.pop("teacher")
+    with pytest.raises(ConfigError, match="needs a teacher service"):
+        no_teacher.check()
