@@ -110,7 +110,8 @@ class VllmEngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     #: release KV cache and weights while a colocated trainer ("trainer+rollout") steps; GPU only (vLLM on
     #: CPU has no sleep mode: start-up stops with an error saying so)
     enable_sleep_mode: bool = False
-    #: where weight updates are staged for vLLM's workers (same host); empty: /dev/shm, else the temp dir
+    #: where weight updates are staged for vLLM's workers (same host); empty: /dev/shm, else the temp dir. Needs
+    #: room for one full update (the model's bytes in its dtype): checked before each write
     staging_dir: str = ""
     #: seconds of the window the engine's tokens/s figure is measured over
     stats_window_s: Seconds = 10.0

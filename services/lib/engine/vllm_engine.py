@@ -33,13 +33,13 @@ import dataclasses
 import logging
 import os
 import secrets
-import tempfile
 import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from services.lib.engine import staging
 from services.lib.engine.base import (
     EngineError,
     EngineNotRunningError,
@@ -391,9 +391,8 @@ class VllmEngine:
             raise WeightUpdateError(f"adapter version {version}: {exc}") from exc
 
     def _stage(self, state_dict: Mapping[str, Any], version: int) -> str:
-        """Write the tensors (CPU, contiguous, tied ones de-duplicated) to a safetensors file the workers read."""
-        from safetensors.torch import save_file
-
+        """Write the tensors (CPU, contiguous, tied ones de-duplicated) to a safetensors file the workers read
+        (:mod:`services.lib.engine.staging`: free space checked first, no partial file left on failure)."""
         tensors: dict[str, Any] = {}
         seen: set[int] = set()
         embed = next((k for k in self._targets if k.endswith("embed_tokens.weight")), "")
@@ -407,11 +406,7 @@ class VllmEngine:
                 t = t.clone()
             seen.add(t.untyped_storage().data_ptr())
             tensors[name] = t
-        base = self.config.staging_dir or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
-        fd, path = tempfile.mkstemp(prefix=f"rlbus-weights-v{version}-", suffix=".safetensors", dir=base)
-        os.close(fd)
-        save_file(tensors, path)
-        return path
+        return staging.stage(tensors, staging.staging_base(self.config.staging_dir), f"rlbus-weights-v{version}-")
 
     # ------------------------------------------------------------------ sleep / wake (GPU)
     async def sleep(self, level: int = 1) -> None:
