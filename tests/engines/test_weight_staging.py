@@ -81,3 +81,15 @@ def test_the_default_staging_place():
     assert staging.staging_base("/data/stage") == "/data/stage"
     assert staging.staging_base("") in ("/dev/shm", staging.FALLBACK)
     assert VllmEngineConfig(staging_dir="/data/stage").staging_dir == "/data/stage"
+
+
+def test_vllms_sleep_mode_gets_an_environment_without_expandable_segments():
+    # a GPU trainer sets expandable_segments (services/trainer/devices.py); vLLM's sleep-mode allocator refuses it
+    from services.lib.engine.vllm_procs import without_expandable_segments
+
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert without_expandable_segments(env) == "expandable_segments:True" and env == {}
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512,expandable_segments:True"}
+    assert without_expandable_segments(env) == "expandable_segments:True"
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert without_expandable_segments(env) == "" and without_expandable_segments({}) == ""

@@ -52,7 +52,7 @@ from services.lib.engine.base import (
     WeightUpdateError,
 )
 from services.lib.engine.config import VllmEngineConfig
-from services.lib.engine.vllm_procs import EngineProcesses
+from services.lib.engine.vllm_procs import EngineProcesses, without_expandable_segments
 from services.lib.engine.vllm_weights import hf_parameter_shapes, layer_groups
 
 log = logging.getLogger("rlbus.engine.vllm")
@@ -112,6 +112,8 @@ class VllmEngine:
         if cfg.enable_sleep_mode and self._is_cpu:
             raise EngineError("vllm engine config: enable_sleep_mode is GPU-only (vLLM on CPU has no sleep mode); "
                               "set it to false")
+        if cfg.enable_sleep_mode and (dropped := without_expandable_segments(os.environ)):  # type: ignore[arg-type]
+            log.info("PYTORCH_CUDA_ALLOC_CONF: %s taken out for vLLM's sleep mode (its allocator refuses it)", dropped)
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         unknown = sorted(set(cfg.engine_args) - known)
         if unknown:
