@@ -40,7 +40,7 @@ from services.rollout.episode import EpisodeLoop
 from services.runtime import tracing
 from services.runtime.config import Loaded
 from services.runtime.consume import Delivery, Poison, Retry
-from services.runtime.service import ServiceContext
+from services.runtime.service import ServiceContext, colocated_names
 from services.tasks import TaskRegistrationError, UnknownTaskError, get_task
 from services.tasks.base import Prompt, Task
 from services.tasks.black_box import is_black_box_agent
@@ -122,9 +122,12 @@ class RolloutService:
     async def run(self, ctx: ServiceContext) -> None:
         ctx.gauges["rollout/max_tickets"] = float(self.cfg.max_tickets)  # the trainer's admission sums these
         engine, sleeps = await asyncio.to_thread(self._engine)
-        await engine.start()
-        if sleeps:
-            DEVICE_SHARE.register(engine)  # asleep while a colocated trainer steps (services/lib/colocation.py)
+        if sleeps:  # colocated: started once the trainer's memory is out of the way, asleep while it steps
+            async with DEVICE_SHARE.engine_start(with_trainer="trainer" in colocated_names()):
+                await engine.start()
+            DEVICE_SHARE.register(engine)  # (services/lib/colocation.py)
+        else:
+            await engine.start()
         self.attach(engine, engine.tokenizer, SandboxClient(
             ctx.nc, ctx.run_id, timeout_s=self.cfg.agent.sandbox_timeout_s,
             default_exec_timeout_s=self.cfg.agent.exec_timeout_s))

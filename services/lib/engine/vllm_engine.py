@@ -82,6 +82,8 @@ class VllmEngine:
         self._update_lock = asyncio.Lock()
         self._targets: dict[str, tuple[int, ...]] = {}
         self._tied = False
+        self._slept = 0  # the level of the last sleep
+        self._needs_weights = False  # woken from a level-2 sleep: no weights until the next full update
         self._groups: dict[str, str] = {}
         self._adapters: Any = None  # lora_merge.AdapterMerger, made on the first adapter version
         self._eos_ids: frozenset[int] = frozenset()
@@ -351,6 +353,9 @@ class VllmEngine:
         if missing:
             raise WeightUpdateError(f"partial layer update: {missing[:3]} (of {len(missing)}) missing; vLLM reloads "
                                     "whole layers (q/k/v and gate/up are fused): send every tensor of a layer")
+        if self._needs_weights and len(touched) < len(set(self._groups.values())):
+            raise WeightUpdateError("after a level-2 sleep the engine holds no weights: the update must carry every "
+                                    "layer (a full state dict); use sleep_level = 1 where updates are partial")
         async with self._update_lock:
             path = await asyncio.to_thread(self._stage, state_dict, version)
             llm = self._llm
@@ -364,6 +369,9 @@ class VllmEngine:
                     raise WeightUpdateError(
                         f"loading version {version} failed ({exc}); the model may hold a mix of versions "
                         f"{self._version} and {version}: send a full state dict again") from exc
+                if self._needs_weights:  # the weights are whole again: the KV cache back, serving resumes
+                    await llm.wake_up(tags=["kv_cache"])
+                    self._needs_weights = False
                 await llm.reset_prefix_cache(reset_running_requests=True)
                 await llm.update_weight_version(str(version))
                 self._version = version
@@ -411,18 +419,24 @@ class VllmEngine:
         return staging.stage(tensors, staging.staging_base(self.config.staging_dir), f"rlbus-weights-v{version}-")
 
     # ------------------------------------------------------------------ sleep / wake (GPU)
-    async def sleep(self, level: int = 1) -> None:
-        """Release device memory (level 1: weights offloaded to the host, KV cache dropped); GPU only.
-        Running requests are kept, paused (vLLM's ``mode="keep"``), and continue after :meth:`wake_up`
-        with their KV recomputed (:mod:`services.lib.colocation` calls both around a colocated trainer's
-        step). Not verified on a GPU here: vLLM on CPU has no sleep mode."""
+    async def sleep(self, level: int | None = None) -> None:
+        """Release device memory (``sleep_level``, or ``level``: 1 offloads the weights to the host, 2 drops
+        them, both drop the KV cache); GPU only. Running requests are kept, paused (vLLM's ``mode="keep"``),
+        and continue after :meth:`wake_up` with their KV recomputed (:mod:`services.lib.colocation` calls both
+        around a colocated trainer's step). Not verified on a GPU here: vLLM on CPU has no sleep mode."""
         self._check_sleep_mode()
-        await self._llm.sleep(level=level, mode="keep")
+        self._slept = level or self.config.sleep_level
+        await self._llm.sleep(level=self._slept, mode="keep")
 
     async def wake_up(self) -> None:
-        """Restore what :meth:`sleep` released and resume serving."""
+        """Restore what :meth:`sleep` released and resume serving. After level 2 only the weights' memory comes
+        back (its contents are gone): serving resumes once :meth:`update_weights` has loaded a full version."""
         self._check_sleep_mode()
-        await self._llm.wake_up()
+        if self._slept == 2:
+            await self._llm.wake_up(tags=["weights"])  # vLLM keeps the scheduler paused until fully awake
+            self._needs_weights = True
+        else:
+            await self._llm.wake_up()
 
     def _check_sleep_mode(self) -> None:
         if not self.config.enable_sleep_mode or not self._running:
