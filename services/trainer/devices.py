@@ -7,7 +7,8 @@ inside torch on the first step.
 **GPU defaults** (:func:`precision_defaults`): on CUDA the trainer runs as GPU trainers should by default:
 ``[model] dtype = "auto"`` is bfloat16 mixed precision (where the GPU has bf16), float32 matmuls use TF32
 (``devices.tf32``), AdamW is the fused kernel (``optim.fused``) and the caching allocator grows segments in
-place (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless set). On CPU nothing changes: float32,
+place (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless set; the torch engine on CUDA too:
+:mod:`services.lib.cuda_alloc`). On CPU nothing changes: float32,
 full-precision matmuls, the default AdamW, no allocator setting.
 """
 
@@ -20,14 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from services.lib.cuda_alloc import CUDA_ALLOC_CONF, set_alloc_conf
 from services.runtime.config import ConfigError
 from services.trainer.config import TrainerConfig
 
 log = logging.getLogger("rlbus.trainer.devices")
 
-#: the CUDA caching allocator setting of GPU trainers: segments grow in place instead of fragmenting memory
-#: (read once, when CUDA initialises: :func:`resolve` sets it before anything touches CUDA)
-CUDA_ALLOC_CONF = "expandable_segments:True"
 
 
 @dataclass(frozen=True)
@@ -101,8 +100,7 @@ def precision_defaults(device_type: str, dtype: str, trainer: TrainerConfig,
 def apply_cuda_settings(precision: Precision) -> None:
     """Apply the process-wide settings of a CUDA trainer: the allocator's (before CUDA initialises; a value
     already in the environment is kept) and TF32 for float32 matmuls."""
-    if precision.alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = precision.alloc_conf
+    set_alloc_conf(precision.alloc_conf)
     fp32 = "tf32" if precision.tf32 else "ieee"  # torch's current API (mixing it with allow_tf32 is an error)
     torch.backends.cuda.matmul.fp32_precision = fp32
     torch.backends.cudnn.conv.fp32_precision = fp32

@@ -126,3 +126,14 @@ def test_the_learner_builds_fused_adamw_only_when_the_placement_says(loop_model_
     cpu = Learner(TrainerConfig(), loop_model_dir, devices.resolve(TrainerConfig(devices=DevicesConfig(device="cpu"))))
     assert cpu.optimizer.defaults["fused"] is None and cpu.placement.dtype == "float32"
     assert build_optimizer(torch.nn.Linear(2, 2), fused=True).defaults["fused"] is True  # what CUDA gets
+
+
+def test_the_allocator_setting_is_set_once_and_an_operators_value_kept(monkeypatch):
+    from services.lib.cuda_alloc import set_alloc_conf
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert set_alloc_conf() == "expandable_segments:True" == os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")
+    assert set_alloc_conf() == "max_split_size_mb:256"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert set_alloc_conf("") == "" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # CPU: nothing set
