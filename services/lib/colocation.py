@@ -67,13 +67,16 @@ class HostOffload:
         self.on_host = False
         self.moved_bytes = 0
         """Bytes moved by the last release or reclaim."""
+        self._moved: list[tuple[Any, str, Any]] = []  # (owner, key, tensor) moved by the last release
 
     def tensors(self) -> Iterable[tuple[Any, str, Any]]:
         """(owner, key, tensor) of every tensor that moves: parameters and buffers, optimiser state."""
+        once: set[int] = set()  # a parameter shared by two modules (tied embeddings) is one entry
         for module in self.modules:
             for sub in module.modules():
                 for key, t in list(sub._parameters.items()) + list(sub._buffers.items()):
-                    if t is not None:
+                    if t is not None and id(t) not in once:
+                        once.add(id(t))
                         yield sub, key, t
         for opt in self.optimizers:
             for state in opt.state.values():
@@ -81,50 +84,50 @@ class HostOffload:
                     if hasattr(t, "device"):
                         yield state, key, t
 
-    def _move(self, to: Any, pin: bool) -> None:
+    def _move(self, entries: list[tuple[Any, str, Any]], to: Any, pin: bool) -> None:
         import torch
 
         seen: dict[int, Any] = {}  # shared storage (tied embeddings) moves once
         moved = 0
-        for owner, key, t in self.tensors():
-            if isinstance(t, torch.nn.Parameter) or key in getattr(owner, "_buffers", {}):
-                data = t.data
-                if data.data_ptr() not in seen:
-                    copy = torch.empty_like(data, device=to, pin_memory=pin)
-                    copy.copy_(data, non_blocking=pin)
-                    seen[data.data_ptr()] = copy
-                    moved += data.numel() * data.element_size()
+        for owner, key, t in entries:
+            data = t.data if isinstance(owner, torch.nn.Module) else t
+            if data.data_ptr() not in seen:
+                copy = torch.empty_like(data, device=to, pin_memory=pin)
+                copy.copy_(data, non_blocking=pin)
+                seen[data.data_ptr()] = copy
+                moved += data.numel() * data.element_size()
+            if isinstance(owner, torch.nn.Module):  # a parameter or buffer keeps its identity
                 t.data = seen[data.data_ptr()]
                 if isinstance(t, torch.nn.Parameter):
                     t.grad = None
             else:  # an optimiser state entry
-                if t.data_ptr() not in seen:
-                    copy = torch.empty_like(t, device=to, pin_memory=pin)
-                    copy.copy_(t, non_blocking=pin)
-                    seen[t.data_ptr()] = copy
-                    moved += t.numel() * t.element_size()
-                owner[key] = seen[t.data_ptr()]
+                owner[key] = seen[data.data_ptr()]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.moved_bytes = moved
 
     def release(self) -> None:
-        """Everything to the host; on CUDA the freed blocks go back to the driver (``empty_cache``)."""
+        """What is on the device to the host (tensors already on the host, e.g. the step counts of a
+        non-fused AdamW, stay); on CUDA the freed blocks go back to the driver (``empty_cache``)."""
         import torch
 
         if self.on_host:
             return
-        self._move(self.host, pin=self.device.type == "cuda")
+        self._moved = [(o, k, t) for o, k, t in self.tensors() if t.device == self.device]
+        self._move(self._moved, self.host, pin=self.device.type == "cuda")
         self.on_host = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         log.info("trainer memory handed back: %.1f MiB on the host", self.moved_bytes / (1 << 20))
 
     def reclaim(self) -> None:
-        """Everything back on the device."""
+        """What :meth:`release` moved, back on the device."""
         if not self.on_host:
             return
-        self._move(self.device, pin=False)
+        # the entries again, as they are now (an optimiser state entry was replaced by its host copy)
+        moved = {(id(o), k) for o, k, _ in self._moved}
+        self._move([(o, k, t) for o, k, t in self.tensors() if (id(o), k) in moved], self.device, pin=False)
+        self._moved = []
         self.on_host = False
 
 
