@@ -165,3 +165,14 @@ def test_with_a_run_file_it_checks_the_file_and_the_gpus_it_asks_for(tmp_path, f
     assert out.returncode == 1
     failed = {c["name"]: c for c in json.loads(out.stdout)["checks"]}["config"]
     assert failed["status"] == "fail" and "count to 1" in failed["detail"]
+
+
+@pytest.mark.parametrize(("example", "trainer_gpus"), [("gpu.toml", 2), ("gpu_8.toml", 4)])
+def test_the_gpu_examples_pass_the_doctors_cpu_side_checks(example, trainer_gpus):
+    # here (no GPU) they load and their rules hold; only the GPUs their trainer asks for are missing (a warning)
+    no_gpu_here()
+    out = doctor("--json", "--no-import", "--config", str(ROOT / "examples" / example))
+    assert out.returncode == 0, out.stdout + out.stderr
+    config = {c["name"]: c for c in json.loads(out.stdout)["checks"]}["config"]
+    assert config["status"] == "warn" and "loads and checks" in config["detail"]
+    assert f"asks for {trainer_gpus} GPU(s)" in config["detail"]
