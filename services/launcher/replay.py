@@ -131,7 +131,7 @@ def replay_step(run_dir: str | Path, step: int) -> Replayed:
     from services.runtime.weights_config import TransportConfig
     from services.tasks.models import resolve_model
     from services.trainer.config import TrainerConfig
-    from services.trainer.devices import Placement
+    from services.trainer.devices import Placement, precision_defaults
     from services.trainer.learner import Learner
     from services.trainer.optim import clip_grad_norm
     from services.trainer.step_input import StepInput
@@ -159,7 +159,9 @@ def replay_step(run_dir: str | Path, step: int) -> Replayed:
     batch, weights, start = asyncio.run(_batch_and_weights(run_dir, run_id, transport, step, skipped))
     model_dir = resolve_model(model.name, model.cache_dir or None, seed=int(tree.get("run", {}).get("seed", 0)),
                               revision=model.revision or None)
-    learner = Learner(cfg, model_dir, Placement("cpu", "cpu", "gloo", dtype=model.dtype))
+    # on CPU: "auto" is float32 here (a run that trained on CUDA with "auto" had bf16: name it to replay it)
+    learner = Learner(cfg, model_dir, Placement("cpu", "cpu", "gloo",
+                                                dtype=precision_defaults("cpu", model.dtype, cfg).dtype))
     if weights is not None:
         learner.load_weights({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
     learner.optimizer.zero_grad(set_to_none=True)

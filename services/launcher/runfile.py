@@ -202,7 +202,19 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         from services.launcher.placement import Layout
 
         Layout(self).check()
+        self._check_sleep_level()
         return derived
+
+    def _check_sleep_level(self) -> None:
+        """vLLM's level-2 sleep drops the weights: only a full update after every step may refill them."""
+        engine = self.services.rollout.engine
+        if getattr(engine, "sleep_level", 1) == 2 and (not isinstance(self.weights, InprocConfig)
+                                                       or self.services.trainer.lora is not None):
+            raise ConfigError("config key services.rollout.engine.sleep_level is 2 (the weights are dropped while "
+                              "the trainer steps), which needs a full update after every step: the inproc weight "
+                              f"transport (colocated trainer+rollout) without LoRA; [weights] type is "
+                              f"{tag_of(self.weights)!r}{', with LoRA' if self.services.trainer.lora else ''}: "
+                              "set sleep_level = 1")
 
     def _check_layout(self) -> None:
         launcher = self.launcher

@@ -101,8 +101,8 @@ async def latest_weights(js: Any, run_id: str, scope: str = "main") -> dict[str,
 
 def healthy_here(st: dict[str, Any], service: str, max_age_s: float, host: str | None = None) -> tuple[bool, str]:
     """Whether ``service`` has an instance on ``host`` (default: this host's name, which is the container's
-    or pod's) whose last heartbeat is at most ``max_age_s`` old and whose state is starting, waiting or
-    running; with the reason either way."""
+    or pod's) whose last heartbeat is at most ``max_age_s`` old, whose state is starting, waiting or
+    running and which reports no ``*_unhealthy`` gauge (:func:`unhealthy`); with the reason either way."""
     import socket
 
     host = host or socket.gethostname()
@@ -114,7 +114,16 @@ def healthy_here(st: dict[str, Any], service: str, max_age_s: float, host: str |
         return False, f"{service} {best['instance']} on {host}: last heartbeat {best['age_s']}s ago (> {max_age_s:g}s)"
     if best["state"] not in ("starting", "waiting", "running"):
         return False, f"{service} {best['instance']} on {host} is {best['state']}"
+    if unhealthy(best):
+        return False, (f"{service} {best['instance']} on {host} reports itself unhealthy "
+                       f"({', '.join(unhealthy(best))})")
     return True, f"{service} {best['instance']} on {host} is {best['state']} (heartbeat {best['age_s']}s ago)"
+
+
+def unhealthy(member: dict[str, Any]) -> list[str]:
+    """The gauges by which a member says it is unhealthy (named ``*_unhealthy``, non-zero: e.g. a rollout
+    failing to apply weight versions, ``rollout/weights_unhealthy``)."""
+    return sorted(k for k, v in member["metrics"].items() if k.endswith("_unhealthy") and v)
 
 
 def _weights_line(w: dict[str, Any] | None) -> str:
@@ -131,7 +140,7 @@ def format_status(st: dict[str, Any]) -> str:
     for m in sorted(st["members"], key=lambda m: (m["service"], m["instance"])):
         gauges = " ".join(f"{k}={v:g}" for k, v in sorted(m["metrics"].items()))
         lines.append(f"  {m['service']:<11} {m['instance']:<24} {m['state']:<9} pid {m['pid']:<7} "
-                     f"seen {m['age_s']}s ago {gauges}")
+                     f"seen {m['age_s']}s ago {'UNHEALTHY ' if unhealthy(m) else ''}{gauges}")
     lines.append("streams:")
     for name, s in st["streams"].items():
         lines.append(f"  {name:<13} {s['messages']:>8} msgs {s['bytes']:>12} bytes")

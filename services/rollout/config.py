@@ -154,6 +154,12 @@ class RolloutConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: { scope = "<the relay's scope>", store = {...} (the relay's store; absent: [weights] store) }. Needs
     #: the store transport ([weights] type = "store"); absent: versions come as [weights] says
     weights_from: WeightsSource | None = None
+    #: failed attempts in a row to apply weight versions (the engine raising: a bad update, no room to stage
+    #: it) before the rollout stops with an error so that its supervisor restarts it; while it fails it
+    #: reports itself unhealthy (``rollout/weights_unhealthy``) and retries the version it holds
+    max_weight_failures: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
+    #: seconds before the first retry of a failed weight apply; doubles on each retry, at most 60 s
+    weight_retry_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 2.0
     #: budgets and tools of multi-turn episodes (environments, sandbox agents); single-turn tasks ignore it
     agent: AgentSection = msgspec.field(default_factory=AgentSection)
     #: the OpenAI/Anthropic-compatible endpoint over the engine, for black-box agents (off by default)

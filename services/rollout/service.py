@@ -40,7 +40,7 @@ from services.rollout.episode import EpisodeLoop
 from services.runtime import tracing
 from services.runtime.config import Loaded
 from services.runtime.consume import Delivery, Poison, Retry
-from services.runtime.service import ServiceContext
+from services.runtime.service import ServiceContext, colocated_names
 from services.tasks import TaskRegistrationError, UnknownTaskError, get_task
 from services.tasks.base import Prompt, Task
 from services.tasks.black_box import is_black_box_agent
@@ -53,6 +53,11 @@ log = logging.getLogger("rlbus.rollout")
 
 #: how often the rollout checks that its engine has not died
 ENGINE_WATCH_S = 0.5
+
+
+class WeightFollowError(EngineError):
+    """Weight versions could not be applied (``max_weight_failures`` in a row) or no longer arrive (the
+    receiver broke): the rollout stops with exit code 1 rather than generate on old weights unseen."""
 
 
 def rollout_msg_id(run_id: str, group_id: str, index: int) -> str:
@@ -103,6 +108,9 @@ class RolloutService:
         self.engine_failure: BaseException | None = None  # set when the engine died under requests
         self.endpoint: Any = None  # the OpenAI/Anthropic-compatible endpoint, when [services.rollout] endpoint is on
         self.black_box: Any = None  # black-box agent episodes (services/rollout/black_box.py), with the endpoint
+        self.weights_failure: WeightFollowError | None = None  # set when weights could not be applied
+        self.weight_failures = 0  # failed applies in a row (0: healthy)
+        self.weight_apply_failures = 0  # failed applies in all
 
     def _engine(self) -> tuple[Engine, bool]:
         """The engine (not started) and whether it sleeps while a colocated trainer steps."""
@@ -114,9 +122,12 @@ class RolloutService:
     async def run(self, ctx: ServiceContext) -> None:
         ctx.gauges["rollout/max_tickets"] = float(self.cfg.max_tickets)  # the trainer's admission sums these
         engine, sleeps = await asyncio.to_thread(self._engine)
-        await engine.start()
-        if sleeps:
-            DEVICE_SHARE.register(engine)  # asleep while a colocated trainer steps (services/lib/colocation.py)
+        if sleeps:  # colocated: started once the trainer's memory is out of the way, asleep while it steps
+            async with DEVICE_SHARE.engine_start(with_trainer="trainer" in colocated_names()):
+                await engine.start()
+            DEVICE_SHARE.register(engine)  # (services/lib/colocation.py)
+        else:
+            await engine.start()
         self.attach(engine, engine.tokenizer, SandboxClient(
             ctx.nc, ctx.run_id, timeout_s=self.cfg.agent.sandbox_timeout_s,
             default_exec_timeout_s=self.cfg.agent.exec_timeout_s))
@@ -156,6 +167,8 @@ class RolloutService:
             await self.engine.stop()
         if self.engine_failure is not None:
             raise EngineError(f"the engine died: {self.engine_failure}") from self.engine_failure
+        if self.weights_failure is not None:
+            raise self.weights_failure
 
     async def serve_endpoint(self, ctx: Any) -> None:
         """Start the OpenAI/Anthropic-compatible endpoint over the engine (services/rollout/endpoint.py)."""
@@ -211,28 +224,82 @@ class RolloutService:
 
     async def follow_weights(self, ctx: Any, receiver: WeightReceiver) -> None:
         """Apply each newer verified version ``receiver`` (a WeightReceiver) delivers. The receiver owns
-        the watching, re-checks, re-subscriptions, group rejoins and refusals (counted in ``refused``)."""
+        the watching, re-checks, re-subscriptions, group rejoins and refusals (counted in ``refused``); a
+        version the engine fails to apply is retried (:meth:`_apply`), and when applying keeps failing, or
+        the receiver itself breaks, the service stops with :attr:`weights_failure` (exit code 1, so that its
+        supervisor restarts it) instead of generating on old weights unseen."""
         self.receiver = receiver
-        async with contextlib.aclosing(aiter(receiver)) as versions:
-            async for version, state in versions:
-                t0 = time.perf_counter()
-                # the engine's apply links to the trainer's step that sent the version (many engines, one step)
-                sent_by = getattr(receiver, "traces", {}).get(version, "")
-                # the digest the receiver verified this version against: "never applied a corrupt version"
-                # can be checked from the log (and the span) against the announced manifests
-                digest = getattr(receiver, "digests", {}).get(version, "")
-                with tracing.span("apply weights", links=tracing.link_to([sent_by]), version=version,
-                                  digest=digest):
-                    await self.engine.update_weights(state, version)
-                log.info("applied weights version %d digest %s in %.3fs", version,
-                         digest or "none (not verified: in-process weights)", time.perf_counter() - t0)
-                async with self.version_changed:
-                    self.version_changed.notify_all()
-                self.weight_updates += 1
-                ctx.gauges["rollout/weight_version"] = float(version)
-                ctx.gauges["rollout/weight_apply_s"] = time.perf_counter() - t0
-                ctx.gauges["rollout/weight_errors"] = float(receiver.refused)
-                self.first_weights.set()
+        try:
+            async with contextlib.aclosing(aiter(receiver)) as versions:
+                async for version, state in versions:
+                    if not await self._apply(ctx, receiver, version, state):
+                        return
+        except Exception as exc:  # not a refusal (the receiver skips those): no version can come any more
+            self._stop_for_weights(ctx, WeightFollowError(
+                f"the weight receiver failed ({type(exc).__name__}: {exc}); no newer version can be applied"))
+
+    async def _apply(self, ctx: Any, receiver: WeightReceiver, version: int, state: Any) -> bool:
+        """Apply ``version``, retrying it after ``weight_retry_s`` (doubling, at most 60 s) while it fails.
+        Meanwhile the rollout says it is unhealthy (gauge ``rollout/weights_unhealthy``, heartbeat and
+        metrics; ``rlbus status --healthy`` fails) and logs the failure once. False when the service stops:
+        ``max_weight_failures`` failures in a row, or a stop asked for."""
+        delay = self.cfg.weight_retry_s
+        while True:
+            try:
+                await self._apply_once(ctx, receiver, version, state)
+            except Exception as exc:
+                self.weight_failures += 1
+                self.weight_apply_failures += 1
+                ctx.gauges["rollout/weights_unhealthy"] = 1.0
+                ctx.gauges["rollout/weight_apply_failures"] = float(self.weight_apply_failures)
+                if self.weight_failures == 1:  # once per run of failures, not once per retry
+                    log.error("applying weights version %d failed (%s: %s); still serving version %d, retrying "
+                              "(the rollout stops after %d failures in a row)", version, type(exc).__name__, exc,
+                              self.engine.version, self.cfg.max_weight_failures)
+                if self.weight_failures >= self.cfg.max_weight_failures:
+                    self._stop_for_weights(ctx, WeightFollowError(
+                        f"applying weights failed {self.weight_failures} times in a row (max_weight_failures), "
+                        f"the last for version {version}: {type(exc).__name__}: {exc}"))
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ctx.stop.wait(), delay)
+                if ctx.stop.is_set():
+                    return False
+                delay = min(2 * delay, 60.0)
+                continue
+            if self.weight_failures:
+                log.info("weights healthy again: version %d applied after %d failed attempts", version,
+                         self.weight_failures)
+            self.weight_failures = 0
+            ctx.gauges["rollout/weights_unhealthy"] = 0.0
+            return True
+
+    def _stop_for_weights(self, ctx: Any, error: WeightFollowError) -> None:
+        if self.weights_failure is None:
+            self.weights_failure = error
+            ctx.gauges["rollout/weights_unhealthy"] = 1.0
+            log.error("%s; stopping so that the rollout is restarted", error)
+            ctx.stop.set()
+
+    async def _apply_once(self, ctx: Any, receiver: WeightReceiver, version: int, state: Any) -> None:
+        t0 = time.perf_counter()
+        # the engine's apply links to the trainer's step that sent the version (many engines, one step)
+        sent_by = getattr(receiver, "traces", {}).get(version, "")
+        # the digest the receiver verified this version against: "never applied a corrupt version"
+        # can be checked from the log (and the span) against the announced manifests
+        digest = getattr(receiver, "digests", {}).get(version, "")
+        with tracing.span("apply weights", links=tracing.link_to([sent_by]), version=version,
+                          digest=digest):
+            await self.engine.update_weights(state, version)
+        log.info("applied weights version %d digest %s in %.3fs", version,
+                 digest or "none (not verified: in-process weights)", time.perf_counter() - t0)
+        async with self.version_changed:
+            self.version_changed.notify_all()
+        self.weight_updates += 1
+        ctx.gauges["rollout/weight_version"] = float(version)
+        ctx.gauges["rollout/weight_apply_s"] = time.perf_counter() - t0
+        ctx.gauges["rollout/weight_errors"] = float(receiver.refused)
+        self.first_weights.set()
 
     @property
     def weight_errors(self) -> int:
@@ -248,6 +315,8 @@ class RolloutService:
                 "rollout/pending_requests": float(st.pending), "rollout/running": float(st.running),
                 "rollout/tokens_per_s": float(st.tokens_per_s), "rollout/tokens_total": float(st.total_generated_tokens),
                 "rollout/weight_version": float(st.version), "rollout/weight_errors": float(self.weight_errors),
+                "rollout/weights_unhealthy": float(self.weight_failures > 0 or self.weights_failure is not None),
+                "rollout/weight_apply_failures": float(self.weight_apply_failures),
                 **({} if self.agents is None else {
                     "rollout/agent_loops": float(self.agents.active),
                     "rollout/agent_tool_calls": float(self.agents.counters["tool_calls"]),

@@ -109,9 +109,10 @@ class ModelSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: revision of a Hub id (empty: the one in ``name`` after ``@``, else the cached default)
     revision: str = ""
     #: training precision: float32, or bfloat16 mixed precision (bf16 compute, fp32 master weights and
-    #: optimiser moments; weights are sent to the engines in bf16). Engines choose their own dtype
+    #: optimiser moments; weights are sent to the engines in bf16); "auto": bfloat16 where the trainer
+    #: runs on a CUDA GPU with bf16, else float32. Engines choose their own dtype
     #: (``[services.rollout] engine.dtype``)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     #: where builtin models are built and cached (empty: ~/.cache/rlbus or $RLBUS_CACHE)
     cache_dir: str = ""
 

@@ -160,6 +160,11 @@ def install_uvloop() -> bool:
 _colocated_names: list[str] = []
 
 
+def colocated_names() -> list[str]:
+    """The services sharing this process (``rlbus service trainer+rollout``), or [] when it runs one."""
+    return list(_colocated_names)
+
+
 async def serve_colocated(group: list[tuple[str, Callable[[Loaded], Service], Loaded, str | None]]) -> int:
     """Run several services in this process on one event loop (e.g. trainer + rollout sharing weights
     in memory through the inproc transport). Each has its own connection, login and heartbeats; when one

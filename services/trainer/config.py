@@ -139,6 +139,9 @@ class OptimConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_tokens_per_micro_batch: NonNeg = 0
     #: recompute activations in the backward pass (less memory, ~30% more compute)
     gradient_checkpointing: bool = False
+    #: on CUDA, AdamW's fused kernel (one launch per step instead of several per tensor); CPU keeps the
+    #: default implementation
+    fused: bool = True
 
 
 class SamplingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -192,6 +195,9 @@ class DevicesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: rendezvous port on node 0 (0 with nnodes = 1: a free one); node 0 also takes master_port + 1 for
     #: the other nodes' command links
     master_port: Annotated[int, msgspec.Meta(ge=0, le=65534)] = 0
+
+    #: on CUDA, float32 matmuls in TF32 (faster, ~10 mantissa bits); ignored on CPU
+    tf32: bool = True
 
     @property
     def nproc_per_node(self) -> int:

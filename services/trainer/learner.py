@@ -121,7 +121,8 @@ class Learner:
         if self.world_size > 1:
             self._shard()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.optimizer = build_optimizer(self.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        self.optimizer = build_optimizer(self.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                                         fused=self.placement.fused_optim)
         self.scheduler = build_lr_schedule(self.optimizer, cfg.optim.lr_schedule, cfg.optim.lr_warmup_steps,
                                            cfg.total_steps if cfg.optim.lr_schedule != "constant" else None)
         self.ref_model = None

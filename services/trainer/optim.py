@@ -31,11 +31,14 @@ def build_optimizer(
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
+    fused: bool = False,
 ) -> torch.optim.AdamW:
     """AdamW over the model's trainable parameters.
 
     Weight decay applies to parameters with two or more dimensions only (weight
-    matrices and embeddings); biases and norm scales are not decayed.
+    matrices and embeddings); biases and norm scales are not decayed. ``fused``:
+    the fused kernel (CUDA parameters; the trainer asks for it on CUDA only,
+    ``services.trainer.devices.precision_defaults``), else torch's default.
     """
     if lr <= 0:
         raise OptimConfigError(f"lr must be > 0, got {lr}")
@@ -47,7 +50,8 @@ def build_optimizer(
     decay = [p for p in trainable if p.dim() >= 2]
     no_decay = [p for p in trainable if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps,
+                             fused=True if fused else None)
 
 
 def lr_multiplier(

@@ -36,11 +36,11 @@ from typing import Any
 import msgspec
 
 from proto import catalog
-from services.lib.colocation import DEVICE_SHARE
+from services.lib.colocation import DEVICE_SHARE, HostOffload
 from services.lib.weights.transport import WeightSender, make_sender
 from services.runtime import bus, metrics, tracing
 from services.runtime.config import Loaded
-from services.runtime.service import ServiceContext
+from services.runtime.service import ServiceContext, colocated_names
 from services.tasks.mixture import env_figures
 from services.trainer import devices, nodes, resume
 from services.trainer.admission import Sample
@@ -91,6 +91,11 @@ class TrainerService:
         loaded = self.loaded
         start = await asyncio.to_thread(resume.load, self.cfg, loaded.model, loaded.task, run_dir / "checkpoints",
                                         loaded.run.seed, self.placement, group)
+        if "rollout" in colocated_names():  # its engines start once this is said (services/lib/colocation.py)
+            # on a GPU they take the device between steps: the learner's memory moves out of their way
+            learner, on_gpu = start.learner, self.placement.device_type == "cuda" and group is None
+            await DEVICE_SHARE.set_trainer(HostOffload([learner.model, learner.ref_model], [learner.optimizer],
+                                                       self.placement.device) if on_gpu else None)
         runs_kv = await bus.ensure_kv(ctx.js, catalog.RUNS)
         sender = make_sender(loaded.weights, ctx.nc, ctx.run_id)
         await sender.start()

@@ -87,6 +87,12 @@ def test_commands_healthchecks_and_env_keys_are_the_clis_and_the_configs(example
             assert args.command == "provision" and role == "launcher", name  # the one user that may update
 
 
+def test_trainer_and_rollout_get_a_stated_dev_shm():
+    # vLLM stages weight updates in /dev/shm and NCCL uses it; Docker's default is 64 MiB
+    for name in ("trainer", "rollout"):
+        assert interpolate(str(COMPOSE["services"][name]["shm_size"]), EXAMPLE_ENV) == "8gb", name
+
+
 def test_nats_gets_the_repos_config_permissions_passwords_and_payload_size():
     nats = COMPOSE["services"]["nats"]
     assert nats["command"] == ["-c", "/etc/nats/nats.conf"]

@@ -126,6 +126,28 @@ def test_shapes_per_role(rendered):
         assert limits["nvidia.com/gpu"] == 1, key
 
 
+def _shm(pod: dict) -> tuple[str, str]:
+    """(the mount's volume medium, its size limit) of the container's /dev/shm, or ("", "") without one."""
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0].get("volumeMounts", [])}
+    if "/dev/shm" not in mounts:
+        return "", ""
+    vol = next(v for v in pod["volumes"] if v["name"] == mounts["/dev/shm"])
+    return vol.get("emptyDir", {}).get("medium", ""), vol.get("emptyDir", {}).get("sizeLimit", "")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_trainer_and_rollout_get_a_memory_dev_shm_of_a_stated_size(target, rendered):
+    # vLLM stages weight updates in /dev/shm and NCCL uses it; a pod's default is 64 MiB
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in rendered[target]
+            if d["kind"] in WORKLOADS and d["metadata"]["name"] in ("trainer", "rollout")}
+    if target == "kueue":
+        pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in rendered[target] if d["kind"] == "Job"}
+    assert pods, target
+    expected = {"overlays/cpu-local": "4Gi", "overlays/gpu": "32Gi", "kueue": "32Gi"}[target]
+    for name, pod in pods.items():
+        assert _shm(pod) == ("Memory", expected), (target, name)
+
+
 def test_keda_scales_rollout_and_judge_on_their_consumers_lag(rendered):
     run_id = RUN["run"]["id"]
     docs = rendered["overlays/cpu-local"]

@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import os
+
+import msgspec
 import pytest
 import torch
 
 from services.launcher import registry
 from services.runtime.config import ConfigError, load_service_config
 from services.trainer import batching, devices
-from services.trainer.config import DevicesConfig, TrainerConfig
+from services.trainer.config import DevicesConfig, OptimConfig, TrainerConfig
+from services.trainer.optim import build_optimizer
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -88,3 +92,48 @@ def test_the_gpu_example_loads_and_on_this_host_stops_at_the_device_key():
     if NO_CUDA:
         with pytest.raises(ConfigError, match=r"services\.trainer\.devices\.device is 'cuda'"):
             registry.load("trainer")[1](loaded)
+
+
+def test_gpu_defaults_resolve_for_cuda_and_leave_cpu_unchanged():
+    # pure resolution: what a CUDA device gets, decided without a GPU (none here)
+    cfg = TrainerConfig()
+    cuda = devices.precision_defaults("cuda", "auto", cfg, bf16_supported=lambda: True)
+    assert cuda == devices.Precision(dtype="bfloat16", tf32=True, fused_optim=True,
+                                     alloc_conf="expandable_segments:True")
+    assert devices.precision_defaults("cuda", "auto", cfg, bf16_supported=lambda: False).dtype == "float32"
+    assert devices.precision_defaults("cuda", "float32", cfg).dtype == "float32"  # a named dtype is kept
+    off = TrainerConfig(devices=DevicesConfig(tf32=False), optim=msgspec.convert({"fused": False}, OptimConfig))
+    assert devices.precision_defaults("cuda", "bfloat16", off) == devices.Precision(
+        dtype="bfloat16", tf32=False, fused_optim=False, alloc_conf="expandable_segments:True")
+    cpu = devices.precision_defaults("cpu", "auto", cfg, bf16_supported=lambda: pytest.fail("not asked on CPU"))
+    assert cpu == devices.Precision(dtype="float32", tf32=False, fused_optim=False, alloc_conf="")
+    assert devices.precision_defaults("cpu", "bfloat16", cfg).dtype == "bfloat16"
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks that CPU placement touches no GPU setting (this host has a GPU)")
+def test_a_cpu_placement_applies_nothing_process_wide(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    before = (torch.backends.cuda.matmul.fp32_precision, torch.get_float32_matmul_precision())
+    placed = devices.resolve(TrainerConfig(), dtype="auto")  # the defaults: "auto" everywhere
+    assert (placed.device, placed.dtype, placed.tf32, placed.fused_optim) == ("cpu", "float32", False, False)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    assert (torch.backends.cuda.matmul.fp32_precision, torch.get_float32_matmul_precision()) == before
+
+
+def test_the_learner_builds_fused_adamw_only_when_the_placement_says(loop_model_dir):
+    from services.trainer.learner import Learner
+
+    cpu = Learner(TrainerConfig(), loop_model_dir, devices.resolve(TrainerConfig(devices=DevicesConfig(device="cpu"))))
+    assert cpu.optimizer.defaults["fused"] is None and cpu.placement.dtype == "float32"
+    assert build_optimizer(torch.nn.Linear(2, 2), fused=True).defaults["fused"] is True  # what CUDA gets
+
+
+def test_the_allocator_setting_is_set_once_and_an_operators_value_kept(monkeypatch):
+    from services.lib.cuda_alloc import set_alloc_conf
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert set_alloc_conf() == "expandable_segments:True" == os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")
+    assert set_alloc_conf() == "max_split_size_mb:256"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert set_alloc_conf("") == "" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # CPU: nothing set

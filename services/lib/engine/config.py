@@ -110,7 +110,12 @@ class VllmEngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     #: release KV cache and weights while a colocated trainer ("trainer+rollout") steps; GPU only (vLLM on
     #: CPU has no sleep mode: start-up stops with an error saying so)
     enable_sleep_mode: bool = False
-    #: where weight updates are staged for vLLM's workers (same host); empty: /dev/shm, else the temp dir
+    #: how deep the engine sleeps while a colocated trainer steps: 1 offloads its weights to the host, 2 drops
+    #: them (no host copy, no copy back) and serves again once the next update has loaded: only where every
+    #: trainer step is followed by a full update (colocated, the inproc transport, no LoRA)
+    sleep_level: Literal[1, 2] = 1
+    #: where weight updates are staged for vLLM's workers (same host); empty: /dev/shm, else the temp dir. Needs
+    #: room for one full update (the model's bytes in its dtype): checked before each write
     staging_dir: str = ""
     #: seconds of the window the engine's tokens/s figure is measured over
     stats_window_s: Seconds = 10.0

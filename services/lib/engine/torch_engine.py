@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from services.lib.cuda_alloc import set_alloc_conf
 from services.lib.engine.base import (
     EngineError,
     EngineNotRunningError,
@@ -76,6 +77,8 @@ class TorchEngine:
         self._model = model
         self._tokenizer = tokenizer
         self._device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self._device.type == "cuda":
+            set_alloc_conf()  # before anything of this process touches CUDA (services/lib/cuda_alloc.py)
         self._version = 0
         self._cond = threading.Condition()
         self._queue: collections.deque[Request] = collections.deque()

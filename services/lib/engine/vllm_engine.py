@@ -33,13 +33,13 @@ import dataclasses
 import logging
 import os
 import secrets
-import tempfile
 import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from services.lib.engine import staging
 from services.lib.engine.base import (
     EngineError,
     EngineNotRunningError,
@@ -52,7 +52,7 @@ from services.lib.engine.base import (
     WeightUpdateError,
 )
 from services.lib.engine.config import VllmEngineConfig
-from services.lib.engine.vllm_procs import EngineProcesses
+from services.lib.engine.vllm_procs import EngineProcesses, without_expandable_segments
 from services.lib.engine.vllm_weights import hf_parameter_shapes, layer_groups
 
 log = logging.getLogger("rlbus.engine.vllm")
@@ -82,6 +82,8 @@ class VllmEngine:
         self._update_lock = asyncio.Lock()
         self._targets: dict[str, tuple[int, ...]] = {}
         self._tied = False
+        self._slept = 0  # the level of the last sleep
+        self._needs_weights = False  # woken from a level-2 sleep: no weights until the next full update
         self._groups: dict[str, str] = {}
         self._adapters: Any = None  # lora_merge.AdapterMerger, made on the first adapter version
         self._eos_ids: frozenset[int] = frozenset()
@@ -112,6 +114,8 @@ class VllmEngine:
         if cfg.enable_sleep_mode and self._is_cpu:
             raise EngineError("vllm engine config: enable_sleep_mode is GPU-only (vLLM on CPU has no sleep mode); "
                               "set it to false")
+        if cfg.enable_sleep_mode and (dropped := without_expandable_segments(os.environ)):  # type: ignore[arg-type]
+            log.info("PYTORCH_CUDA_ALLOC_CONF: %s taken out for vLLM's sleep mode (its allocator refuses it)", dropped)
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         unknown = sorted(set(cfg.engine_args) - known)
         if unknown:
@@ -349,6 +353,9 @@ class VllmEngine:
         if missing:
             raise WeightUpdateError(f"partial layer update: {missing[:3]} (of {len(missing)}) missing; vLLM reloads "
                                     "whole layers (q/k/v and gate/up are fused): send every tensor of a layer")
+        if self._needs_weights and len(touched) < len(set(self._groups.values())):
+            raise WeightUpdateError("after a level-2 sleep the engine holds no weights: the update must carry every "
+                                    "layer (a full state dict); use sleep_level = 1 where updates are partial")
         async with self._update_lock:
             path = await asyncio.to_thread(self._stage, state_dict, version)
             llm = self._llm
@@ -362,6 +369,9 @@ class VllmEngine:
                     raise WeightUpdateError(
                         f"loading version {version} failed ({exc}); the model may hold a mix of versions "
                         f"{self._version} and {version}: send a full state dict again") from exc
+                if self._needs_weights:  # the weights are whole again: the KV cache back, serving resumes
+                    await llm.wake_up(tags=["kv_cache"])
+                    self._needs_weights = False
                 await llm.reset_prefix_cache(reset_running_requests=True)
                 await llm.update_weight_version(str(version))
                 self._version = version
@@ -391,9 +401,8 @@ class VllmEngine:
             raise WeightUpdateError(f"adapter version {version}: {exc}") from exc
 
     def _stage(self, state_dict: Mapping[str, Any], version: int) -> str:
-        """Write the tensors (CPU, contiguous, tied ones de-duplicated) to a safetensors file the workers read."""
-        from safetensors.torch import save_file
-
+        """Write the tensors (CPU, contiguous, tied ones de-duplicated) to a safetensors file the workers read
+        (:mod:`services.lib.engine.staging`: free space checked first, no partial file left on failure)."""
         tensors: dict[str, Any] = {}
         seen: set[int] = set()
         embed = next((k for k in self._targets if k.endswith("embed_tokens.weight")), "")
@@ -407,25 +416,27 @@ class VllmEngine:
                 t = t.clone()
             seen.add(t.untyped_storage().data_ptr())
             tensors[name] = t
-        base = self.config.staging_dir or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
-        fd, path = tempfile.mkstemp(prefix=f"rlbus-weights-v{version}-", suffix=".safetensors", dir=base)
-        os.close(fd)
-        save_file(tensors, path)
-        return path
+        return staging.stage(tensors, staging.staging_base(self.config.staging_dir), f"rlbus-weights-v{version}-")
 
     # ------------------------------------------------------------------ sleep / wake (GPU)
-    async def sleep(self, level: int = 1) -> None:
-        """Release device memory (level 1: weights offloaded to the host, KV cache dropped); GPU only.
-        Running requests are kept, paused (vLLM's ``mode="keep"``), and continue after :meth:`wake_up`
-        with their KV recomputed (:mod:`services.lib.colocation` calls both around a colocated trainer's
-        step). Not verified on a GPU here: vLLM on CPU has no sleep mode."""
+    async def sleep(self, level: int | None = None) -> None:
+        """Release device memory (``sleep_level``, or ``level``: 1 offloads the weights to the host, 2 drops
+        them, both drop the KV cache); GPU only. Running requests are kept, paused (vLLM's ``mode="keep"``),
+        and continue after :meth:`wake_up` with their KV recomputed (:mod:`services.lib.colocation` calls both
+        around a colocated trainer's step). Not verified on a GPU here: vLLM on CPU has no sleep mode."""
         self._check_sleep_mode()
-        await self._llm.sleep(level=level, mode="keep")
+        self._slept = level or self.config.sleep_level
+        await self._llm.sleep(level=self._slept, mode="keep")
 
     async def wake_up(self) -> None:
-        """Restore what :meth:`sleep` released and resume serving."""
+        """Restore what :meth:`sleep` released and resume serving. After level 2 only the weights' memory comes
+        back (its contents are gone): serving resumes once :meth:`update_weights` has loaded a full version."""
         self._check_sleep_mode()
-        await self._llm.wake_up()
+        if self._slept == 2:
+            await self._llm.wake_up(tags=["weights"])  # vLLM keeps the scheduler paused until fully awake
+            self._needs_weights = True
+        else:
+            await self._llm.wake_up()
 
     def _check_sleep_mode(self) -> None:
         if not self.config.enable_sleep_mode or not self._running:

@@ -28,6 +28,22 @@ SHUTDOWN_BOUND_S = 20.0
 KILL_GRACE_S = 2.0
 
 
+def without_expandable_segments(env: dict[str, str]) -> str:
+    """Take ``expandable_segments`` out of ``env``'s ``PYTORCH_CUDA_ALLOC_CONF`` (vLLM's sleep-mode allocator
+    refuses to start with it; a GPU trainer in the same process sets it, and vLLM's processes inherit the
+    environment) and return what was taken out ("" when nothing was)."""
+    conf = env.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    parts = [p for p in conf.split(",") if p.strip()]
+    kept = [p for p in parts if not p.strip().startswith("expandable_segments")]
+    if len(kept) == len(parts):
+        return ""
+    if kept:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(kept)
+    else:
+        del env["PYTORCH_CUDA_ALLOC_CONF"]
+    return ",".join(p for p in parts if p not in kept)
+
+
 class EngineProcesses:
     """The processes of one vLLM engine: started inside :meth:`starting`, watched, ended with the owner."""
 
