@@ -79,7 +79,11 @@ def resolve(trainer: TrainerConfig, rank: int = 0, dtype: str = "float32") -> Pl
     ref = cfg.ref_device or device
     if ref != device and ref != "cpu":
         _check_cuda("ref_device", cfg.ref_device, _index(ref))
-        ref = ref if ":" in ref else "cuda:0"
+        if cfg.world_size > 1 and ":" in ref:
+            raise ConfigError(f"config key services.trainer.devices.ref_device is {cfg.ref_device!r} with world_size "
+                              f"{cfg.world_size}: every rank's reference would sit on that one GPU; set \"cuda\" "
+                              "(each rank's own GPU, sharded like the policy) or \"cpu\"")
+        ref = device if cfg.world_size > 1 and device.startswith("cuda") else (ref if ":" in ref else "cuda:0")
     if dtype == "bfloat16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"config key model.dtype is 'bfloat16', but {device} has no bf16 support")
     return Placement(device=device, ref_device=ref, backend="nccl" if device.startswith("cuda") else "gloo",
