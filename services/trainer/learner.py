@@ -9,7 +9,10 @@ and the forward/backward runs under ``torch.autocast`` in bf16.
 
 Many ranks: every rank holds a :class:`Learner` whose model is sharded with FSDP2
 (``fully_shard`` per decoder layer and on the root; bf16 mixed precision through FSDP's own
-``MixedPrecisionPolicy``, gradients reduced in float32). Rank 0 alone talks to the bus. A Learner's
+``MixedPrecisionPolicy``, gradients reduced in float32), loaded the large-model way
+(:mod:`services.trainer.sharding`: rank 0 reads the checkpoint, the others build on the meta device and
+receive their shards); the KL reference is sharded the same way on each rank's own device, and the weights
+to publish are gathered tensor by tensor in the training dtype onto rank 0's device. Rank 0 alone talks to the bus. A Learner's
 methods are this rank's work; each collective operation (a step, gathering the weights, a checkpoint) is
 an :class:`~services.trainer.rank_ops.Op`, which :meth:`Learner.run_on_all_ranks` sends to the other
 ranks (:mod:`services.trainer.ranks`) and then runs on this one, so every rank issues the same
@@ -17,8 +20,8 @@ collectives in the same order. A step sends the whole batch to every rank; each 
 (:mod:`services.trainer.batching`).
 
 LoRA (``lora`` set): the model is wrapped with peft adapters (:mod:`services.trainer.lora`) before it is
-sharded, only they train, :meth:`Learner.state_dict` is the adapter version engines merge (gathered onto
-rank 0 like full weights), and the KL reference is the same model with its adapters disabled (the base), so
+sharded, only they train, :meth:`Learner.state_dict` is the adapter version engines merge (only the adapters
+are gathered onto rank 0, never the frozen base), and the KL reference is the same model with its adapters disabled (the base), so
 no second copy of the model is loaded.
 """
 
