@@ -43,8 +43,6 @@ class RankLearner(checkpoint.RankState, Protocol):
 
     def step_input(self, inp: StepInput) -> dict[str, float]: ...
 
-    def gather_weights(self, dtype: torch.dtype | None = None, adapters_only: bool = False) -> dict[str, torch.Tensor]: ...
-
 
 def step(learner: RankLearner, inp: StepInput) -> dict[str, float]:
     return learner.step_input(inp)
