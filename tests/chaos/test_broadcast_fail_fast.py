@@ -17,9 +17,10 @@ import nats
 import pytest
 import safetensors.torch
 import torch
+from nats.aio.client import Client as NATS
 
 from services.lib.weights.broadcast import BroadcastError, _device, open_groups
-from services.lib.weights.transport import VersionNotDelivered, make_sender
+from services.lib.weights.transport import VersionNotDelivered, make_receiver, make_sender
 from services.runtime.weights_config import BroadcastConfig, ConfigError
 from services.trainer.config import TrainerConfig
 from services.trainer.learner import Learner
@@ -116,5 +117,9 @@ def test_nccl_takes_the_given_device_and_refuses_to_guess():
     with pytest.raises(ConfigError, match="backend is nccl but the weights live on cpu"):
         _device("nccl", "cpu")
     assert _device("gloo", "cuda:3") == torch.device("cpu")
+    nccl = BroadcastConfig(world_size=2, backend="nccl")
+    for make in (make_sender, make_receiver):  # at the trainer's / engine's start, not at the first version
+        with pytest.raises(ConfigError, match="device="):
+            make(nccl, NATS(), "r")
     if torch.cuda.device_count() > 1:  # the engine's GPU, whatever the thread's current device says
         assert _device("nccl", "cuda:1") == torch.device("cuda", 1)

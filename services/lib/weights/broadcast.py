@@ -256,6 +256,7 @@ class BroadcastReceiver:
         self.index = VersionIndex(nc, run_id, config.scope)
         #: the engine's device (NCCL receives into it); for gloo the CPU
         self.device = device
+        _device(_backend(config), device)  # NCCL without the engine's device: refused now, at the engine's start
         self.group: _Group | None = None
         self.group_info: BroadcastGroup | None = None
         self.rank: int | None = None
@@ -313,6 +314,7 @@ class BroadcastReceiver:
             ) from err
         finally:
             await groups.aclose()
+        device = _device(info.backend, self.device)  # before claiming a rank: a refusal leaves the group whole
         kv = await self.index.kv()
         for rank in range(1, info.world_size):
             try:
@@ -335,7 +337,7 @@ class BroadcastReceiver:
         if await self._current_group_id() != info.group_id:  # withdrawn while we claimed a rank
             raise BroadcastError(f"broadcast group {info.group_id} was withdrawn; join the next one")
         self.group_info = info
-        self.group = _Group(self.config, info.backend, info.world_size, _device(info.backend, self.device))
+        self.group = _Group(self.config, info.backend, info.world_size, device)
         # a version of this group announced before we joined is stale (a send that failed before we came):
         # the sender announces only once every rank joined
         ready_key = broadcast_ready_key(self.run_id)

@@ -51,6 +51,7 @@ from services.lib.weights.client import WeightPublisher, WeightSubscriber
 from services.lib.weights.store import BlobNotFound, open_store
 from services.runtime.weights_config import (
     BroadcastConfig,
+    ConfigError,
     InprocConfig,
     StoreTransportConfig,
     TransportConfig,
@@ -126,8 +127,8 @@ class WeightReceiver(Protocol):
 async def follow(receiver: WeightReceiver,
                  recover: Callable[[], Awaitable[None]] | None) -> AsyncIterator[Weights]:
     """Every version ``receiver.receive()`` returns, for ever: a refused version is counted and skipped;
-    any other failure calls ``recover`` (drop the watch / leave the group), waits a bounded back-off
-    and receives again."""
+    a :class:`ConfigError` is raised; any other failure calls ``recover`` (drop the watch / leave the
+    group), waits a bounded back-off and receives again."""
     delay = BACKOFF_FIRST_S
     while True:
         try:
@@ -138,6 +139,8 @@ async def follow(receiver: WeightReceiver,
             log.error("refused weight version %d: %s (keeping version %s)", err.version, err,
                       receiver.version)
             continue
+        except ConfigError:  # a setting this engine cannot serve (NCCL without its device): no retry mends it
+            raise
         except Exception as err:
             log.warning("weight transport interrupted (%s: %s); again in %.1fs", type(err).__name__, err,
                         delay)
