@@ -306,10 +306,10 @@ class Learner:
         ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.placement.device)
         with self._autocast():
             out = self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
-        (out.logits.float().sum() * 0.0).backward()
-        if self.ref_sharded:  # the sharded reference's forward is a collective too
-            with torch.no_grad():
+        if self.ref_sharded:  # the sharded reference's forward is a collective too: between the policy's
+            with torch.no_grad():  # forward and backward, as in a pass with rows
                 self.ref_model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        (out.logits.float().sum() * 0.0).backward()
 
     # --- weights --------------------------------------------------------------------------------
 
