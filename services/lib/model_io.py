@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -145,12 +145,14 @@ def sequence_logprobs(
     completion_masks: Sequence[Sequence[int]] | None = None,
     pad_token_id: int = 0,
     temperature: float = 1.0,
+    chunk_positions: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-token logprobs of the completion tokens under ``model``.
 
     Each row is ``prompt + completion``, right-padded; only the logits of the
     window that holds completion tokens are computed (``logits_to_keep``), and
-    log-softmax runs in float32 whatever the model's dtype. Gradients flow unless
+    log-softmax runs in float32 whatever the model's dtype, a chunk of positions at a time
+    (:func:`token_logprobs`: no full-vocabulary float32 copy of the logits). Gradients flow unless
     the caller wraps this in ``torch.no_grad()``.
 
     Args:
@@ -162,6 +164,8 @@ def sequence_logprobs(
         pad_token_id: id used for padding (masked out by attention anyway).
         temperature: logits are divided by this, to match the sampling distribution
             the rollout engine recorded its behaviour logprobs under.
+        chunk_positions: completion positions whose vocabulary-wide float32 scratch exists at
+            once (:func:`token_logprobs`; default: as many as fit :data:`CHUNK_ELEMENTS`).
 
     Returns:
         ``(logprobs [B, T], loss_mask [B, T])`` with ``T`` the longest completion;
@@ -196,15 +200,80 @@ def sequence_logprobs(
         logits_to_keep=keep,
         use_cache=False,
     )
-    logits = out.logits.float()  # [B, keep, V], column k is sequence position first + k
-    if temperature != 1.0:
-        logits = logits / temperature
+    # [B, keep, V] in the model's dtype; column k is sequence position first + k
     j = torch.arange(max_completion).unsqueeze(0)
     position = (prompt_lens.unsqueeze(1) - 1 + j).clamp(max=width - 2)  # predicting column
     target = input_ids.gather(1, position + 1)  # the completion token itself (pad beyond its end)
-    window = (position - first).to(device)
-    picked = logits.gather(1, window.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, T, V]
-    token_logits = picked.gather(2, target.to(device).unsqueeze(-1)).squeeze(-1)
-    logprobs = token_logits - torch.logsumexp(picked, dim=-1)
+    logprobs = token_logprobs(out.logits, (position - first).to(device), target.to(device), temperature,
+                              chunk_positions=chunk_positions)
     loss_mask = loss_mask.to(device)
     return logprobs * loss_mask, loss_mask
+
+
+#: float32 elements of vocabulary-wide scratch one chunk of :func:`token_logprobs` may use (256 MiB)
+CHUNK_ELEMENTS = 1 << 26
+
+
+def token_logprobs(logits: Tensor, rows: Tensor, targets: Tensor, temperature: float = 1.0, *,
+                   chunk_positions: int | None = None) -> Tensor:
+    """``log_softmax(logits[b, rows[b, t]] / temperature)[targets[b, t]]`` as a float32 ``[B, T]`` tensor.
+
+    The plain expression makes three or four float32 copies of the vocabulary-wide logits (the cast, the
+    division, the gathered rows, logsumexp's scratch): ~10 GB each at 16 k tokens × 152 k vocabulary. Here
+    the rows are taken ``chunk_positions`` sequence positions at a time (default: as many as keep the
+    float32 scratch under :data:`CHUNK_ELEMENTS`), so the only vocabulary-wide tensors are ``logits`` itself
+    (in the model's dtype) and, in the backward, its gradient (same dtype), written chunk by chunk:
+    ``d logp / d x_v = ([v = target] - softmax(x)_v) / temperature``.
+
+    Args:
+        logits: ``[B, K, V]``, any floating dtype.
+        rows: ``[B, T]`` indices into ``K`` (may repeat: padding positions point at the last column).
+        targets: ``[B, T]`` token ids into ``V``.
+    """
+    if chunk_positions is not None and chunk_positions < 1:
+        raise ValueError(f"chunk_positions must be >= 1, got {chunk_positions}")
+    batch, _, vocab = logits.shape
+    chunk = chunk_positions or max(1, CHUNK_ELEMENTS // max(batch * vocab, 1))
+    return _TokenLogprobs.apply(logits, rows, targets, float(temperature), chunk)
+
+
+def _chunk_rows(logits: Tensor, rows: Tensor, temperature: float) -> Tensor:
+    """``logits[b, rows[b, t]] / temperature`` in float32: ``[B, c, V]`` (one chunk)."""
+    batch = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1)
+    x = logits[batch, rows].float()
+    return x.div_(temperature) if temperature != 1.0 else x
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """:func:`token_logprobs`: forward and backward chunk by chunk (saves ``logits`` and the logsumexp only)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, rows: Tensor, targets: Tensor, temperature: float,
+                chunk: int) -> Tensor:
+        out = torch.empty(rows.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for lo in range(0, rows.shape[1], chunk):
+            x = _chunk_rows(logits, rows[:, lo : lo + chunk], temperature)  # [B, c, V]
+            lse[:, lo : lo + chunk] = torch.logsumexp(x, dim=-1)
+            out[:, lo : lo + chunk] = x.gather(-1, targets[:, lo : lo + chunk, None]).squeeze(-1)
+            del x
+        out -= lse
+        ctx.save_for_backward(logits, rows, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+        logits, rows, targets, lse = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        batch = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1)
+        for lo in range(0, rows.shape[1], ctx.chunk):
+            r, g_out = rows[:, lo : lo + ctx.chunk], grad_out[:, lo : lo + ctx.chunk, None].float()
+            # d/dx of x[target] - logsumexp(x) is onehot(target) - softmax(x); then the 1/temperature
+            g = _chunk_rows(logits, r, ctx.temperature).sub_(lse[:, lo : lo + ctx.chunk, None]).exp_()
+            g.mul_(-g_out).scatter_add_(-1, targets[:, lo : lo + ctx.chunk, None], g_out)
+            if ctx.temperature != 1.0:
+                g.div_(ctx.temperature)
+            grad.index_put_((batch.expand_as(r), r), g.to(grad.dtype), accumulate=True)  # rows may repeat
+            del g
+        return grad, None, None, None, None

@@ -133,7 +133,8 @@ class RolloutService:
             default_exec_timeout_s=self.cfg.agent.exec_timeout_s))
         if self.cfg.endpoint.enabled:
             await self.serve_endpoint(ctx)
-        receiver = make_receiver(self.cfg.weight_source(self.loaded.weights), ctx.nc, ctx.run_id)
+        receiver = make_receiver(self.cfg.weight_source(self.loaded.weights), ctx.nc, ctx.run_id,
+                                 device=engine_device(engine))
         weights = asyncio.create_task(self.follow_weights(ctx, receiver), name="rollout-weights")
         reports = asyncio.create_task(self._report(ctx), name="rollout-metrics")
         watch = asyncio.create_task(self._watch_engine(ctx), name="rollout-engine-watch")
@@ -404,6 +405,17 @@ class RolloutService:
             assert self.agents is not None
             return await self.agents.run(env, prompt, ticket.prompt_ids, params, labels=labels)
         return await self.episodes.run(env, prompt, ticket.prompt_ids, params, labels=labels)
+
+
+def engine_device(engine: Any) -> str | None:
+    """The engine's device for a weight receiver that writes into one (NCCL): the torch engine's own; for a
+    vLLM engine its first GPU as this process sees it (its placement's ``CUDA_VISIBLE_DEVICES``); None on CPU."""
+    device = getattr(engine, "device", None)
+    if device is not None:
+        return str(device)
+    import torch
+
+    return "cuda:0" if torch.cuda.is_available() else None
 
 
 #: the single-turn environment reads nothing of the prompt beyond its token ids

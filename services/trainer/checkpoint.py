@@ -56,6 +56,8 @@ class RankState(Protocol):
 
     def gathered_state_dict(self) -> dict[str, torch.Tensor]: ...
 
+    def gather_weights(self, dtype: torch.dtype | None = None, adapters_only: bool = False) -> dict[str, torch.Tensor]: ...
+
 
 def staging(root: Path, step: int) -> Path:
     """The empty directory every rank writes step ``step``'s checkpoint into (rank 0 calls this first)."""
@@ -109,7 +111,9 @@ def save_adapter_local(learner: RankState, path: str) -> None:
     """LoRA: the adapters as a peft directory, written by rank 0 (every rank takes part in the gather)."""
     from services.trainer.lora import save_adapter
 
-    full = learner.gathered_state_dict() if learner.world_size > 1 else None
+    full = None
+    if learner.world_size > 1:  # the adapters alone are gathered, never the frozen base
+        full = {k: v.cpu() for k, v in learner.gather_weights(adapters_only=True).items()}
     if learner.rank == 0:
         save_adapter(learner.model, path, state_dict=full)
 

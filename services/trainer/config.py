@@ -174,7 +174,9 @@ class DevicesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: where the policy trains: "auto" (cuda when present, else cpu), "cpu", "cuda" or "cuda:N";
     #: with world_size > 1 on CUDA, rank r takes cuda:r
     device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
-    #: where the reference model (loss.kl_coef > 0) lives: "" (the policy's device), "cpu", "cuda" or "cuda:N"
+    #: where the reference model (loss.kl_coef > 0) lives: "" (the policy's device), "cpu", "cuda" or "cuda:N";
+    #: with world_size > 1, "" and "cuda" shard it like the policy on each rank's own device, "cpu" keeps a
+    #: whole copy on each rank's host, and "cuda:N" is refused (every rank's copy would sit on one GPU)
     ref_device: Annotated[str, msgspec.Meta(pattern=r"^(|cpu|cuda(:[0-9]+)?)$")] = ""
     #: trainer processes (ranks) of this one rank group, on all its nodes (nnodes), sharded with FSDP2
     #: (gloo on CPU, NCCL on CUDA); only rank 0 talks to the bus, the batch is split across ranks

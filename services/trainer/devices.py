@@ -135,7 +135,11 @@ def resolve(trainer: TrainerConfig, rank: int = 0, dtype: str = "auto") -> Place
     ref = cfg.ref_device or device
     if ref != device and ref != "cpu":
         _check_cuda("ref_device", cfg.ref_device, _index(ref))
-        ref = ref if ":" in ref else "cuda:0"
+        if cfg.world_size > 1 and ":" in ref:
+            raise ConfigError(f"config key services.trainer.devices.ref_device is {cfg.ref_device!r} with world_size "
+                              f"{cfg.world_size}: every rank's reference would sit on that one GPU; set \"cuda\" "
+                              "(each rank's own GPU, sharded like the policy) or \"cpu\"")
+        ref = device if cfg.world_size > 1 and device.startswith("cuda") else (ref if ":" in ref else "cuda:0")
     kind = torch.device(device).type
     if kind == "cuda":  # before the first CUDA call below (the allocator reads its setting once); the
         # settings do not depend on the dtype, which needs that call to resolve

@@ -9,7 +9,10 @@ and the forward/backward runs under ``torch.autocast`` in bf16.
 
 Many ranks: every rank holds a :class:`Learner` whose model is sharded with FSDP2
 (``fully_shard`` per decoder layer and on the root; bf16 mixed precision through FSDP's own
-``MixedPrecisionPolicy``, gradients reduced in float32). Rank 0 alone talks to the bus. A Learner's
+``MixedPrecisionPolicy``, gradients reduced in float32), loaded the large-model way
+(:mod:`services.trainer.sharding`: rank 0 reads the checkpoint, the others build on the meta device and
+receive their shards); the KL reference is sharded the same way on each rank's own device, and the weights
+to publish are gathered tensor by tensor in the training dtype onto rank 0's device. Rank 0 alone talks to the bus. A Learner's
 methods are this rank's work; each collective operation (a step, gathering the weights, a checkpoint) is
 an :class:`~services.trainer.rank_ops.Op`, which :meth:`Learner.run_on_all_ranks` sends to the other
 ranks (:mod:`services.trainer.ranks`) and then runs on this one, so every rank issues the same
@@ -17,8 +20,8 @@ collectives in the same order. A step sends the whole batch to every rank; each 
 (:mod:`services.trainer.batching`).
 
 LoRA (``lora`` set): the model is wrapped with peft adapters (:mod:`services.trainer.lora`) before it is
-sharded, only they train, :meth:`Learner.state_dict` is the adapter version engines merge (gathered onto
-rank 0 like full weights), and the KL reference is the same model with its adapters disabled (the base), so
+sharded, only they train, :meth:`Learner.state_dict` is the adapter version engines merge (only the adapters
+are gathered onto rank 0, never the frozen base), and the KL reference is the same model with its adapters disabled (the base), so
 no second copy of the model is loaded.
 """
 
@@ -44,6 +47,7 @@ from services.trainer.distill import pad_token_advantages
 from services.trainer.loss import grpo_loss
 from services.trainer.optim import build_lr_schedule, build_optimizer, optimizer_step
 from services.trainer.rank_ops import OPS, Op
+from services.trainer.sharding import gather, load_sharded
 from services.trainer.step_input import StepInput, loss_total
 
 log = logging.getLogger("rlbus.trainer")
@@ -53,25 +57,11 @@ class CheckpointError(RuntimeError):
     pass
 
 
-class ShardingError(RuntimeError):
-    """The model cannot be sharded over the trainer's ranks."""
-
-
 def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
     out = torch.zeros((len(rows), width), dtype=torch.float32)
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r[:width], dtype=torch.float32)
     return out
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks FSDP shards one by one (the classes the model says never to split)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ShardingError(f"cannot find the decoder layers of {type(model).__name__} to shard (it names no "
-                            "_no_split_modules); run it with world_size = 1")
-    return layers
 
 
 class Learner:
@@ -104,41 +94,47 @@ class Learner:
             else:
                 join()
         self.bf16 = self.placement.dtype == "bfloat16"
-        # float32 master weights; bf16 only in the forward/backward (autocast, or FSDP's policy)
-        self.model, self.tokenizer = load_policy(model_dir, dtype="float32", device=device)
         self.lora = cfg.lora
-        if self.lora is not None:
-            from services.trainer.lora import apply_lora
-
-            self.model = apply_lora(self.model, self.lora)
-        self.model.train()
-        self.model.config.use_cache = False
-        if cfg.optim.gradient_checkpointing:
-            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.24
-                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # float32 master weights; bf16 only in the forward/backward (autocast, or FSDP's policy). Many ranks:
+        # rank 0 reads the checkpoint, the others build on the meta device and receive their shards
         if self.world_size > 1:
-            self._shard()
+            self.model, self.tokenizer = load_sharded(self.model_dir, rank, device, bf16=self.bf16,
+                                                      prepare=self._prepare)
+        else:
+            model, self.tokenizer = load_policy(model_dir, dtype="float32", device=device)
+            self.model = self._prepare(model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.optimizer = build_optimizer(self.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                                          fused=self.placement.fused_optim)
         self.scheduler = build_lr_schedule(self.optimizer, cfg.optim.lr_schedule, cfg.optim.lr_warmup_steps,
                                            cfg.total_steps if cfg.optim.lr_schedule != "constant" else None)
         self.ref_model = None
+        #: the reference is sharded like the policy (on each rank's own device), so every rank runs its forward
+        self.ref_sharded = False
         if cfg.loss.kl_coef > 0 and self.lora is None:  # with LoRA the reference is the base: adapters disabled
             # the initial policy (``ref_dir``), also when the policy itself comes from a checkpoint
-            self.ref_model, _ = load_policy(ref_dir or model_dir, dtype=self.placement.dtype, device=self.placement.ref_device)
+            ref_path = Path(ref_dir or model_dir)
+            if self.world_size > 1 and self.placement.ref_device == device:
+                self.ref_model, _ = load_sharded(ref_path, rank, device, bf16=False, dtype=self.placement.dtype)
+                self.ref_sharded = True
+            else:
+                self.ref_model, _ = load_policy(ref_path, dtype=self.placement.dtype, device=self.placement.ref_device)
             self.ref_model.eval().requires_grad_(False)
 
-    def _shard(self) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """LoRA adapters (if set), train mode, activation checkpointing: before the model is sharded."""
+        if self.lora is not None:
+            from services.trainer.lora import apply_lora
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else \
-            MixedPrecisionPolicy()
-        for layer in _decoder_layers(self.model):
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(self.model, mp_policy=mp)
+            model = apply_lora(model, self.lora)
+        model.train()
+        model.config.use_cache = False
+        if self.cfg.optim.gradient_checkpointing:
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.bf16 and self.world_size == 1:
@@ -317,6 +313,9 @@ class Learner:
         ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.placement.device)
         with self._autocast():
             out = self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        if self.ref_sharded:  # the sharded reference's forward is a collective too: between the policy's
+            with torch.no_grad():  # forward and backward, as in a pass with rows
+                self.ref_model(input_ids=ids, use_cache=False, logits_to_keep=1)
         (out.logits.float().sum() * 0.0).backward()
 
     # --- weights --------------------------------------------------------------------------------
@@ -324,8 +323,8 @@ class Learner:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full weights on rank 0 (in the training dtype), to send to the engines.
 
-        Many ranks: gathered parameter by parameter onto rank 0's host memory (the whole model
-        exists once there; the other ranks hold nothing more than their shards)."""
+        Many ranks: gathered one tensor at a time, cast to the training dtype on the shard first, onto rank 0's
+        device (the other ranks hold nothing more than their shards); with LoRA the adapters only."""
         return self.run_on_all_ranks(Op.STATE_DICT)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
@@ -333,7 +332,7 @@ class Learner:
         weights in place) cannot change while the version is still being sent. Tensors the state dict already
         made (a bf16 cast, a gather onto rank 0, LoRA's wire form) are not copied again."""
         sd = self.state_dict()
-        if self.world_size > 1:  # gathered onto rank 0's host memory: copies already (FSDP's own are DTensors)
+        if self.world_size > 1:  # gathered onto rank 0: new tensors already (FSDP's own are DTensors)
             return sd
         live = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
         return {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in sd.items()}
@@ -346,6 +345,11 @@ class Learner:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def gather_weights(self, dtype: torch.dtype | None = None, adapters_only: bool = False) -> dict[str, torch.Tensor]:
+        """Many ranks: the full tensors on rank 0's device, gathered one at a time, each cast to ``dtype`` on its
+        shard first; ``adapters_only``: LoRA's adapter tensors, not the frozen base (every rank calls this)."""
+        return gather(self.model, self.rank, dtype=dtype, keep=(lambda k: "lora_" in k) if adapters_only else None)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace the weights with ``state_dict`` (full tensors on rank 0; the others receive them)."""

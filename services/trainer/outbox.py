@@ -23,7 +23,7 @@ from proto import catalog, codec
 from proto.accounting import OutcomeBatch, TrajectoryOutcome
 from proto.deadletter import DeadLetter
 from proto.prompts import PromptTicket, Sampling
-from services.lib.weights.transport import WeightSender
+from services.lib.weights.transport import VersionNotDelivered, WeightSender
 from services.runtime import metrics, tracing
 from services.runtime.service import ServiceContext
 from services.tasks.base import Prompt
@@ -34,6 +34,7 @@ from services.trainer.ledger import Ledger
 
 log = logging.getLogger("rlbus.trainer.outbox")
 _OUTCOMES = metrics.counter("trajectory_outcomes", "trajectories trained, dropped (by reason) or evaluated")
+_UNDELIVERED = metrics.counter("weights_undelivered", "weight versions a keep-nothing transport failed to deliver")
 
 
 class Versions:
@@ -44,13 +45,23 @@ class Versions:
         self.ledger = ledger
         #: the last version's tensor bytes as sent (before a transport's delta or compression)
         self.bytes = 0
+        #: versions a keep-nothing transport failed to deliver (each replaced by the next)
+        self.undelivered = 0
 
     async def send(self, state_dict: dict[str, Any]) -> float:
         """Send ``state_dict`` as version ``ledger.state.version`` (durable or delivered when this returns);
-        the seconds it took."""
+        the seconds it took. A transport that keeps nothing (broadcast) and could not deliver it after its own
+        recovery fails only this version: logged and counted (``weights/undelivered``), and training goes on
+        (the next version replaces it)."""
         t0 = time.perf_counter()
         self.bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
-        await self.sender.send(state_dict, self.ledger.state.version)
+        try:
+            await self.sender.send(state_dict, self.ledger.state.version)
+        except VersionNotDelivered as err:
+            self.undelivered += 1
+            _UNDELIVERED()
+            log.warning("version %d was not delivered (%s); training goes on, the next version replaces it",
+                        self.ledger.state.version, err)
         return time.perf_counter() - t0
 
 

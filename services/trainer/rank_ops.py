@@ -50,13 +50,17 @@ def step(learner: RankLearner, inp: StepInput) -> dict[str, float]:
 
 def state_dict(learner: RankLearner) -> dict[str, torch.Tensor]:
     """The weights in the training dtype (rank 0; the others take part in the gather and get nothing useful);
-    with LoRA the adapters only, in their wire form (services/lib/weights/lora_merge.py)."""
+    with LoRA the adapters only, in their wire form (services/lib/weights/lora_merge.py). Many ranks: gathered
+    tensor by tensor onto rank 0's device, cast on the shards first (LoRA: the adapters alone are gathered)."""
+    dtype = torch.bfloat16 if learner.bf16 else None
     if learner.lora is not None:
         from services.trainer.lora import adapter_state, targets_of, wire_from_state_dict
 
-        sd = adapter_state(learner.model) if learner.world_size == 1 else learner.gathered_state_dict()
-        return wire_from_state_dict(sd, learner.lora, targets_of(learner.model),
-                                    torch.bfloat16 if learner.bf16 else None)
+        sd = adapter_state(learner.model) if learner.world_size == 1 else \
+            learner.gather_weights(dtype, adapters_only=True)
+        return wire_from_state_dict(sd, learner.lora, targets_of(learner.model), dtype)
+    if learner.world_size > 1:
+        return learner.gather_weights(dtype)
     sd = learner.gathered_state_dict()
     if learner.bf16:
         sd = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}

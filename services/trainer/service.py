@@ -97,7 +97,7 @@ class TrainerService:
             await DEVICE_SHARE.set_trainer(HostOffload([learner.model, learner.ref_model], [learner.optimizer],
                                                        self.placement.device) if on_gpu else None)
         runs_kv = await bus.ensure_kv(ctx.js, catalog.RUNS)
-        sender = make_sender(loaded.weights, ctx.nc, ctx.run_id)
+        sender = make_sender(loaded.weights, ctx.nc, ctx.run_id, device=self.placement.device)
         await sender.start()
         try:
             await resume.continue_from_saved(start, await load_from_kv(runs_kv, ctx.run_id), sender)
@@ -234,7 +234,8 @@ class Trainer:
         metrics["time/commit_s"] = time.perf_counter() - t_commit  # outcomes, state, acks
         # the names keep "staleness" (of the version lag): the dashboard and the simulator's fit read them
         metrics.update(self.ledger.figures(), **{"trainer/staleness_mean": sum(version_lag) / len(version_lag),
-                       "trainer/staleness_max": float(max(version_lag)), "weights/bytes": float(self.versions.bytes)})
+                       "trainer/staleness_max": float(max(version_lag)), "weights/bytes": float(self.versions.bytes),
+                       "weights/undelivered": float(self.versions.undelivered)})
         await self.reporter.emit(metrics, step=state.step)
         if self.cfg.eval.every and state.step % self.cfg.eval.every == 0:
             await self.evals.start()

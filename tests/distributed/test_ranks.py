@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _run(tmp_path: Path, name: str, model_dir: Path, world_size: int, steps: list[int], **spec) -> Path:
     out = tmp_path / name
     config = {"devices": {"world_size": world_size, "num_threads": 1, "device": "cpu"},
-              "optim": {"micro_batch_size": 4, "lr": 1e-3, **spec.pop("optim", {})}}
+              "optim": {"micro_batch_size": 4, "lr": 1e-3, **spec.pop("optim", {})}, "loss": spec.pop("loss", {})}
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps({"model_dir": str(model_dir), "config": config, "steps": steps, "out": str(out),
                                 **spec}))
@@ -63,6 +63,25 @@ def test_two_ranks_update_the_weights_as_one_rank_does(tmp_path, loop_model_dir)
     for a, b in zip(m1, m2, strict=True):  # the same loss and gradient norm over the whole batch
         assert abs(a["losses/total"] - b["losses/total"]) < 1e-5
         assert abs(a["optim/grad_norm"] - b["optim/grad_norm"]) < 1e-4 * max(1.0, a["optim/grad_norm"])
+
+
+def test_two_ranks_with_a_sharded_kl_reference_update_as_one_rank_does(tmp_path, loop_model_dir):
+    """The KL reference is sharded like the policy: its forward is a collective, joined by a rank's empty pass
+    too (rank 1 has a pass fewer in step 1), and the update is still the one rank's."""
+    budget = {"micro_batch_size": 3, "max_tokens_per_micro_batch": 30}
+    one = _run(tmp_path, "one", loop_model_dir, 1, [1, 2], optim=budget, loss={"kl_coef": 0.5})
+    two = _run(tmp_path, "two", loop_model_dir, 2, [1, 2], optim=budget, loss={"kl_coef": 0.5})
+    m1, m2 = (json.loads((o / "metrics.json").read_text()) for o in (one, two))
+    assert m1[1]["losses/kl"] > 0  # the second step moved away from the reference
+    for a, b in zip(m1, m2, strict=True):
+        assert abs(a["losses/kl"] - b["losses/kl"]) < 1e-5
+        assert abs(a["losses/total"] - b["losses/total"]) < 1e-5
+    from safetensors.torch import load_file
+
+    initial = load_file(loop_model_dir / "model.safetensors")
+    moved = _max_diff({k: v for k, v in _weights(one).items() if k in initial},
+                      {k: v for k, v in initial.items() if k in _weights(one)})
+    assert _max_diff(_weights(one), _weights(two)) < moved / 50
 
 
 def test_a_two_rank_checkpoint_resumes_in_one_rank_with_its_optimiser_state(tmp_path, loop_model_dir):

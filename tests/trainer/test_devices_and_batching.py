@@ -50,6 +50,14 @@ def test_cuda_ranks_take_one_gpu_each():
         devices.resolve(TrainerConfig(devices=DevicesConfig(device="cuda:1", world_size=2)))
 
 
+@pytest.mark.skipif(NO_CUDA or torch.cuda.device_count() < 2, reason="needs 2 GPUs: each rank's reference on its own")
+def test_each_ranks_reference_sits_on_its_own_gpu():
+    cfg = TrainerConfig(devices=DevicesConfig(device="cuda", ref_device="cuda", world_size=2))
+    assert devices.resolve(cfg, rank=1).ref_device == "cuda:1"
+    with pytest.raises(ConfigError, match=r"ref_device is 'cuda:0' with world_size 2"):
+        devices.resolve(TrainerConfig(devices=DevicesConfig(device="cuda", ref_device="cuda:0", world_size=2)))
+
+
 def test_auto_and_cpu_resolve_on_this_host():
     auto = devices.resolve(TrainerConfig(devices=DevicesConfig(device="auto")))
     assert auto.device == ("cpu" if NO_CUDA else "cuda:0")

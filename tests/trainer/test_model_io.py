@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.lib.model_io import ModelIOError, load_policy, save_policy, sequence_logprobs
+from services.lib.model_io import ModelIOError, load_policy, save_policy, sequence_logprobs, token_logprobs
 from services.tasks.tiny_model import build_char_tokenizer, build_tiny_model
 
 
@@ -88,3 +88,57 @@ def test_save_and_reload_round_trip(tiny, tmp_path, monkeypatch):
 def test_load_refuses_a_non_model_dir(tmp_path):
     with pytest.raises(ModelIOError, match="config.json"):
         load_policy(tmp_path)
+
+
+def plain_token_logprobs(logits, rows, targets, temperature):
+    """The unchunked expression :func:`token_logprobs` replaces (full-vocabulary float32 copies)."""
+    x = logits.float() / temperature
+    picked = x.gather(1, rows.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    return picked.gather(2, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(picked, dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 2, 3, 64])
+def test_chunked_token_logprobs_equal_unchunked_values_and_gradients(dtype, chunk):
+    gen = torch.Generator().manual_seed(chunk)
+    logits = (torch.randn(3, 7, 50, generator=gen) * 3).to(dtype)
+    rows = torch.tensor([[0, 1, 2, 3, 6], [2, 3, 4, 6, 6], [5, 6, 6, 6, 6]])  # repeats, like padding
+    targets = torch.randint(0, 50, (3, 5), generator=gen)
+    upstream = torch.randn(3, 5, generator=gen)
+    a = logits.clone().requires_grad_(True)
+    b = logits.clone().requires_grad_(True)
+    got = token_logprobs(a, rows, targets, 0.7, chunk_positions=chunk)
+    want = plain_token_logprobs(b, rows, targets, 0.7)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, want, atol=1e-5)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    assert a.grad.dtype == dtype
+    # bf16: each path rounds its gradient to bf16 once per contribution (rows that repeat add up there)
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-3, "rtol": 2 ** -6}
+    torch.testing.assert_close(a.grad.float(), b.grad.float(), **tol)
+    assert a.grad[:, 6].abs().sum() > 0  # the repeated column got every position's share
+
+
+def test_sequence_logprobs_chunked_gradients_equal_one_chunk(tiny):
+    model, _ = tiny
+    prompts, completions = [[1, 9, 10], [1, 11]], [[12, 13, 14, 2], [15, 2]]
+    grads = []
+    for chunk in (1, 1000):
+        model.zero_grad(set_to_none=True)
+        lp, mask = sequence_logprobs(model, prompts, completions, temperature=0.9, chunk_positions=chunk)
+        (lp * mask).sum().backward()
+        grads.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    model.zero_grad(set_to_none=True)
+    (lp1, g1), (lp2, g2) = grads
+    assert torch.allclose(lp1, lp2, atol=1e-6)
+    for name in g1:
+        assert torch.allclose(g1[name], g2[name], atol=1e-6), name
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        assert lp1[i, : len(c)].tolist() == pytest.approx(reference_logprobs(model, p, c, 0.9), abs=1e-4)
+
+
+def test_bad_chunk_is_refused(tiny):
+    model, _ = tiny
+    with pytest.raises(ValueError, match="chunk_positions"):
+        sequence_logprobs(model, [[1]], [[2]], chunk_positions=0)

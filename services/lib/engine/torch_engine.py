@@ -110,6 +110,10 @@ class TorchEngine:
         return cls(config or TorchEngineConfig(), seed=seed, model=model, tokenizer=tokenizer)
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def device(self) -> torch.device:  # where the weights live: an NCCL weight receiver receives here
+        return self._device
+
     async def start(self) -> None:
         """Load the model (if not given) and start the engine thread."""
         if self._running:

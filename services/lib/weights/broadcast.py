@@ -15,13 +15,17 @@ both sides compute bucket by bucket while the next bucket is on the wire. Gloo c
 tensors; NCCL carries CUDA tensors (``backend="auto"`` picks NCCL when CUDA is
 available). The digest is computed where the bucket is: sha256 on the host for gloo; for NCCL
 a position-weighted checksum computed on the GPU (:class:`DeviceDigest`), because sha256 would
-need every byte copied to the host, the very copy a GPU-to-GPU transfer exists to avoid. Every join and collective is bounded by ``timeout_s`` and fails
-with :class:`BroadcastError` — never a silent hang. Receivers must be inside
+need every byte copied to the host, the very copy a GPU-to-GPU transfer exists to avoid. Every join and
+collective is bounded by ``timeout_s`` and fails with :class:`BroadcastError` — never a silent hang — after
+aborting its communicator (``broadcast_group.py``: on NCCL that ends the kernel stuck on a dead peer before
+the watchdog would kill the process). A dropped group is shut down, never just forgotten. The buffers live on
+the ``device`` each side is given (NCCL: the trainer rank's GPU, the engine's GPU). Receivers must be inside
 ``receive()`` when a version is sent (iterate in a task of their own).
 
 Recovery lives here, not in the callers: a failed ``start``/``send`` withdraws
 the group, forms a new one (engines that died rejoin when they restart) and
-tries again for up to ``reform_for_s``; a receiver iterated with ``async for``
+tries again for up to ``reform_for_s``, then raises (a :class:`~services.lib.weights.transport.VersionNotDelivered`:
+only that version fails, the trainer goes on); a receiver iterated with ``async for``
 leaves a broken or replaced group and joins the new one.
 
 The group follows the fleet: ``world_size`` is the fleet the first group waits
@@ -57,7 +61,7 @@ from proto.weights import (
     broadcast_ready_key,
 )
 from services.lib.weights.blobs import WeightIntegrityError
-from services.lib.weights.broadcast_group import (  # noqa: F401  (DeviceDigest, _hasher: re-exported)
+from services.lib.weights.broadcast_group import (  # noqa: F401  (DeviceDigest, _hasher, open_groups: re-exported)
     _DIGEST_BYTES,
     _REFORM_PAUSE_S,
     BroadcastError,
@@ -68,6 +72,7 @@ from services.lib.weights.broadcast_group import (  # noqa: F401  (DeviceDigest,
     _hash_update,
     _hasher,
     _raw,
+    open_groups,
 )
 from services.lib.weights.client import cast_for_publish
 from services.lib.weights.encoding import layout, torch_dtype
@@ -82,12 +87,14 @@ log = logging.getLogger("rlbus.weightsync.broadcast")
 class BroadcastSender:
     """:class:`~services.lib.weights.transport.WeightSender` as rank 0 of a broadcast group."""
 
-    def __init__(self, config: BroadcastConfig, nc: NATS, run_id: str) -> None:
+    def __init__(self, config: BroadcastConfig, nc: NATS, run_id: str,
+                 device: str | torch.device | None = None) -> None:
         self.config = config
         self.nc = nc
         self.run_id = run_id
         self.index = VersionIndex(nc, run_id, config.scope)
         self.backend = _backend(config)
+        self.device = _device(self.backend, device)  # where the buckets are staged (NCCL: the trainer's GPU)
         #: ranks of the group formed next (trainer + engines): grows with join requests, back to
         #: ``config.world_size`` after a failure
         if config.world_size < 2:
@@ -95,7 +102,7 @@ class BroadcastSender:
                               "at least one engine (rlbus run/up set it from the rollouts they start; set it to "
                               "1 + engines where no launcher starts the run)")
         self.world_size = config.world_size
-        self.group = _Group(config, self.backend, self.world_size)
+        self.group = _Group(config, self.backend, self.world_size, self.device)
         self.group_id = uuid.uuid4().hex[:16]
         self._grow_by = 0  # ranks the next group adds for engines that asked
 
@@ -142,7 +149,7 @@ class BroadcastSender:
         kv = await self.index.kv()
         # a rank for every engine that asked (one that died meanwhile makes this form time out, and shrink)
         self.world_size, self._grow_by = self.world_size + self._grow_by, 0
-        self.group = _Group(self.config, self.backend, self.world_size)
+        self.group = _Group(self.config, self.backend, self.world_size, self.device)
         port = self.config.master_port or free_port(self.config.master_addr)
         info = BroadcastGroup(
             run_id=self.run_id,
@@ -169,7 +176,7 @@ class BroadcastSender:
             else dict(state_dict)
         )
         entries, nbytes = layout(sd)
-        device = _device(self.backend)
+        device = self.device
         # the digest of the data, computed bucket by bucket (on the bucket's device) while each is on the wire
         h = _hasher(device)
         ready = BroadcastReady(
@@ -218,7 +225,7 @@ class BroadcastSender:
             await self.close(requests)
         except Exception as e:  # the bus may be away too: the next group's announcement replaces this one
             log.debug("withdrawing broadcast group %s: %s", self.group_id, e)
-        self.group = _Group(self.config, self.backend, self.world_size)
+        self.group = _Group(self.config, self.backend, self.world_size, self.device)
         self.group_id = uuid.uuid4().hex[:16]
 
     async def _join_requests(self) -> int:
@@ -231,9 +238,8 @@ class BroadcastSender:
         return sum(r >= self.group.world_size for r in ranks)
 
     async def close(self, requests: int = 0) -> None:
-        """Withdraw the group from the bus and drop the process group."""
-        self.group.pg = None
-        self.group.store = None
+        """Withdraw the group from the bus and release its communicator (shut down; a failed one was aborted)."""
+        self.group.shutdown()
         kv = await self.index.kv()
         await kv.purge(broadcast_group_key(self.run_id))
         for rank in range(1, self.group.world_size + requests):
@@ -243,10 +249,14 @@ class BroadcastSender:
 class BroadcastReceiver:
     """:class:`~services.lib.weights.transport.WeightReceiver` as one engine rank of a broadcast group."""
 
-    def __init__(self, config: BroadcastConfig, nc: NATS, run_id: str) -> None:
+    def __init__(self, config: BroadcastConfig, nc: NATS, run_id: str,
+                 device: str | torch.device | None = None) -> None:
         self.config = config
         self.run_id = run_id
         self.index = VersionIndex(nc, run_id, config.scope)
+        #: the engine's device (NCCL receives into it); for gloo the CPU
+        self.device = device
+        _device(_backend(config), device)  # NCCL without the engine's device: refused now, at the engine's start
         self.group: _Group | None = None
         self.group_info: BroadcastGroup | None = None
         self.rank: int | None = None
@@ -304,6 +314,7 @@ class BroadcastReceiver:
             ) from err
         finally:
             await groups.aclose()
+        device = _device(info.backend, self.device)  # before claiming a rank: a refusal leaves the group whole
         kv = await self.index.kv()
         for rank in range(1, info.world_size):
             try:
@@ -326,7 +337,7 @@ class BroadcastReceiver:
         if await self._current_group_id() != info.group_id:  # withdrawn while we claimed a rank
             raise BroadcastError(f"broadcast group {info.group_id} was withdrawn; join the next one")
         self.group_info = info
-        self.group = _Group(self.config, info.backend, info.world_size)
+        self.group = _Group(self.config, info.backend, info.world_size, device)
         # a version of this group announced before we joined is stale (a send that failed before we came):
         # the sender announces only once every rank joined
         ready_key = broadcast_ready_key(self.run_id)
@@ -351,7 +362,7 @@ class BroadcastReceiver:
                 continue  # a stale announcement of an older group
             if self._group_version is None or ready.policy_version > self._group_version:
                 break
-        flat = torch.empty(ready.data_nbytes, dtype=torch.uint8, device=_device(info.backend))
+        flat = torch.empty(ready.data_nbytes, dtype=torch.uint8, device=group.device)
         h = _hasher(flat.device)
         hashing = None  # hash bucket i while bucket i + 1 arrives
         for off in range(0, ready.data_nbytes, ready.bucket_bytes):
@@ -427,6 +438,8 @@ class BroadcastReceiver:
                 except (asyncio.CancelledError, Exception):
                     pass
         self._next_ready = self._group_watch = None
+        if self.group is not None:
+            self.group.shutdown()  # its communicator released (a failed one was aborted already)
         self.group, self.group_info = None, None  # the next receive() joins the group announced then
         if self._ready is not None:
             ready, self._ready = self._ready, None

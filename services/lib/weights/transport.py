@@ -20,9 +20,11 @@ Each transport owns its recovery, so callers hold no retry loops:
   the newest announced version back through the sender's own index and store, verified. The receiver
   watches announcements, re-reads the latest version after ``recheck_s`` without one (a missed
   announcement) and re-subscribes after a bounded back-off when the watch breaks (a server restart).
-* **broadcast**: a failed ``start``/``send`` re-forms the group (engines that died rejoin when they
-  restart) and tries again for up to ``reform_for_s``; a receiver leaves a broken or replaced group
-  and joins the new one inside the iteration. Keeps nothing: ``latest`` is None.
+* **broadcast**: every collective is bounded by ``timeout_s``; a failed one aborts its communicator. A
+  failed ``start``/``send`` re-forms the group (engines that died rejoin when they restart) and tries
+  again for up to ``reform_for_s``; a send still failing then raises :class:`VersionNotDelivered` (only
+  that version is lost; the trainer goes on and its next version replaces it). A receiver leaves a
+  broken or replaced group and joins the new one inside the iteration. Keeps nothing: ``latest`` is None.
 * **inproc**: tensors handed over in one process, cloned on send by default (``snapshot``), so the
   sender may change its own tensors once ``send`` returns. Keeps nothing: ``latest`` is None.
 
@@ -49,6 +51,7 @@ from services.lib.weights.client import WeightPublisher, WeightSubscriber
 from services.lib.weights.store import BlobNotFound, open_store
 from services.runtime.weights_config import (
     BroadcastConfig,
+    ConfigError,
     InprocConfig,
     StoreTransportConfig,
     TransportConfig,
@@ -58,6 +61,12 @@ from services.runtime.weights_config import (
 log = logging.getLogger("rlbus.weightsync.transport")
 
 T = TypeVar("T")
+
+
+class VersionNotDelivered(RuntimeError):
+    """A transport that keeps nothing (broadcast) could not deliver this version, after its own recovery: only
+    this send failed. The trainer goes on training; its next version replaces this one (the engines keep their
+    current weights meanwhile, and their samples are weighed by version as always)."""
 Weights = tuple[int, dict[str, torch.Tensor]]
 
 #: back-off of retries and re-subscriptions: doubles from the first to the last, then stays
@@ -118,8 +127,8 @@ class WeightReceiver(Protocol):
 async def follow(receiver: WeightReceiver,
                  recover: Callable[[], Awaitable[None]] | None) -> AsyncIterator[Weights]:
     """Every version ``receiver.receive()`` returns, for ever: a refused version is counted and skipped;
-    any other failure calls ``recover`` (drop the watch / leave the group), waits a bounded back-off
-    and receives again."""
+    a :class:`ConfigError` is raised; any other failure calls ``recover`` (drop the watch / leave the
+    group), waits a bounded back-off and receives again."""
     delay = BACKOFF_FIRST_S
     while True:
         try:
@@ -130,6 +139,8 @@ async def follow(receiver: WeightReceiver,
             log.error("refused weight version %d: %s (keeping version %s)", err.version, err,
                       receiver.version)
             continue
+        except ConfigError:  # a setting this engine cannot serve (NCCL without its device): no retry mends it
+            raise
         except Exception as err:
             log.warning("weight transport interrupted (%s: %s); again in %.1fs", type(err).__name__, err,
                         delay)
@@ -316,8 +327,10 @@ class StoreReceiver:
         await self.subscriber.store.close()
 
 
-def make_sender(config: TransportConfig, nc: NATS | None, run_id: str) -> WeightSender:
-    """The trainer side of the transport ``config`` selects."""
+def make_sender(config: TransportConfig, nc: NATS | None, run_id: str,
+                device: str | torch.device | None = None) -> WeightSender:
+    """The trainer side of the transport ``config`` selects; ``device``: where the trainer's weights live (an NCCL
+    broadcast stages its buckets there)."""
     if isinstance(config, StoreTransportConfig):
         if nc is None:
             raise ValueError("the store transport needs a NATS connection")
@@ -327,7 +340,7 @@ def make_sender(config: TransportConfig, nc: NATS | None, run_id: str) -> Weight
 
         if nc is None:
             raise ValueError("the broadcast transport needs a NATS connection for its rendezvous")
-        return BroadcastSender(config, nc, run_id)
+        return BroadcastSender(config, nc, run_id, device=device)
     if isinstance(config, InprocConfig):
         from services.lib.weights.inproc import InprocSender
 
@@ -335,8 +348,10 @@ def make_sender(config: TransportConfig, nc: NATS | None, run_id: str) -> Weight
     raise TypeError(f"unknown transport config {type(config).__name__}")
 
 
-def make_receiver(config: TransportConfig, nc: NATS | None, run_id: str) -> WeightReceiver:
-    """The engine side of the transport ``config`` selects."""
+def make_receiver(config: TransportConfig, nc: NATS | None, run_id: str,
+                  device: str | torch.device | None = None) -> WeightReceiver:
+    """The engine side of the transport ``config`` selects; ``device``: the engine's device (an NCCL broadcast
+    receives into it; required for NCCL, never guessed from the thread's current device)."""
     if isinstance(config, StoreTransportConfig):
         if nc is None:
             raise ValueError("the store transport needs a NATS connection")
@@ -346,7 +361,7 @@ def make_receiver(config: TransportConfig, nc: NATS | None, run_id: str) -> Weig
 
         if nc is None:
             raise ValueError("the broadcast transport needs a NATS connection for its rendezvous")
-        return BroadcastReceiver(config, nc, run_id)
+        return BroadcastReceiver(config, nc, run_id, device=device)
     if isinstance(config, InprocConfig):
         from services.lib.weights.inproc import InprocReceiver
 
