@@ -96,10 +96,7 @@ class TorchEngine:
         self._max_positions: int | None = None
         self._vocab_size = 0
         generator = torch.Generator(device=self._device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
+        generator.seed() if seed is None else generator.manual_seed(seed)
         # the running batch (engine thread only)
         self._batch = RunningBatch(self._device, config.max_batch_size, config.max_prefill_tokens, generator)
 
