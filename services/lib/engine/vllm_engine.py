@@ -91,6 +91,8 @@ class VllmEngine:
         self._total_tokens = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._procs = EngineProcesses()
+        self._transfer: Any = None  # vllm_xfer.TransferSteps, when weights come through vLLM's transfer API
+        self.on_transfer_applied: Any = None  # called with each version that transfer put in (its receiver)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -125,7 +127,8 @@ class VllmEngine:
             enable_sleep_mode=cfg.enable_sleep_mode,
             kv_cache_memory_bytes=int(kv_gib * GIB) if kv_gib is not None else None,
             logprobs_mode="processed_logprobs", worker_extension_cls="services.lib.engine.vllm_weights.VllmWorkerExtension",
-            disable_log_stats=True, **cfg.engine_args)
+            disable_log_stats=True, weight_transfer_config=self._transfer and self._transfer.engine_config(
+                self._transfer.backend), **cfg.engine_args)
         await asyncio.to_thread(self._load_hf_side)
         self._llm = await self._procs.start(lambda: self._build(args))
         try:
@@ -323,6 +326,23 @@ class VllmEngine:
         return "length" if reason == "length" else "stop"
 
     # ------------------------------------------------------------------ weights
+    def enable_weight_transfer(self, backend: str, timeout_s: float) -> None:
+        """Receive weights through vLLM's weight-transfer API (``nccl`` or ``ipc``); before :meth:`start`."""
+        from services.lib.engine.vllm_xfer import TransferSteps
+
+        self._transfer = TransferSteps(backend, timeout_s, self.config.weight_update_mode)
+
+    async def worker_gpus(self) -> list[str]:
+        return list(await self._llm.collective_rpc("rlbus_device_uuid"))  # per worker: GPU UUID or "cpu"
+
+    async def transfer_step(self, op: str, info: dict[str, Any], version: int) -> None:
+        """One step of vLLM's weight-sync handshake (:mod:`services.lib.engine.vllm_xfer`)."""
+        if self._transfer is None:
+            raise WeightUpdateError("this engine was not started for vLLM's weight transfer ([weights] type = vllm)")
+        if await self._transfer.step(self._llm if self._running else None, op, info, version):
+            self._version = version
+            self.on_transfer_applied and self.on_transfer_applied(version)
+
     async def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         """Load ``state_dict`` (all or some of the model's tensors) into the running engine and set ``version``.
 
@@ -331,6 +351,8 @@ class VllmEngine:
         """
         if not self._running:
             raise EngineNotRunningError("the vllm engine is not running; call start() first")
+        if not state_dict and version == self._version:
+            return  # already in: vLLM's weight transfer put it there (transfer_step)
         from services.lib.weights import lora_merge
 
         full = not lora_merge.is_adapter(state_dict)

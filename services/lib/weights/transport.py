@@ -1,4 +1,5 @@
-"""One interface for every way weights travel, chosen by one config key ``transport``: store | broadcast | inproc.
+"""One interface for every way weights travel, chosen by one config key ``transport``: store | broadcast | inproc
+| vllm (straight into vLLM's workers through vLLM's own weight-transfer API: :mod:`.vllm_transfer`).
 
 The trainer holds a :class:`WeightSender`, each engine a :class:`WeightReceiver`::
 
@@ -52,6 +53,7 @@ from services.runtime.weights_config import (
     InprocConfig,
     StoreTransportConfig,
     TransportConfig,
+    VllmTransferConfig,
     load_hmac_key,
 )
 
@@ -332,11 +334,16 @@ def make_sender(config: TransportConfig, nc: NATS | None, run_id: str) -> Weight
         from services.lib.weights.inproc import InprocSender
 
         return InprocSender(config, run_id)
+    if isinstance(config, VllmTransferConfig):
+        from services.lib.weights.vllm_transfer import VllmSender
+
+        return VllmSender(config, nc, run_id)
     raise TypeError(f"unknown transport config {type(config).__name__}")
 
 
-def make_receiver(config: TransportConfig, nc: NATS | None, run_id: str) -> WeightReceiver:
-    """The engine side of the transport ``config`` selects."""
+def make_receiver(config: TransportConfig, nc: NATS | None, run_id: str, engine: object = None) -> WeightReceiver:
+    """The engine side of the transport ``config`` selects (``engine``: the one it feeds, which the vllm
+    transport drives itself)."""
     if isinstance(config, StoreTransportConfig):
         if nc is None:
             raise ValueError("the store transport needs a NATS connection")
@@ -351,4 +358,8 @@ def make_receiver(config: TransportConfig, nc: NATS | None, run_id: str) -> Weig
         from services.lib.weights.inproc import InprocReceiver
 
         return InprocReceiver(config, run_id)
+    if isinstance(config, VllmTransferConfig):
+        from services.lib.weights.vllm_transfer import VllmReceiver
+
+        return VllmReceiver(config, nc, run_id, engine)
     raise TypeError(f"unknown transport config {type(config).__name__}")

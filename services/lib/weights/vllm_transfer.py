@@ -1,0 +1,425 @@
+"""The ``vllm`` transport: weights straight into each vLLM worker's parameters through vLLM's own
+weight-transfer API (``weight_transfer_config``; ``vllm/distributed/weight_transfer/``).
+
+vLLM ships both halves of the data plane: a worker-side engine inside every vLLM worker (made when the
+engine starts with ``weight_transfer_config``) and a trainer-side engine
+(``WeightTransferTrainerFactory.trainer_init``) that drives the handshake through a
+``VLLMWeightSyncClient`` (``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+``finish_weight_update``). rlbus supplies the client and nothing of the data plane:
+
+* **nccl** (disaggregated): the rollout registers its engine in the scope's KV (workers, GPU UUIDs)
+  and answers the handshake on ``rlbus.<run>.weights.vllm.<engine_id>`` (:class:`BusClient` fans each
+  step out to every engine, giving each its ``rank_offset`` in one group of ``1 + workers``). Trainer
+  rank 0 broadcasts packed buckets of ``bucket_bytes`` (vLLM's ``packed_buffer_size_bytes``; at most
+  ``num_buffers`` in flight), and every worker receives on its own device straight into its
+  parameters (layerwise reload). A trainer whose GPU is any worker's is refused before any NCCL call
+  (NCCL would fail with "Duplicate GPU detected").
+* **ipc** (colocated, ``trainer+rollout`` in one process): the engine registers in this process
+  (:class:`LocalClient`); the trainer's tensors go to the workers as CUDA IPC handles, on the same GPU
+  (an engine on another GPU is refused).
+
+Every step is bounded by ``timeout_s``; a failed send leaves the group (the workers are told to
+shut their side down, bounded) and the next send forms it again. The engine side applies each
+version itself, so the receiver yields ``(version, {})`` once a version is in (the rollout's
+bookkeeping runs as for every transport). Needs vLLM importable on both sides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from nats.aio.client import Client as NATS
+
+from proto import catalog
+from proto.codec import decode, encode
+from proto.weights import (
+    VllmTransferEngine,
+    VllmTransferReply,
+    VllmTransferRequest,
+    vllm_engine_key,
+    vllm_engine_prefix,
+)
+from services.lib.weights.client import cast_for_publish
+from services.lib.weights.index import VersionIndex
+from services.lib.weights.transport import Weights
+from services.runtime.natsd import free_port
+from services.runtime.weights_config import ConfigError, VllmTransferConfig
+
+log = logging.getLogger("rlbus.weightsync.vllm")
+
+#: colocated engines of this process, by channel (the ipc backend's rendezvous)
+_LOCAL: dict[str, Any] = {}
+_LOCAL_CHANGED: dict[str, asyncio.Event] = {}
+
+
+class VllmTransferError(RuntimeError):
+    """A step of the vLLM weight transfer failed or timed out; the message says which and what to check."""
+
+
+# --------------------------------------------------------------------------- pure parts (no vLLM needed)
+def check_gpus(backend: str, trainer_gpu: str, engines: Mapping[str, list[str]]) -> None:
+    """Refuse a layout the backend cannot serve, before any collective: ``nccl`` needs every worker on a
+    GPU other than the trainer's (and the trainer on a GPU); ``ipc`` needs every worker on the trainer's."""
+    if trainer_gpu == "cpu":
+        raise ConfigError(f"weights.backend = {backend!r} sends from the trainer's GPU, but the trainer has none; "
+                          'use [weights] type = "store" (or "broadcast" with gloo) on CPU')
+    for engine, gpus in engines.items():
+        if backend == "nccl" and trainer_gpu in gpus:
+            raise ConfigError(f"weights.backend = 'nccl': engine {engine} has a worker on the trainer's GPU "
+                              f"{trainer_gpu}; NCCL needs one GPU per rank. Give the rollout other GPUs "
+                              '([placement]) or colocate with weights.backend = "ipc"')
+        if backend == "ipc" and any(g != trainer_gpu for g in gpus):
+            raise ConfigError(f"weights.backend = 'ipc': engine {engine} has workers on {sorted(set(gpus))}, not "
+                              f"on the trainer's GPU {trainer_gpu}; CUDA IPC serves a colocated engine only "
+                              '(use weights.backend = "nccl" for engines on other GPUs)')
+
+
+def rank_offsets(engines: Mapping[str, int]) -> tuple[dict[str, int], int]:
+    """Each engine's first rank in the group (trainer rank 0, then every engine's workers in turn, by id)
+    and the group's size."""
+    offsets, next_rank = {}, 1
+    for engine in sorted(engines):
+        offsets[engine] = next_rank
+        next_rank += engines[engine]
+    return offsets, next_rank
+
+
+def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """The tensors of each packed bucket, as vLLM's ``pack_tensors`` cuts them: tensors are added in order
+    until the bucket holds more than ``bucket_bytes`` (the tensor that crosses the bound is in it)."""
+    buckets: list[list[str]] = []
+    names: list[str] = []
+    total = 0
+    for name, nbytes in sizes:
+        names.append(name)
+        total += nbytes
+        if total > bucket_bytes:
+            buckets.append(names)
+            names, total = [], 0
+    if names:
+        buckets.append(names)
+    return buckets
+
+
+def device_uuid(device: torch.device | None = None) -> str:
+    """The GPU UUID of ``device`` (the current CUDA device by default), or "cpu"."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+class StateSource:
+    """vLLM's ``WeightSource`` over the state dict of the version being sent (set before each send): the
+    names, dtypes and shapes first (``metadata``), then the tensors in the same order."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] = {}
+
+    def metadata(self) -> list[Any]:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.state.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.state.items())
+
+    def held_names(self) -> None:
+        return None
+
+
+# --------------------------------------------------------------------------- trainer side
+class _SyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` (synchronous; called from the send thread) whose steps run as
+    coroutines on the sender's event loop, each bounded by ``timeout_s``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self.loop = loop
+        self.timeout_s = timeout_s
+        self.version = 0
+
+    def _run(self, what: str, coro: Any) -> None:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError as err:
+            future.cancel()
+            raise VllmTransferError(f"{what} got no answer within {self.timeout_s}s") from err
+
+    async def step(self, op: str, info: dict[str, Any] | None = None) -> None:
+        raise NotImplementedError
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._run("init_weight_transfer_engine", self.step("init", init_info))
+
+    def start_weight_update(self) -> None:
+        self._run("start_weight_update", self.step("start"))
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._run("update_weights", self.step("update", update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._run("finish_weight_update", self.step("finish"))
+
+
+class BusClient(_SyncClient):
+    """The handshake over the bus, fanned out to every engine (each with its own ``rank_offset``)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, nc: NATS, run_id: str, timeout_s: float,
+                 offsets: Mapping[str, int]) -> None:
+        super().__init__(loop, timeout_s)
+        self.nc, self.run_id, self.offsets = nc, run_id, dict(offsets)
+
+    async def ask(self, engine: str, request: VllmTransferRequest) -> None:
+        subject = catalog.WEIGHT_VLLM_TRANSFER.subject(self.run_id, engine)
+        try:
+            msg = await self.nc.request(subject, encode(request), timeout=self.timeout_s)
+        except Exception as err:
+            raise VllmTransferError(f"engine {engine} did not answer {request.op!r} within {self.timeout_s}s "
+                                    f"({type(err).__name__}); is its rollout running?") from err
+        reply = decode(msg.data, VllmTransferReply)
+        if not reply.ok:
+            raise VllmTransferError(f"engine {engine} failed {request.op!r}: {reply.error}")
+
+    async def step(self, op: str, info: dict[str, Any] | None = None) -> None:
+        async def one(engine: str) -> None:
+            mine = dict(info or {})
+            if op == "init":
+                mine["rank_offset"] = self.offsets[engine]
+            await self.ask(engine, VllmTransferRequest(run_id=self.run_id, op=op, info=mine,  # type: ignore[arg-type]
+                                                       policy_version=self.version))
+
+        await asyncio.gather(*(one(e) for e in self.offsets))
+
+
+class LocalClient(_SyncClient):
+    """The handshake with the colocated engine of this process (ipc: no bus, CUDA IPC handles)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, engine: Any, timeout_s: float) -> None:
+        super().__init__(loop, timeout_s)
+        self.engine = engine
+
+    async def step(self, op: str, info: dict[str, Any] | None = None) -> None:
+        await self.engine.transfer_step(op, info or {}, self.version)
+
+
+class VllmSender:
+    """:class:`~services.lib.weights.transport.WeightSender` through vLLM's trainer-side engine."""
+
+    def __init__(self, config: VllmTransferConfig, nc: NATS | None, run_id: str) -> None:
+        if config.backend == "nccl" and nc is None:
+            raise ValueError("the vllm transport (nccl) needs a NATS connection for its control plane")
+        self.config, self.nc, self.run_id = config, nc, run_id
+        self.source = StateSource()
+        self.client: _SyncClient | None = None
+        self.engine: Any = None  # vLLM's TrainerWeightTransferEngine, once the group is formed
+        #: sends that failed and left the group (the next send forms it again)
+        self.failures = 0
+
+    async def start(self) -> None:
+        """Check that vLLM is importable here; the group is formed by the first send (engines may come later)."""
+        try:
+            import vllm.distributed.weight_transfer.factory  # noqa: F401
+        except ImportError as err:
+            raise ConfigError('[weights] type = "vllm" runs vLLM\'s trainer-side engine in the trainer: install vLLM '
+                              'there too (pip install "rlbus[vllm]"), or use type = "store"') from err
+
+    async def _engines(self) -> dict[str, VllmTransferEngine]:
+        """The registered engines, once ``engines`` of them are (bounded by ``timeout_s``)."""
+        assert self.nc is not None
+        index = VersionIndex(self.nc, self.run_id, self.config.scope)
+        await index.ensure()
+        kv = await index.kv()
+        want = max(self.config.engines, 1)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout_s
+        while True:
+            try:
+                keys = await kv.keys(filters=[vllm_engine_prefix(self.run_id) + "*"])
+            except Exception:  # nats-py raises NoKeysError when there are none
+                keys = []
+            engines = {}
+            for key in keys:
+                entry = await kv.get(key)
+                if entry.value:
+                    info = decode(entry.value, VllmTransferEngine)
+                    engines[info.engine_id] = info
+            if len(engines) >= want:
+                return engines
+            if loop.time() > deadline:
+                raise VllmTransferError(f"{len(engines)} of {want} vLLM engines registered within "
+                                        f"{self.config.timeout_s}s; are the rollouts running with the vllm engine?")
+            await asyncio.sleep(0.5)  # polling the registry: engines register once, at start
+
+    async def _form(self) -> None:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        cfg, loop = self.config, asyncio.get_running_loop()
+        if cfg.backend == "ipc":
+            engine = await _wait_local(cfg.channel, cfg.timeout_s)
+            check_gpus("ipc", device_uuid(), {"colocated": await engine.worker_gpus()})
+            self.client = LocalClient(loop, engine, cfg.timeout_s)
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+            init: Any = IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=cfg.bucket_bytes)
+        else:
+            assert self.nc is not None
+            engines = await self._engines()
+            check_gpus("nccl", device_uuid(), {e: i.gpus for e, i in engines.items()})
+            offsets, world = rank_offsets({e: i.workers for e, i in engines.items()})
+            self.client = BusClient(loop, self.nc, self.run_id, cfg.timeout_s, offsets)
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            init = NCCLTrainerInitInfo(rank=0, master_address=cfg.master_addr,
+                                       master_port=cfg.master_port or free_port(cfg.master_addr), world_size=world,
+                                       packed=True, packed_buffer_size_bytes=cfg.bucket_bytes,
+                                       packed_num_buffers=cfg.num_buffers)
+            log.info("forming the vLLM weight-transfer group: %d engines, %d ranks", len(engines), world)
+        client = self.client
+        self.engine = await self._bounded("forming the transfer group", lambda: WeightTransferTrainerFactory.trainer_init(
+            init, client=client, source=self.source))
+
+    async def _bounded(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(fn), self.config.timeout_s + 5.0)
+        except TimeoutError as err:
+            raise VllmTransferError(f"{what} did not finish within {self.config.timeout_s}s") from err
+
+    async def send(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Send ``version`` into every engine's workers; a failure leaves the group and raises
+        :class:`VllmTransferError` (the next send forms the group again)."""
+        sd = cast_for_publish(state_dict, self.config.dtype) if self.config.dtype == "bf16" else dict(state_dict)
+        self.source.state = {n: t.detach() for n, t in sd.items()}
+        try:
+            if self.engine is None:
+                await self._form()
+            assert self.client is not None
+            self.client.version = version
+            await self._bounded(f"sending version {version}", self.engine.send_weights)
+        except Exception as err:
+            self.failures += 1
+            await self._leave()
+            if isinstance(err, (VllmTransferError, ConfigError)):
+                raise
+            raise VllmTransferError(f"sending version {version} failed: {err}") from err
+        finally:
+            self.source.state = {}
+        log.info("sent v%d into vLLM's workers (%s)", version, self.config.backend)
+
+    async def _leave(self) -> None:
+        engine, client, self.engine = self.engine, self.client, None
+        if client is not None:
+            try:
+                await asyncio.wait_for(client.step("shutdown"), self.config.timeout_s)
+            except Exception as e:  # an engine that died cannot answer; its restart starts clean
+                log.debug("engines leaving the transfer group: %s", e)
+        if engine is not None:
+            threading_shutdown = asyncio.to_thread(engine.shutdown)
+            try:
+                await asyncio.wait_for(threading_shutdown, self.config.timeout_s)
+            except Exception as e:
+                log.warning("shutting the trainer's transfer endpoint down: %s", e)
+
+    async def latest(self) -> Weights | None:
+        """None: the transfer keeps nothing (a restarted trainer continues from its checkpoint)."""
+        return None
+
+    async def close(self) -> None:
+        await self._leave()
+
+
+async def _wait_local(channel: str, timeout_s: float) -> Any:
+    """The colocated engine registered under ``channel`` (bounded wait: the rollout may start later)."""
+    event = _LOCAL_CHANGED.setdefault(channel, asyncio.Event())
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except TimeoutError as err:
+        raise VllmTransferError(f"no colocated vLLM engine registered on channel {channel!r} within {timeout_s}s; "
+                                'weights.backend = "ipc" needs trainer+rollout in one process') from err
+    return _LOCAL[channel]
+
+
+# --------------------------------------------------------------------------- engine side
+class VllmReceiver:
+    """:class:`~services.lib.weights.transport.WeightReceiver` of one vLLM engine: registers it, answers the
+    trainer's handshake (the engine applies each version itself) and yields ``(version, {})`` per version."""
+
+    def __init__(self, config: VllmTransferConfig, nc: NATS | None, run_id: str, engine: Any) -> None:
+        if engine is None or not hasattr(engine, "transfer_step"):
+            raise ConfigError('[weights] type = "vllm" needs the rollout\'s vllm engine '
+                              '(services.rollout.engine type = "vllm")')
+        if config.backend == "nccl" and nc is None:
+            raise ValueError("the vllm transport (nccl) needs a NATS connection for its control plane")
+        self.config, self.nc, self.run_id, self.engine = config, nc, run_id, engine
+        self.engine_id = uuid.uuid4().hex[:12]
+        self.refused = 0
+        self.last_error = ""
+        self.traces: dict[int, str] = {}
+        self.digests: dict[int, str] = {}
+        self._applied: asyncio.Queue[int] = asyncio.Queue()
+        self._version: int | None = None
+        self._sub: Any = None
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    async def start(self) -> None:
+        if self._sub is not None or self.config.channel in _LOCAL and _LOCAL[self.config.channel] is self.engine:
+            return
+        self.engine.on_transfer_applied = self._applied.put_nowait
+        if self.config.backend == "ipc":
+            _LOCAL[self.config.channel] = self.engine
+            _LOCAL_CHANGED.setdefault(self.config.channel, asyncio.Event()).set()
+            return
+        assert self.nc is not None
+        subject = catalog.WEIGHT_VLLM_TRANSFER.subject(self.run_id, self.engine_id)
+        self._sub = await self.nc.subscribe(subject, cb=self._answer)
+        gpus = await self.engine.worker_gpus()
+        index = VersionIndex(self.nc, self.run_id, self.config.scope)
+        await index.ensure()
+        info = VllmTransferEngine(run_id=self.run_id, engine_id=self.engine_id, workers=len(gpus), gpus=gpus,
+                                  backend=self.config.backend)
+        await (await index.kv()).put(vllm_engine_key(self.run_id, self.engine_id), encode(info))
+        log.info("vLLM engine %s registered for weight transfer (%d workers)", self.engine_id, len(gpus))
+
+    async def _answer(self, msg: Any) -> None:
+        try:
+            request = decode(msg.data, VllmTransferRequest)
+            await self.engine.transfer_step(request.op, request.info, request.policy_version)
+            reply = VllmTransferReply(run_id=self.run_id, ok=True)
+        except Exception as err:
+            self.last_error = f"{type(err).__name__}: {err}"
+            log.error("weight transfer step failed: %s", self.last_error)
+            reply = VllmTransferReply(run_id=self.run_id, ok=False, error=self.last_error)
+        await msg.respond(encode(reply))
+
+    async def receive(self) -> Weights:
+        await self.start()
+        version = await self._applied.get()
+        self._version = version
+        return version, {}
+
+    def __aiter__(self) -> Any:
+        from services.lib.weights.transport import follow
+
+        return follow(self, None)
+
+    async def close(self) -> None:
+        if _LOCAL.get(self.config.channel) is self.engine:
+            del _LOCAL[self.config.channel]
+            _LOCAL_CHANGED.pop(self.config.channel, None)
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            await sub.unsubscribe()
+            try:
+                index = VersionIndex(self.nc, self.run_id, self.config.scope)  # type: ignore[arg-type]
+                await (await index.kv()).delete(vllm_engine_key(self.run_id, self.engine_id))
+            except Exception as e:  # the bus may be away; a stale entry makes the next group wait, bounded
+                log.debug("unregistering vLLM engine %s: %s", self.engine_id, e)
