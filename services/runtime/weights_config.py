@@ -185,16 +185,18 @@ class VllmTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     ``nccl``: disaggregated on one fabric; trainer rank 0 broadcasts, every worker of every engine receives
     on its own GPU; the trainer's GPU must not be any engine's (refused at start-up). ``ipc``: colocated
     (``trainer+rollout`` in one process, one GPU): CUDA IPC handles of the trainer's tensors. Anything across
-    nodes without a shared fabric: keep ``type = "store"``."""
+    nodes without a shared fabric: keep ``type = "store"``. ``gloo``: ``nccl``'s handshake and layerwise reload
+    with the bytes on a gloo group, for engines on CPU."""
 
-    #: nccl (disaggregated, distinct GPUs) or ipc (colocated on the trainer's GPU, one process)
-    backend: Literal["nccl", "ipc"] = "nccl"
-    #: nccl: vLLM engines the trainer waits for before forming the group; ``rlbus run``/``up`` set it to
+    #: nccl (disaggregated, distinct GPUs), ipc (colocated on the trainer's GPU, one process), or gloo (the
+    #: nccl handshake with the bytes on a gloo group: CPU engines, the vLLM CPU build)
+    backend: Literal["nccl", "ipc", "gloo"] = "nccl"
+    #: nccl/gloo: vLLM engines the trainer waits for before forming the group; ``rlbus run``/``up`` set it to
     #: the rollouts they start (0, the default: theirs to set); ipc: ignored (the one colocated engine)
     engines: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
-    #: nccl: address the engines' workers reach the trainer's rendezvous at
+    #: nccl/gloo: address the engines' workers reach the trainer's rendezvous at
     master_addr: str = "127.0.0.1"
-    #: nccl: 0 picks a free port
+    #: nccl/gloo: 0 picks a free port
     master_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     #: bytes per packed bucket (vLLM's ``packed_buffer_size_bytes``): bounds the extra device memory on
     #: the trainer and on every worker to ``bucket_bytes * num_buffers``

@@ -126,9 +126,9 @@ class VllmEngine:
             enforce_eager=cfg.enforce_eager, seed=self.seed if self.seed is not None else secrets.randbits(31),
             enable_sleep_mode=cfg.enable_sleep_mode,
             kv_cache_memory_bytes=int(kv_gib * GIB) if kv_gib is not None else None,
-            logprobs_mode="processed_logprobs", worker_extension_cls="services.lib.engine.vllm_weights.VllmWorkerExtension",
-            disable_log_stats=True, weight_transfer_config=self._transfer and self._transfer.engine_config(
-                self._transfer.backend), **cfg.engine_args)
+            logprobs_mode="processed_logprobs", disable_log_stats=True, **{
+                "worker_extension_cls": "services.lib.engine.vllm_weights.VllmWorkerExtension",
+                **(self._transfer.engine_args() if self._transfer else {}), **cfg.engine_args})
         await asyncio.to_thread(self._load_hf_side)
         self._llm = await self._procs.start(lambda: self._build(args))
         try:

@@ -29,10 +29,13 @@ class TransferSteps:
         self.mode = "keep" if mode == "in_flight" else "wait"
         self._open: asyncio.TimerHandle | None = None  # the watchdog of an open update
 
-    @staticmethod
-    def engine_config(backend: str) -> dict[str, Any]:
-        """``weight_transfer_config`` of ``AsyncEngineArgs``: vLLM makes its worker-side engine from it."""
-        return {"backend": backend}
+    def engine_args(self) -> dict[str, Any]:
+        """``AsyncEngineArgs`` that make vLLM build its worker-side engine: ``weight_transfer_config``, and for
+        ``gloo`` (CPU) the worker extension whose module registers that backend in each worker."""
+        args: dict[str, Any] = {"weight_transfer_config": {"backend": self.backend}}
+        if self.backend == "gloo":
+            args["worker_extension_cls"] = "services.lib.weights.vllm_gloo.GlooWorkerExtension"
+        return args
 
     async def step(self, llm: Any, op: str, info: dict[str, Any], version: int) -> bool:
         """Run ``op`` on ``llm``; True when ``version`` is now in (``finish``)."""

@@ -14,6 +14,8 @@ engine starts with ``weight_transfer_config``) and a trainer-side engine
   ``num_buffers`` in flight), and every worker receives on its own device straight into its
   parameters (layerwise reload). A trainer whose GPU is any worker's is refused before any NCCL call
   (NCCL would fail with "Duplicate GPU detected").
+* **gloo** (CPU engines, the vLLM CPU build, the tests): the nccl handshake and layerwise reload with
+  the bytes on a gloo group (:mod:`services.lib.weights.vllm_gloo`, registered in vLLM's factories).
 * **ipc** (colocated, ``trainer+rollout`` in one process): the engine registers in this process
   (:class:`LocalClient`); the trainer's tensors go to the workers as CUDA IPC handles, on the same GPU
   (an engine on another GPU is refused).
@@ -46,7 +48,7 @@ from proto.weights import (
     vllm_engine_prefix,
 )
 from services.lib.weights.client import cast_for_publish
-from services.lib.weights.index import VersionIndex
+from services.lib.weights.index import VersionIndex, stop_watch
 from services.lib.weights.transport import Weights
 from services.runtime.natsd import free_port
 from services.runtime.weights_config import ConfigError, VllmTransferConfig
@@ -65,7 +67,10 @@ class VllmTransferError(RuntimeError):
 # --------------------------------------------------------------------------- pure parts (no vLLM needed)
 def check_gpus(backend: str, trainer_gpu: str, engines: Mapping[str, list[str]]) -> None:
     """Refuse a layout the backend cannot serve, before any collective: ``nccl`` needs every worker on a
-    GPU other than the trainer's (and the trainer on a GPU); ``ipc`` needs every worker on the trainer's."""
+    GPU other than the trainer's (and the trainer on a GPU); ``ipc`` needs every worker on the trainer's;
+    ``gloo`` moves host tensors and needs nothing."""
+    if backend == "gloo":
+        return
     if trainer_gpu == "cpu":
         raise ConfigError(f"weights.backend = {backend!r} sends from the trainer's GPU, but the trainer has none; "
                           'use [weights] type = "store" (or "broadcast" with gloo) on CPU')
@@ -226,6 +231,9 @@ class VllmSender:
         """Check that vLLM is importable here; the group is formed by the first send (engines may come later)."""
         try:
             import vllm.distributed.weight_transfer.factory  # noqa: F401
+
+            if self.config.backend == "gloo":
+                import services.lib.weights.vllm_gloo  # noqa: F401  (registers the gloo backend)
         except ImportError as err:
             raise ConfigError('[weights] type = "vllm" runs vLLM\'s trainer-side engine in the trainer: install vLLM '
                               'there too (pip install "rlbus[vllm]"), or use type = "store"') from err
@@ -237,25 +245,30 @@ class VllmSender:
         await index.ensure()
         kv = await index.kv()
         want = max(self.config.engines, 1)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.timeout_s
-        while True:
+        engines: dict[str, VllmTransferEngine] = {}
+
+        async def registered() -> None:  # every registration there is, then each new one, until enough
+            watcher = await kv.watch(vllm_engine_prefix(self.run_id) + "*")
             try:
-                keys = await kv.keys(filters=[vllm_engine_prefix(self.run_id) + "*"])
-            except Exception:  # nats-py raises NoKeysError when there are none
-                keys = []
-            engines = {}
-            for key in keys:
-                entry = await kv.get(key)
-                if entry.value:
-                    info = decode(entry.value, VllmTransferEngine)
-                    engines[info.engine_id] = info
-            if len(engines) >= want:
-                return engines
-            if loop.time() > deadline:
-                raise VllmTransferError(f"{len(engines)} of {want} vLLM engines registered within "
-                                        f"{self.config.timeout_s}s; are the rollouts running with the vllm engine?")
-            await asyncio.sleep(0.5)  # polling the registry: engines register once, at start
+                async for entry in watcher:
+                    if entry is None:
+                        continue  # the end of the entries there were
+                    engine_id = entry.key.rsplit(".", 1)[-1]
+                    if entry.value:
+                        engines[engine_id] = decode(entry.value, VllmTransferEngine)
+                    else:
+                        engines.pop(engine_id, None)  # unregistered (a rollout that stopped)
+                    if len(engines) >= want:
+                        return
+            finally:
+                await stop_watch(watcher)
+
+        try:
+            await asyncio.wait_for(registered(), self.config.timeout_s)
+        except TimeoutError as err:
+            raise VllmTransferError(f"{len(engines)} of {want} vLLM engines registered within {self.config.timeout_s}s; "
+                                    "are the rollouts running with the vllm engine and this [weights] section?") from err
+        return engines
 
     async def _form(self) -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -271,15 +284,21 @@ class VllmSender:
         else:
             assert self.nc is not None
             engines = await self._engines()
-            check_gpus("nccl", device_uuid(), {e: i.gpus for e, i in engines.items()})
+            check_gpus(cfg.backend, device_uuid(), {e: i.gpus for e, i in engines.items()})
             offsets, world = rank_offsets({e: i.workers for e, i in engines.items()})
             self.client = BusClient(loop, self.nc, self.run_id, cfg.timeout_s, offsets)
-            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+            port = cfg.master_port or free_port(cfg.master_addr)
+            if cfg.backend == "gloo":
+                from services.lib.weights.vllm_gloo import GlooTrainerInitInfo
 
-            init = NCCLTrainerInitInfo(rank=0, master_address=cfg.master_addr,
-                                       master_port=cfg.master_port or free_port(cfg.master_addr), world_size=world,
-                                       packed=True, packed_buffer_size_bytes=cfg.bucket_bytes,
-                                       packed_num_buffers=cfg.num_buffers)
+                init = GlooTrainerInitInfo(rank=0, master_address=cfg.master_addr, master_port=port, world_size=world,
+                                           bucket_bytes=cfg.bucket_bytes, timeout_s=cfg.timeout_s)
+            else:
+                from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+                init = NCCLTrainerInitInfo(rank=0, master_address=cfg.master_addr, master_port=port, world_size=world,
+                                           packed=True, packed_buffer_size_bytes=cfg.bucket_bytes,
+                                           packed_num_buffers=cfg.num_buffers)
             log.info("forming the vLLM weight-transfer group: %d engines, %d ranks", len(engines), world)
         client = self.client
         self.engine = await self._bounded("forming the transfer group", lambda: WeightTransferTrainerFactory.trainer_init(
