@@ -141,7 +141,7 @@ def digest(device: str) -> dict:
 def refusal(device: str) -> dict:
     if not device.startswith("cuda"):
         return skipped("no GPU: the refusal compares real GPU UUIDs")
-    from services.lib.weights.vllm_transfer import check_gpus, device_uuid
+    from services.lib.weights.vllm_layout import check_gpus, device_uuid
     from services.runtime.weights_config import ConfigError
 
     mine = device_uuid()

@@ -111,3 +111,40 @@ async def test_nccl_from_a_trainer_without_a_gpu_is_refused_before_any_collectiv
         await sender.close()
         await receiver.close()
         await nc.close()
+
+
+async def test_an_engine_killed_without_unregistering_fails_the_send_and_is_dropped(engine, perturbed, nats_url):
+    from nats.js.errors import KeyDeletedError, KeyNotFoundError
+
+    from proto.codec import encode
+    from proto.weights import VllmTransferEngine, vllm_engine_key
+    from services.lib.weights.index import VersionIndex
+    from services.lib.weights.vllm_transfer import VllmTransferError
+
+    nc = await nats.connect(nats_url, max_reconnect_attempts=0)
+    kv = await VersionIndex(nc, "vx3", "main").kv()
+    # what a killed rollout leaves: its registration, and nobody answering on its subject
+    await kv.put(vllm_engine_key("vx3", "gone"), encode(VllmTransferEngine(
+        run_id="vx3", engine_id="gone", workers=1, gpus=["cpu"], backend="gloo")))
+    sender = make_sender(CONFIG, nc, "vx3")
+    receiver = make_receiver(CONFIG, nc, "vx3", engine=engine)
+    state = {k: v.detach().clone() for k, v in perturbed.state_dict().items()}
+    versions = aiter(receiver)
+    got = asyncio.ensure_future(anext(versions))
+    try:
+        await sender.start()
+        with pytest.raises(VllmTransferError, match="engine gone did not answer 'init'"):
+            await sender.send(state, 5)
+        assert sender.failures == 1 and engine.version == 4
+        with pytest.raises((KeyDeletedError, KeyNotFoundError)):
+            await kv.get(vllm_engine_key("vx3", "gone"))  # dropped: the next group is formed without it
+        await receiver.start()  # the engine (restarted) registers; the trainer's next send reaches it
+        await sender.send(state, 5)
+        assert (await asyncio.wait_for(got, 30))[0] == 5 and engine.version == 5
+    finally:
+        got.cancel()
+        await asyncio.gather(got, return_exceptions=True)
+        await versions.aclose()
+        await sender.close()
+        await receiver.close()
+        await nc.close()

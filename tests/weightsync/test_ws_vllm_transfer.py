@@ -9,7 +9,7 @@ import pytest
 
 from services.launcher.runfile import RunFile
 from services.lib.weights.transport import make_receiver, make_sender
-from services.lib.weights.vllm_transfer import check_gpus, plan_buckets, rank_offsets
+from services.lib.weights.vllm_layout import check_gpus, plan_buckets, rank_offsets
 from services.runtime.weights_config import ConfigError, VllmTransferConfig
 
 

@@ -28,7 +28,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from services.lib.engine.vllm_weights import VllmWorkerExtension
-from services.lib.weights.vllm_transfer import plan_buckets
+from services.lib.weights.vllm_layout import plan_buckets
 
 BACKEND = "gloo"
 
@@ -148,11 +148,16 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         worker = GlooInitInfo(master_address=init_info.master_address, master_port=init_info.master_port,
                               rank_offset=1, world_size=init_info.world_size, bucket_bytes=init_info.bucket_bytes,
                               timeout_s=init_info.timeout_s)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as exe:  # both sides meet in the rendezvous
-            joined = exe.submit(client.init_weight_transfer_engine, asdict(worker))
-            engine.pg = _group(init_info.master_address, init_info.master_port, 0, init_info.world_size,
-                               init_info.timeout_s, master=True)
-            joined.result()
+        # both sides meet in the rendezvous: the trainer's end waits on a thread, so that an engine that
+        # refuses or does not answer fails the init at once (the thread ends at the group's own timeout)
+        exe = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        try:
+            group = exe.submit(_group, init_info.master_address, init_info.master_port, 0, init_info.world_size,
+                               init_info.timeout_s, True)
+            client.init_weight_transfer_engine(asdict(worker))
+            engine.pg = group.result(init_info.timeout_s)
+        finally:
+            exe.shutdown(wait=False)
         return engine
 
     def send_weights(self) -> None:

@@ -50,6 +50,7 @@ from proto.weights import (
 from services.lib.weights.client import cast_for_publish
 from services.lib.weights.index import VersionIndex, stop_watch
 from services.lib.weights.transport import Weights
+from services.lib.weights.vllm_layout import check_gpus, device_uuid, rank_offsets
 from services.runtime.natsd import free_port
 from services.runtime.weights_config import ConfigError, VllmTransferConfig
 
@@ -62,62 +63,6 @@ _LOCAL_CHANGED: dict[str, asyncio.Event] = {}
 
 class VllmTransferError(RuntimeError):
     """A step of the vLLM weight transfer failed or timed out; the message says which and what to check."""
-
-
-# --------------------------------------------------------------------------- pure parts (no vLLM needed)
-def check_gpus(backend: str, trainer_gpu: str, engines: Mapping[str, list[str]]) -> None:
-    """Refuse a layout the backend cannot serve, before any collective: ``nccl`` needs every worker on a
-    GPU other than the trainer's (and the trainer on a GPU); ``ipc`` needs every worker on the trainer's;
-    ``gloo`` moves host tensors and needs nothing."""
-    if backend == "gloo":
-        return
-    if trainer_gpu == "cpu":
-        raise ConfigError(f"weights.backend = {backend!r} sends from the trainer's GPU, but the trainer has none; "
-                          'use [weights] type = "store" (or "broadcast" with gloo) on CPU')
-    for engine, gpus in engines.items():
-        if backend == "nccl" and trainer_gpu in gpus:
-            raise ConfigError(f"weights.backend = 'nccl': engine {engine} has a worker on the trainer's GPU "
-                              f"{trainer_gpu}; NCCL needs one GPU per rank. Give the rollout other GPUs "
-                              '([placement]) or colocate with weights.backend = "ipc"')
-        if backend == "ipc" and any(g != trainer_gpu for g in gpus):
-            raise ConfigError(f"weights.backend = 'ipc': engine {engine} has workers on {sorted(set(gpus))}, not "
-                              f"on the trainer's GPU {trainer_gpu}; CUDA IPC serves a colocated engine only "
-                              '(use weights.backend = "nccl" for engines on other GPUs)')
-
-
-def rank_offsets(engines: Mapping[str, int]) -> tuple[dict[str, int], int]:
-    """Each engine's first rank in the group (trainer rank 0, then every engine's workers in turn, by id)
-    and the group's size."""
-    offsets, next_rank = {}, 1
-    for engine in sorted(engines):
-        offsets[engine] = next_rank
-        next_rank += engines[engine]
-    return offsets, next_rank
-
-
-def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
-    """The tensors of each packed bucket, as vLLM's ``pack_tensors`` cuts them: tensors are added in order
-    until the bucket holds more than ``bucket_bytes`` (the tensor that crosses the bound is in it)."""
-    buckets: list[list[str]] = []
-    names: list[str] = []
-    total = 0
-    for name, nbytes in sizes:
-        names.append(name)
-        total += nbytes
-        if total > bucket_bytes:
-            buckets.append(names)
-            names, total = [], 0
-    if names:
-        buckets.append(names)
-    return buckets
-
-
-def device_uuid(device: torch.device | None = None) -> str:
-    """The GPU UUID of ``device`` (the current CUDA device by default), or "cpu"."""
-    if not torch.cuda.is_available():
-        return "cpu"
-    index = torch.cuda.current_device() if device is None or device.index is None else device.index
-    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 class StateSource:
@@ -180,12 +125,15 @@ class BusClient(_SyncClient):
                  offsets: Mapping[str, int]) -> None:
         super().__init__(loop, timeout_s)
         self.nc, self.run_id, self.offsets = nc, run_id, dict(offsets)
+        #: engines that did not answer (gone without unregistering: killed): dropped from the registry
+        self.silent: set[str] = set()
 
     async def ask(self, engine: str, request: VllmTransferRequest) -> None:
         subject = catalog.WEIGHT_VLLM_TRANSFER.subject(self.run_id, engine)
         try:
             msg = await self.nc.request(subject, encode(request), timeout=self.timeout_s)
         except Exception as err:
+            self.silent.add(engine)
             raise VllmTransferError(f"engine {engine} did not answer {request.op!r} within {self.timeout_s}s "
                                     f"({type(err).__name__}); is its rollout running?") from err
         reply = decode(msg.data, VllmTransferReply)
@@ -338,12 +286,25 @@ class VllmSender:
                 await asyncio.wait_for(client.step("shutdown"), self.config.timeout_s)
             except Exception as e:  # an engine that died cannot answer; its restart starts clean
                 log.debug("engines leaving the transfer group: %s", e)
+        if isinstance(client, BusClient) and client.silent:
+            await self._forget(client.silent)
         if engine is not None:
             threading_shutdown = asyncio.to_thread(engine.shutdown)
             try:
                 await asyncio.wait_for(threading_shutdown, self.config.timeout_s)
             except Exception as e:
                 log.warning("shutting the trainer's transfer endpoint down: %s", e)
+
+    async def _forget(self, engines: set[str]) -> None:
+        """Drop engines that did not answer from the registry (a killed rollout never unregisters; its
+        restart registers afresh), so the next group is formed without them."""
+        index = VersionIndex(self.nc, self.run_id, self.config.scope)  # type: ignore[arg-type]
+        for engine in sorted(engines):
+            try:
+                await (await index.kv()).delete(vllm_engine_key(self.run_id, engine))
+                log.warning("vLLM engine %s did not answer; dropped from the weight-transfer group", engine)
+            except Exception as e:  # the bus is away: the next group finds it silent again
+                log.debug("dropping vLLM engine %s: %s", engine, e)
 
     async def latest(self) -> Weights | None:
         """None: the transfer keeps nothing (a restarted trainer continues from its checkpoint)."""
