@@ -71,6 +71,9 @@ class StateSource:
 
     def __init__(self) -> None:
         self.state: dict[str, torch.Tensor] = {}
+        #: where the tensors are sent from: the trainer's GPU for nccl/ipc (a tensor gathered to the host is
+        #: copied there one at a time, as its bucket is packed), None for gloo (host tensors)
+        self.device: torch.device | None = None
 
     def metadata(self) -> list[Any]:
         from vllm.distributed.weight_transfer.base import ParamMeta
@@ -78,7 +81,8 @@ class StateSource:
         return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.state.items()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.state.items())
+        for name, tensor in self.state.items():
+            yield name, tensor if self.device is None else tensor.to(self.device)
 
     def held_names(self) -> None:
         return None
@@ -222,6 +226,8 @@ class VllmSender:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         cfg, loop = self.config, asyncio.get_running_loop()
+        if cfg.backend != "gloo" and torch.cuda.is_available():
+            self.source.device = torch.device("cuda", torch.cuda.current_device())
         if cfg.backend == "ipc":
             engine = await _wait_local(cfg.channel, cfg.timeout_s)
             check_gpus("ipc", device_uuid(), {"colocated": await engine.worker_gpus()})
