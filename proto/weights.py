@@ -247,12 +247,12 @@ class VllmTransferRequest(Envelope, kw_only=True, tag="weight_vllm_request"):
     """One step of vLLM's weight-sync handshake, asked of one engine (subject
     ``rlbus.<run>.weights.vllm.<engine_id>``, request/reply): trainer -> rollout.
 
-    ``op``: ``init`` (join the transfer group: ``info`` is vLLM's worker init info), ``start``
+    ``op``: ``ping`` (answer: the engine is alive), ``init`` (join the transfer group: ``info`` is vLLM's worker init info), ``start``
     (pause generation, open the update), ``update`` (receive one batch: ``info`` is vLLM's update info,
     names/dtypes/shapes), ``finish`` (close the update, label ``policy_version``, resume), ``shutdown``
     (leave the group)."""
 
-    op: Literal["init", "start", "update", "finish", "shutdown"]
+    op: Literal["ping", "init", "start", "update", "finish", "shutdown"]
     #: vLLM's init or update info for the step (plain names, numbers and lists)
     info: dict[str, Any] = {}
     policy_version: int = 0

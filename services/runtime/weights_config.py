@@ -205,6 +205,9 @@ class VllmTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     num_buffers: Annotated[int, msgspec.Meta(ge=1, le=8)] = 2
     #: any rendezvous, control request or transfer that takes longer fails the send (never a silent hang)
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    #: sender: seconds a failed send keeps forming the group again (engines that did not answer are dropped
+    #: from it; restarted ones register anew) before it raises; 0: one try
+    reform_for_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
     #: dtype of sent weights: bf16 casts floating tensors; native keeps the training dtype
     dtype: Literal["bf16", "native"] = "native"
     #: scope of the engine registry (KV bucket of the scope)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import nats
 import pytest
 import pytest_asyncio
@@ -97,7 +98,7 @@ async def test_weights_land_in_the_workers_through_vllms_transfer_api(engine, pe
 
 async def test_nccl_from_a_trainer_without_a_gpu_is_refused_before_any_collective(engine, nats_url):
     nc = await nats.connect(nats_url, max_reconnect_attempts=0)
-    config = VllmTransferConfig(backend="nccl", engines=1, timeout_s=20.0)
+    config = VllmTransferConfig(backend="nccl", engines=1, timeout_s=20.0)  # ConfigError: never retried
     receiver = make_receiver(config, nc, "vx2", engine=engine)
     sender = make_sender(config, nc, "vx2")
     try:
@@ -113,7 +114,7 @@ async def test_nccl_from_a_trainer_without_a_gpu_is_refused_before_any_collectiv
         await nc.close()
 
 
-async def test_an_engine_killed_without_unregistering_fails_the_send_and_is_dropped(engine, perturbed, nats_url):
+async def test_an_engine_killed_without_unregistering_is_dropped_before_the_group_forms(engine, perturbed, nats_url):
     from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
     from proto.codec import encode
@@ -123,27 +124,35 @@ async def test_an_engine_killed_without_unregistering_fails_the_send_and_is_drop
 
     nc = await nats.connect(nats_url, max_reconnect_attempts=0)
     kv = await VersionIndex(nc, "vx3", "main").kv()
-    # what a killed rollout leaves: its registration, and nobody answering on its subject
-    await kv.put(vllm_engine_key("vx3", "gone"), encode(VllmTransferEngine(
-        run_id="vx3", engine_id="gone", workers=1, gpus=["cpu"], backend="gloo")))
-    sender = make_sender(CONFIG, nc, "vx3")
+
+    async def killed(engine_id: str) -> None:  # what a killed rollout leaves: its registration, nobody answering
+        await kv.put(vllm_engine_key("vx3", engine_id), encode(VllmTransferEngine(
+            run_id="vx3", engine_id=engine_id, workers=1, gpus=["cpu"], backend="gloo")))
+
+    sender = make_sender(msgspec.structs.replace(CONFIG, reform_for_s=0.0), nc, "vx3")  # one try: see it fail
     receiver = make_receiver(CONFIG, nc, "vx3", engine=engine)
     state = {k: v.detach().clone() for k, v in perturbed.state_dict().items()}
     versions = aiter(receiver)
-    got = asyncio.ensure_future(anext(versions))
+    got = None
     try:
         await sender.start()
-        with pytest.raises(VllmTransferError, match="engine gone did not answer 'init'"):
-            await sender.send(state, 5)
+        await killed("gone")
+        with pytest.raises(VllmTransferError, match=r"none of the registered vLLM engines \['gone'\] answered"):
+            await sender.send(state, 5)  # the only engine is gone: the send fails, nothing waits in a group
         assert sender.failures == 1 and engine.version == 4
         with pytest.raises((KeyDeletedError, KeyNotFoundError)):
-            await kv.get(vllm_engine_key("vx3", "gone"))  # dropped: the next group is formed without it
-        await receiver.start()  # the engine (restarted) registers; the trainer's next send reaches it
-        await sender.send(state, 5)
-        assert (await asyncio.wait_for(got, 30))[0] == 5 and engine.version == 5
+            await kv.get(vllm_engine_key("vx3", "gone"))  # dropped from the registry
+        await killed("gone2")
+        got = asyncio.ensure_future(anext(versions))  # a live engine registers beside the dead one
+        await receiver.start()
+        await sender.send(state, 5)  # the dead one is dropped before the group forms; the live one gets it
+        assert (await asyncio.wait_for(got, 30))[0] == 5 and engine.version == 5 and sender.failures == 1
+        with pytest.raises((KeyDeletedError, KeyNotFoundError)):
+            await kv.get(vllm_engine_key("vx3", "gone2"))
     finally:
-        got.cancel()
-        await asyncio.gather(got, return_exceptions=True)
+        if got is not None:
+            got.cancel()
+            await asyncio.gather(got, return_exceptions=True)
         await versions.aclose()
         await sender.close()
         await receiver.close()

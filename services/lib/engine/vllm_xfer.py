@@ -46,6 +46,8 @@ class TransferSteps:
 
         if llm is None:
             raise EngineNotRunningError("the vllm engine is not running")
+        if op == "ping":
+            return False
         if op == "init":
             await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(info)))
         elif op == "shutdown":

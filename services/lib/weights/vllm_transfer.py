@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -59,6 +60,8 @@ log = logging.getLogger("rlbus.weightsync.vllm")
 #: colocated engines of this process, by channel (the ipc backend's rendezvous)
 _LOCAL: dict[str, Any] = {}
 _LOCAL_CHANGED: dict[str, asyncio.Event] = {}
+#: between leaving a failed group and forming the next
+REFORM_PAUSE_S = 1.0
 
 
 class VllmTransferError(RuntimeError):
@@ -199,18 +202,20 @@ class VllmSender:
         want = max(self.config.engines, 1)
         engines: dict[str, VllmTransferEngine] = {}
 
-        async def registered() -> None:  # every registration there is, then each new one, until enough
+        async def registered() -> None:  # every registration there is (all of them), then each new one
             watcher = await kv.watch(vllm_engine_prefix(self.run_id) + "*")
+            listed = False  # the registrations there were have all arrived
             try:
                 async for entry in watcher:
                     if entry is None:
-                        continue  # the end of the entries there were
-                    engine_id = entry.key.rsplit(".", 1)[-1]
-                    if entry.value:
-                        engines[engine_id] = decode(entry.value, VllmTransferEngine)
+                        listed = True  # nats-py's marker after the current values
                     else:
-                        engines.pop(engine_id, None)  # unregistered (a rollout that stopped)
-                    if len(engines) >= want:
+                        engine_id = entry.key.rsplit(".", 1)[-1]
+                        if entry.value:
+                            engines[engine_id] = decode(entry.value, VllmTransferEngine)
+                        else:
+                            engines.pop(engine_id, None)  # unregistered (a rollout that stopped)
+                    if listed and len(engines) >= want:
                         return
             finally:
                 await stop_watch(watcher)
@@ -221,6 +226,22 @@ class VllmSender:
             raise VllmTransferError(f"{len(engines)} of {want} vLLM engines registered within {self.config.timeout_s}s; "
                                     "are the rollouts running with the vllm engine and this [weights] section?") from err
         return engines
+
+    async def _answering(self, engines: dict[str, VllmTransferEngine]) -> dict[str, VllmTransferEngine]:
+        """The registered engines that answer a ping; the others (killed, never unregistered) are dropped from
+        the registry before any rendezvous, so that no live engine waits in a group one of them cannot join."""
+        probe = BusClient(asyncio.get_running_loop(), self.nc, self.run_id, self.config.timeout_s,  # type: ignore[arg-type]
+                          dict.fromkeys(engines, 0))
+        answers = await asyncio.gather(*(probe.ask(e, VllmTransferRequest(run_id=self.run_id, op="ping"))
+                                         for e in engines), return_exceptions=True)
+        if probe.silent:
+            await self._forget(probe.silent)
+        live = {e: info for (e, info), answer in zip(engines.items(), answers, strict=True)
+                if not isinstance(answer, BaseException)}
+        if not live:
+            raise VllmTransferError(f"none of the registered vLLM engines {sorted(engines)} answered: "
+                                    f"{answers[0]}")
+        return live
 
     async def _form(self) -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -237,7 +258,7 @@ class VllmSender:
             init: Any = IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=cfg.bucket_bytes)
         else:
             assert self.nc is not None
-            engines = await self._engines()
+            engines = await self._answering(await self._engines())
             check_gpus(cfg.backend, device_uuid(), {e: i.gpus for e, i in engines.items()})
             offsets, world = rank_offsets({e: i.workers for e, i in engines.items()})
             self.client = BusClient(loop, self.nc, self.run_id, cfg.timeout_s, offsets)
@@ -265,8 +286,20 @@ class VllmSender:
             raise VllmTransferError(f"{what} did not finish within {self.config.timeout_s}s") from err
 
     async def send(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Send ``version`` into every engine's workers; a failure leaves the group and raises
-        :class:`VllmTransferError` (the next send forms the group again)."""
+        """Send ``version`` into every engine's workers. A failed try leaves the group (engines that did not
+        answer are dropped from the registry) and forms it again, for up to ``reform_for_s``; then
+        :class:`VllmTransferError`. A layout the backend cannot serve raises ConfigError at once."""
+        deadline = time.monotonic() + self.config.reform_for_s
+        while True:
+            try:
+                return await self._send_once(state_dict, version)
+            except VllmTransferError as err:
+                if time.monotonic() + REFORM_PAUSE_S > deadline:
+                    raise
+                log.warning("sending version %d failed (%s); forming the transfer group again", version, err)
+                await asyncio.sleep(REFORM_PAUSE_S)  # back-off: a restarted engine registers again meanwhile
+
+    async def _send_once(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         sd = cast_for_publish(state_dict, self.config.dtype) if self.config.dtype == "bf16" else dict(state_dict)
         self.source.state = {n: t.detach() for n, t in sd.items()}
         try:
