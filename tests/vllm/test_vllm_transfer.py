@@ -157,3 +157,22 @@ async def test_an_engine_killed_without_unregistering_is_dropped_before_the_grou
         await sender.close()
         await receiver.close()
         await nc.close()
+
+
+async def test_the_cpu_build_accepts_an_ipc_engine_and_its_handshake_without_data(loop_model_dir):
+    """An engine started for ``ipc`` (vLLM builds its IPC receiving side in the worker) takes the handshake's
+    control steps on CPU: init with the trainer's wire parameters, start (layerwise reload opened), finish
+    (closed, the version labelled, generation resumed). The data step needs CUDA IPC handles: GPU only."""
+    eng = VllmEngine(VllmEngineConfig(dtype="float32", max_num_seqs=4, enforce_eager=True, kv_cache_gib=0.25),
+                     loop_model_dir, seed=0)
+    eng.enable_weight_transfer("ipc", 30.0)
+    await eng.start()
+    try:
+        await eng.transfer_step("init", {"packed": True}, 0)
+        await eng.transfer_step("start", {}, 7)
+        await eng.transfer_step("finish", {}, 7)
+        assert eng.version == 7
+        out = await eng.generate([BOS, 5, 6], SamplingParams(max_new_tokens=3, temperature=0.0))
+        assert out.versions == [7] * len(out.token_ids)
+    finally:
+        await eng.stop()
