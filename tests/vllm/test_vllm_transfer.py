@@ -120,7 +120,7 @@ async def test_an_engine_killed_without_unregistering_is_dropped_before_the_grou
     from proto.codec import encode
     from proto.weights import VllmTransferEngine, vllm_engine_key
     from services.lib.weights.index import VersionIndex
-    from services.lib.weights.vllm_transfer import VllmTransferError
+    from services.lib.weights.vllm_receiver import VllmTransferError
 
     nc = await nats.connect(nats_url, max_reconnect_attempts=0)
     kv = await VersionIndex(nc, "vx3", "main").kv()

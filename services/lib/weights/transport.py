@@ -359,7 +359,7 @@ def make_receiver(config: TransportConfig, nc: NATS | None, run_id: str, engine:
 
         return InprocReceiver(config, run_id)
     if isinstance(config, VllmTransferConfig):
-        from services.lib.weights.vllm_transfer import VllmReceiver
+        from services.lib.weights.vllm_receiver import VllmReceiver
 
         return VllmReceiver(config, nc, run_id, engine)
     raise TypeError(f"unknown transport config {type(config).__name__}")

@@ -32,7 +32,6 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -52,20 +51,14 @@ from services.lib.weights.client import cast_for_publish
 from services.lib.weights.index import VersionIndex, stop_watch
 from services.lib.weights.transport import Weights
 from services.lib.weights.vllm_layout import check_gpus, device_uuid, rank_offsets
+from services.lib.weights.vllm_receiver import VllmTransferError, wait_local
 from services.runtime.natsd import free_port
 from services.runtime.weights_config import ConfigError, VllmTransferConfig
 
 log = logging.getLogger("rlbus.weightsync.vllm")
 
-#: colocated engines of this process, by channel (the ipc backend's rendezvous)
-_LOCAL: dict[str, Any] = {}
-_LOCAL_CHANGED: dict[str, asyncio.Event] = {}
 #: between leaving a failed group and forming the next
 REFORM_PAUSE_S = 1.0
-
-
-class VllmTransferError(RuntimeError):
-    """A step of the vLLM weight transfer failed or timed out; the message says which and what to check."""
 
 
 class StateSource:
@@ -173,8 +166,8 @@ class VllmSender:
     """:class:`~services.lib.weights.transport.WeightSender` through vLLM's trainer-side engine."""
 
     def __init__(self, config: VllmTransferConfig, nc: NATS | None, run_id: str) -> None:
-        if config.backend == "nccl" and nc is None:
-            raise ValueError("the vllm transport (nccl) needs a NATS connection for its control plane")
+        if config.backend != "ipc" and nc is None:
+            raise ValueError(f"the vllm transport ({config.backend}) needs a NATS connection for its control plane")
         self.config, self.nc, self.run_id = config, nc, run_id
         self.source = StateSource()
         self.client: _SyncClient | None = None
@@ -250,7 +243,7 @@ class VllmSender:
         if cfg.backend != "gloo" and torch.cuda.is_available():
             self.source.device = torch.device("cuda", torch.cuda.current_device())
         if cfg.backend == "ipc":
-            engine = await _wait_local(cfg.channel, cfg.timeout_s)
+            engine = await wait_local(cfg.channel, cfg.timeout_s)
             check_gpus("ipc", device_uuid(), {"colocated": await engine.worker_gpus()})
             self.client = LocalClient(loop, engine, cfg.timeout_s)
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
@@ -351,94 +344,3 @@ class VllmSender:
 
     async def close(self) -> None:
         await self._leave()
-
-
-async def _wait_local(channel: str, timeout_s: float) -> Any:
-    """The colocated engine registered under ``channel`` (bounded wait: the rollout may start later)."""
-    event = _LOCAL_CHANGED.setdefault(channel, asyncio.Event())
-    try:
-        await asyncio.wait_for(event.wait(), timeout_s)
-    except TimeoutError as err:
-        raise VllmTransferError(f"no colocated vLLM engine registered on channel {channel!r} within {timeout_s}s; "
-                                'weights.backend = "ipc" needs trainer+rollout in one process') from err
-    return _LOCAL[channel]
-
-
-# --------------------------------------------------------------------------- engine side
-class VllmReceiver:
-    """:class:`~services.lib.weights.transport.WeightReceiver` of one vLLM engine: registers it, answers the
-    trainer's handshake (the engine applies each version itself) and yields ``(version, {})`` per version."""
-
-    def __init__(self, config: VllmTransferConfig, nc: NATS | None, run_id: str, engine: Any) -> None:
-        if engine is None or not hasattr(engine, "transfer_step"):
-            raise ConfigError('[weights] type = "vllm" needs the rollout\'s vllm engine '
-                              '(services.rollout.engine type = "vllm")')
-        if config.backend == "nccl" and nc is None:
-            raise ValueError("the vllm transport (nccl) needs a NATS connection for its control plane")
-        self.config, self.nc, self.run_id, self.engine = config, nc, run_id, engine
-        self.engine_id = uuid.uuid4().hex[:12]
-        self.refused = 0
-        self.last_error = ""
-        self.traces: dict[int, str] = {}
-        self.digests: dict[int, str] = {}
-        self._applied: asyncio.Queue[int] = asyncio.Queue()
-        self._version: int | None = None
-        self._sub: Any = None
-
-    @property
-    def version(self) -> int | None:
-        return self._version
-
-    async def start(self) -> None:
-        if self._sub is not None or self.config.channel in _LOCAL and _LOCAL[self.config.channel] is self.engine:
-            return
-        self.engine.on_transfer_applied = self._applied.put_nowait
-        if self.config.backend == "ipc":
-            _LOCAL[self.config.channel] = self.engine
-            _LOCAL_CHANGED.setdefault(self.config.channel, asyncio.Event()).set()
-            return
-        assert self.nc is not None
-        subject = catalog.WEIGHT_VLLM_TRANSFER.subject(self.run_id, self.engine_id)
-        self._sub = await self.nc.subscribe(subject, cb=self._answer)
-        gpus = await self.engine.worker_gpus()
-        index = VersionIndex(self.nc, self.run_id, self.config.scope)
-        await index.ensure()
-        info = VllmTransferEngine(run_id=self.run_id, engine_id=self.engine_id, workers=len(gpus), gpus=gpus,
-                                  backend=self.config.backend)
-        await (await index.kv()).put(vllm_engine_key(self.run_id, self.engine_id), encode(info))
-        log.info("vLLM engine %s registered for weight transfer (%d workers)", self.engine_id, len(gpus))
-
-    async def _answer(self, msg: Any) -> None:
-        try:
-            request = decode(msg.data, VllmTransferRequest)
-            await self.engine.transfer_step(request.op, request.info, request.policy_version)
-            reply = VllmTransferReply(run_id=self.run_id, ok=True)
-        except Exception as err:
-            self.last_error = f"{type(err).__name__}: {err}"
-            log.error("weight transfer step failed: %s", self.last_error)
-            reply = VllmTransferReply(run_id=self.run_id, ok=False, error=self.last_error)
-        await msg.respond(encode(reply))
-
-    async def receive(self) -> Weights:
-        await self.start()
-        version = await self._applied.get()
-        self._version = version
-        return version, {}
-
-    def __aiter__(self) -> Any:
-        from services.lib.weights.transport import follow
-
-        return follow(self, None)
-
-    async def close(self) -> None:
-        if _LOCAL.get(self.config.channel) is self.engine:
-            del _LOCAL[self.config.channel]
-            _LOCAL_CHANGED.pop(self.config.channel, None)
-        if self._sub is not None:
-            sub, self._sub = self._sub, None
-            await sub.unsubscribe()
-            try:
-                index = VersionIndex(self.nc, self.run_id, self.config.scope)  # type: ignore[arg-type]
-                await (await index.kv()).delete(vllm_engine_key(self.run_id, self.engine_id))
-            except Exception as e:  # the bus may be away; a stale entry makes the next group wait, bounded
-                log.debug("unregistering vLLM engine %s: %s", self.engine_id, e)
