@@ -54,6 +54,7 @@ from services.lib.engine.base import (
 from services.lib.engine.config import VllmEngineConfig
 from services.lib.engine.vllm_procs import EngineProcesses
 from services.lib.engine.vllm_weights import hf_parameter_shapes, layer_groups
+from services.lib.engine.vllm_xfer import TransferSteps
 
 log = logging.getLogger("rlbus.engine.vllm")
 
@@ -92,7 +93,6 @@ class VllmEngine:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._procs = EngineProcesses()
         self._transfer: Any = None  # vllm_xfer.TransferSteps, when weights come through vLLM's transfer API
-        self.on_transfer_applied: Any = None  # called with each version that transfer put in (its receiver)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -126,9 +126,8 @@ class VllmEngine:
             enforce_eager=cfg.enforce_eager, seed=self.seed if self.seed is not None else secrets.randbits(31),
             enable_sleep_mode=cfg.enable_sleep_mode,
             kv_cache_memory_bytes=int(kv_gib * GIB) if kv_gib is not None else None,
-            logprobs_mode="processed_logprobs", disable_log_stats=True, **{
-                "worker_extension_cls": "services.lib.engine.vllm_weights.VllmWorkerExtension",
-                **(self._transfer.engine_args() if self._transfer else {}), **cfg.engine_args})
+            logprobs_mode="processed_logprobs", disable_log_stats=True,
+            **TransferSteps.engine_args(self._transfer), **cfg.engine_args)
         await asyncio.to_thread(self._load_hf_side)
         self._llm = await self._procs.start(lambda: self._build(args))
         try:
@@ -327,9 +326,7 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ weights
     def enable_weight_transfer(self, backend: str, timeout_s: float) -> None:
-        """Receive weights through vLLM's weight-transfer API (``nccl`` or ``ipc``); before :meth:`start`."""
-        from services.lib.engine.vllm_xfer import TransferSteps
-
+        """Receive weights through vLLM's weight-transfer API (nccl, ipc or gloo); call before :meth:`start`."""
         self._transfer = TransferSteps(backend, timeout_s, self.config.weight_update_mode)
 
     async def worker_gpus(self) -> list[str]:
@@ -341,7 +338,6 @@ class VllmEngine:
             raise WeightUpdateError("this engine was not started for vLLM's weight transfer ([weights] type = vllm)")
         if await self._transfer.step(self._llm if self._running else None, op, info, version):
             self._version = version
-            self.on_transfer_applied and self.on_transfer_applied(version)
 
     async def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         """Load ``state_dict`` (all or some of the model's tensors) into the running engine and set ``version``.

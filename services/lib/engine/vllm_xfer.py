@@ -29,12 +29,16 @@ class TransferSteps:
         self.mode = "keep" if mode == "in_flight" else "wait"
         self._open: asyncio.TimerHandle | None = None  # the watchdog of an open update
 
-    def engine_args(self) -> dict[str, Any]:
-        """``AsyncEngineArgs`` that make vLLM build its worker-side engine: ``weight_transfer_config``, and for
-        ``gloo`` (CPU) the worker extension whose module registers that backend in each worker."""
-        args: dict[str, Any] = {"weight_transfer_config": {"backend": self.backend}}
-        if self.backend == "gloo":
-            args["worker_extension_cls"] = "services.lib.weights.vllm_gloo.GlooWorkerExtension"
+    @staticmethod
+    def engine_args(steps: TransferSteps | None) -> dict[str, Any]:
+        """rlbus's ``AsyncEngineArgs`` for the worker side: its worker extension, and with ``steps`` the
+        ``weight_transfer_config`` vLLM builds its receiving engine from (for ``gloo``, on CPU, through the
+        extension whose module registers that backend in each worker)."""
+        args: dict[str, Any] = {"worker_extension_cls": "services.lib.engine.vllm_weights.VllmWorkerExtension"}
+        if steps is not None:
+            args["weight_transfer_config"] = {"backend": steps.backend}
+            if steps.backend == "gloo":
+                args["worker_extension_cls"] = "services.lib.weights.vllm_gloo.GlooWorkerExtension"
         return args
 
     async def step(self, llm: Any, op: str, info: dict[str, Any], version: int) -> bool:

@@ -30,7 +30,7 @@ class VllmTransferError(RuntimeError):
 
 
 async def wait_local(channel: str, timeout_s: float) -> Any:
-    """The colocated engine registered under ``channel`` (bounded wait: the rollout may start later)."""
+    """The receiver of the colocated engine registered under ``channel`` (bounded wait: the rollout may start later)."""
     event = _LOCAL_CHANGED.setdefault(channel, asyncio.Event())
     try:
         await asyncio.wait_for(event.wait(), timeout_s)
@@ -66,11 +66,10 @@ class VllmReceiver:
         return self._version
 
     async def start(self) -> None:
-        if self._sub is not None or self.config.channel in _LOCAL and _LOCAL[self.config.channel] is self.engine:
+        if self._sub is not None or _LOCAL.get(self.config.channel) is self:
             return
-        self.engine.on_transfer_applied = self._applied.put_nowait
         if self.config.backend == "ipc":
-            _LOCAL[self.config.channel] = self.engine
+            _LOCAL[self.config.channel] = self
             _LOCAL_CHANGED.setdefault(self.config.channel, asyncio.Event()).set()
             return
         assert self.nc is not None
@@ -91,10 +90,16 @@ class VllmReceiver:
         self._steps.add(task)
         task.add_done_callback(self._steps.discard)
 
+    async def step(self, op: str, info: dict[str, Any], version: int) -> None:
+        """One handshake step on the engine; a finished update yields its version to the iteration."""
+        await self.engine.transfer_step(op, info, version)
+        if op == "finish":
+            self._applied.put_nowait(version)
+
     async def _step(self, msg: Any) -> None:
         try:
             request = decode(msg.data, VllmTransferRequest)
-            await self.engine.transfer_step(request.op, request.info, request.policy_version)
+            await self.step(request.op, request.info, request.policy_version)
             reply = VllmTransferReply(run_id=self.run_id, ok=True)
         except Exception as err:
             self.last_error = f"{type(err).__name__}: {err}"
@@ -117,7 +122,7 @@ class VllmReceiver:
         return follow(self, None)
 
     async def close(self) -> None:
-        if _LOCAL.get(self.config.channel) is self.engine:
+        if _LOCAL.get(self.config.channel) is self:
             del _LOCAL[self.config.channel]
             _LOCAL_CHANGED.pop(self.config.channel, None)
         if self._sub is not None:

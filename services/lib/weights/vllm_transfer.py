@@ -154,12 +154,12 @@ class BusClient(_SyncClient):
 class LocalClient(_SyncClient):
     """The handshake with the colocated engine of this process (ipc: no bus, CUDA IPC handles)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, engine: Any, timeout_s: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, receiver: Any, timeout_s: float) -> None:
         super().__init__(loop, timeout_s)
-        self.engine = engine
+        self.receiver = receiver  # the colocated engine's VllmReceiver
 
     async def step(self, op: str, info: dict[str, Any] | None = None) -> None:
-        await self.engine.transfer_step(op, info or {}, self.version)
+        await self.receiver.step(op, info or {}, self.version)
 
 
 class VllmSender:
@@ -243,9 +243,9 @@ class VllmSender:
         if cfg.backend != "gloo" and torch.cuda.is_available():
             self.source.device = torch.device("cuda", torch.cuda.current_device())
         if cfg.backend == "ipc":
-            engine = await wait_local(cfg.channel, cfg.timeout_s)
-            check_gpus("ipc", device_uuid(), {"colocated": await engine.worker_gpus()})
-            self.client = LocalClient(loop, engine, cfg.timeout_s)
+            receiver = await wait_local(cfg.channel, cfg.timeout_s)
+            check_gpus("ipc", device_uuid(), {"colocated": await receiver.engine.worker_gpus()})
+            self.client = LocalClient(loop, receiver, cfg.timeout_s)
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
             init: Any = IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=cfg.bucket_bytes)
