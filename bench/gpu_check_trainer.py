@@ -6,6 +6,8 @@ precedes a send) on synthetic GRPO batches, for two Llama models built here from
 with random weights, nothing downloaded:
 
 * ``tiny``: hidden 128, 4 layers, vocab 512 (~1.2 M parameters);
+* ``qwen152k``: Qwen2.5's 151,936-token vocabulary (hidden 896, 4 layers, untied; ~0.3 B parameters), the
+  memory peak of the logprobs at 16k tokens per micro-batch;
 * ``smollm2``: SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads / 3 KV heads, vocab 49,152,
   tied embeddings; ~135 M parameters), random init.
 
@@ -41,6 +43,10 @@ import torch  # noqa: E402
 MODELS = {
     "tiny": {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 4, "vocab_size": 512},
+    # Qwen2.5's 151,936-token vocabulary on a short stack: the logprobs of 16k tokens x 152k vocabulary are the
+    # memory peak of a real model's step (untied, as Qwen2.5-1.5B+)
+    "qwen152k": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 4, "num_attention_heads": 14,
+                 "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": False},
     "smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
                 "num_key_value_heads": 3, "vocab_size": 49152},
 }
@@ -60,8 +66,8 @@ def build_model(out: Path, name: str, seed: int = 0) -> Path:
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
                                         pad_token="<pad>", unk_token="<unk>", padding_side="left")
-    config = LlamaConfig(**shape, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(**{"tie_word_embeddings": True, **shape}, max_position_embeddings=2048, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)

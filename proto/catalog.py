@@ -303,6 +303,13 @@ WEIGHT_BROADCASTS = Channel(
     msg_type=weights.BroadcastReady, publishers=("trainer",), subscribers=("rollout",),
     description="the trainer's broadcast sender is about to send a version; engines join the collective",
 )
+WEIGHT_VLLM_TRANSFER = Channel(
+    name="weight_vllm_transfer", family=weights.FAMILY, pattern="rlbus.{run}.weights.vllm.{engine}",
+    msg_type=weights.VllmTransferRequest, reply_type=weights.VllmTransferReply, publishers=("trainer",),
+    subscribers=("rollout",),
+    description="the trainer's vllm sender drives vLLM's weight-sync handshake (init, start, update, finish) "
+                "on each engine; the weights themselves travel over NCCL/CUDA IPC, never the bus",
+)
 SANDBOX_REQUESTS = Channel(
     name="sandbox_requests", family=sandbox.FAMILY, pattern="rlbus.{run}.sandbox.api.{target}",
     msg_type=sandbox.CreateRequest | sandbox.InstanceRequest,
@@ -342,7 +349,8 @@ TEACHER_REQUESTS = Channel(
 
 CHANNELS: dict[str, Channel] = {c.name: c for c in (
     PROMPTS, ROLLOUTS, TRAJECTORIES, OUTCOMES, METRICS, DEAD_LETTERS, HEARTBEATS, WEIGHT_ANNOUNCEMENTS,
-    WEIGHT_BROADCASTS, SANDBOX_REQUESTS, SANDBOX_LIST, SANDBOX_EVENTS, ECHO_REQUESTS, ECHO_REPLIES, TEACHER_REQUESTS,
+    WEIGHT_BROADCASTS, WEIGHT_VLLM_TRANSFER, SANDBOX_REQUESTS, SANDBOX_LIST, SANDBOX_EVENTS, ECHO_REQUESTS,
+    ECHO_REPLIES, TEACHER_REQUESTS,
 )}
 
 

@@ -25,6 +25,11 @@ a relay re-publishes under its own scope, e.g. ``node-a``, for the engines near 
   and KV ``<run>.bcast.*`` —
   :class:`BroadcastGroup` / :class:`BroadcastReady`, rendezvous of the direct
   ``broadcast`` transport (published by the trainer, read by engines).
+* subject ``rlbus.<run>.weights.vllm.<engine_id>`` (channel ``catalog.WEIGHT_VLLM_TRANSFER``,
+  request/reply) and KV ``<run>.vllmxfer.engine.<engine_id>`` — :class:`VllmTransferRequest` /
+  :class:`VllmTransferReply` / :class:`VllmTransferEngine`, the control plane of the ``vllm``
+  transport (the trainer drives vLLM's weight-sync handshake on each engine; the data goes over
+  NCCL or CUDA IPC straight into vLLM's workers).
 
 Blob layout: a ``full`` version (anchor) is a safetensors file (any safetensors
 reader opens the concatenated chunks); a ``delta`` version is a zstd frame of
@@ -45,7 +50,7 @@ verified by engines that have the key; it covers ``digest``, so a forged downgra
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -223,3 +228,49 @@ def broadcast_rank_key(run_id: str, group_id: str, rank: int) -> str:
     """KV key an engine creates to claim ``rank`` in group ``group_id``."""
     return f"{check_run_id(run_id)}.bcast.{check_scope(group_id)}.rank.{rank}"
 
+
+class VllmTransferEngine(Envelope, kw_only=True, tag="weight_vllm_engine"):
+    """A vLLM engine ready to receive weights through vLLM's weight-transfer API (KV
+    ``<run>.vllmxfer.engine.<engine_id>`` of the scope's weights bucket): written by the rollout that
+    hosts it, read by the trainer's ``vllm`` sender, which forms one group over every engine."""
+
+    engine_id: str
+    #: vLLM workers of the engine (tensor x pipeline parallel): the ranks it takes in the group
+    workers: int
+    #: GPU UUID of each worker ("cpu" where a worker has no GPU): the sender refuses a pair sharing a GPU
+    gpus: list[str]
+    #: the vLLM weight-transfer backend the engine was started with (nccl or ipc)
+    backend: str
+
+
+class VllmTransferRequest(Envelope, kw_only=True, tag="weight_vllm_request"):
+    """One step of vLLM's weight-sync handshake, asked of one engine (subject
+    ``rlbus.<run>.weights.vllm.<engine_id>``, request/reply): trainer -> rollout.
+
+    ``op``: ``ping`` (answer: the engine is alive), ``init`` (join the transfer group: ``info`` is vLLM's worker init info), ``start``
+    (pause generation, open the update), ``update`` (receive one batch: ``info`` is vLLM's update info,
+    names/dtypes/shapes), ``finish`` (close the update, label ``policy_version``, resume), ``shutdown``
+    (leave the group)."""
+
+    op: Literal["ping", "init", "start", "update", "finish", "shutdown"]
+    #: vLLM's init or update info for the step (plain names, numbers and lists)
+    info: dict[str, Any] = {}
+    policy_version: int = 0
+
+
+class VllmTransferReply(Envelope, kw_only=True, tag="weight_vllm_reply"):
+    """The engine's answer to a :class:`VllmTransferRequest`: rollout -> trainer."""
+
+    ok: bool
+    #: why the step failed ("" when ok)
+    error: str = ""
+
+
+def vllm_engine_key(run_id: str, engine_id: str) -> str:
+    """KV key (scope's weights bucket) of one engine's :class:`VllmTransferEngine`."""
+    return f"{check_run_id(run_id)}.vllmxfer.engine.{check_scope(engine_id)}"
+
+
+def vllm_engine_prefix(run_id: str) -> str:
+    """KV key prefix of every :class:`VllmTransferEngine` of ``run_id``."""
+    return f"{check_run_id(run_id)}.vllmxfer.engine."

@@ -172,6 +172,8 @@ def _weights_read(scope: str, s: Scope, *, claim_ranks: bool) -> list[Grant]:
     if claim_ranks:
         grants.append(Grant(why="broadcast transport: claim a rank (never announce a version)",
                             publish=(f"$KV.{kv}.{s.run}.bcast.*.rank.*",)))
+        grants.append(Grant(why="vllm transport: register (and unregister) its engine for the trainer's group",
+                            publish=(f"$KV.{kv}.{s.run}.vllmxfer.engine.*",)))
     return grants
 
 

@@ -50,6 +50,7 @@ from services.runtime.weights_config import (
     InprocConfig,
     StoreTransportConfig,
     TransportConfig,
+    VllmTransferConfig,
 )
 from services.sandbox.config import SandboxConfig
 from services.teacher.config import TeacherConfig
@@ -278,6 +279,8 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                               "(weights.scope); a relay needs its own scope")
         if not trainers or not rollouts:
             return []
+        if isinstance(weights, VllmTransferConfig):
+            return self._check_vllm_weights(weights, rollouts, trainers)
         if isinstance(weights, InprocConfig):
             if any("rollout" not in parts[n] for n in trainers) or any(
                     "trainer" not in ps for ps in parts.values() if "rollout" in ps):
@@ -292,6 +295,24 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(f"config key weights.world_size is {weights.world_size}, but this launcher starts "
                                   f"{rollouts} rollout engine(s): set it to {1 + rollouts} (trainer + engines), or "
                                   "leave it out and the launcher sets it")
+        return []
+
+    def _check_vllm_weights(self, weights: VllmTransferConfig, rollouts: int, trainers: list[str]) -> list[str]:
+        """vLLM's weight transfer: vllm engines; ipc colocated in one process; nccl waits for the engines started."""
+        engine = tag_of(self.services.rollout.engine)
+        if engine not in ("vllm", "auto"):
+            raise ConfigError(f'[weights] type = "vllm" needs services.rollout.engine type = "vllm", not {engine!r}')
+        parts = self.launcher.parts()
+        if weights.backend == "ipc":
+            if any("rollout" not in parts[n] for n in trainers) or sum(self.launcher.services[n] for n in trainers) != 1:
+                raise ConfigError('weights.backend = "ipc" hands CUDA IPC handles to a colocated engine: [launcher] '
+                                  'services = { "trainer+rollout" = 1, ... }')
+            return []
+        if weights.engines == 0:
+            return [f"weights.engines={rollouts}"]
+        if weights.engines != rollouts:
+            raise ConfigError(f"config key weights.engines is {weights.engines}, but this launcher starts {rollouts} "
+                              f"rollout engine(s): set it to {rollouts}, or leave it out and the launcher sets it")
         return []
 
     # --- what the launcher provisions ------------------------------------------------------------

@@ -41,6 +41,7 @@ from services.runtime import tracing
 from services.runtime.config import Loaded
 from services.runtime.consume import Delivery, Poison, Retry
 from services.runtime.service import ServiceContext, colocated_names
+from services.runtime.weights_config import ConfigError, VllmTransferConfig
 from services.tasks import TaskRegistrationError, UnknownTaskError, get_task
 from services.tasks.base import Prompt, Task
 from services.tasks.black_box import is_black_box_agent
@@ -117,7 +118,13 @@ class RolloutService:
         model_dir = resolve_model(self.loaded.model.name, self.loaded.model.cache_dir or None, seed=self.loaded.run.seed,
                                   revision=self.loaded.model.revision or None)
         section = concrete_engine(self.cfg.engine, str(model_dir))  # "auto" decided once, here
-        return build_engine(section, model_dir), section.enable_sleep_mode
+        engine = build_engine(section, model_dir)
+        weights = self.loaded.weights
+        if isinstance(weights, VllmTransferConfig):  # straight into vLLM's workers: vLLM makes its receiving side
+            if not hasattr(engine, "enable_weight_transfer"):
+                raise ConfigError('[weights] type = "vllm" needs services.rollout.engine type = "vllm"')
+            engine.enable_weight_transfer(weights.backend, weights.timeout_s)
+        return engine, section.enable_sleep_mode
 
     async def run(self, ctx: ServiceContext) -> None:
         ctx.gauges["rollout/max_tickets"] = float(self.cfg.max_tickets)  # the trainer's admission sums these
@@ -134,7 +141,7 @@ class RolloutService:
         if self.cfg.endpoint.enabled:
             await self.serve_endpoint(ctx)
         receiver = make_receiver(self.cfg.weight_source(self.loaded.weights), ctx.nc, ctx.run_id,
-                                 device=engine_device(engine))
+                                 device=engine_device(engine), engine=engine)
         weights = asyncio.create_task(self.follow_weights(ctx, receiver), name="rollout-weights")
         reports = asyncio.create_task(self._report(ctx), name="rollout-metrics")
         watch = asyncio.create_task(self._watch_engine(ctx), name="rollout-engine-watch")

@@ -13,6 +13,10 @@ weightsync read with it)::
 
     [weights]
     type = "inproc"                   # trainer and rollout colocated ("trainer+rollout")
+
+    [weights]
+    type = "vllm"                     # straight into vLLM's workers through vLLM's own weight-transfer API
+    backend = "nccl"                  # disaggregated, same fabric; "ipc" when colocated on one GPU
 """
 
 from __future__ import annotations
@@ -173,7 +177,46 @@ class InprocConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag
     snapshot: bool = True
 
 
-TransportConfig = StoreTransportConfig | BroadcastConfig | InprocConfig
+class VllmTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="vllm"):
+    """Weights straight into each vLLM worker's parameters through vLLM's own weight-transfer API
+    (``weight_transfer_config``, :mod:`services.lib.weights.vllm_transfer`); rollouts must use the ``vllm``
+    engine, and the trainer's process needs vLLM importable too (it runs vLLM's trainer-side engine).
+
+    ``nccl``: disaggregated on one fabric; trainer rank 0 broadcasts, every worker of every engine receives
+    on its own GPU; the trainer's GPU must not be any engine's (refused at start-up). ``ipc``: colocated
+    (``trainer+rollout`` in one process, one GPU): CUDA IPC handles of the trainer's tensors. Anything across
+    nodes without a shared fabric: keep ``type = "store"``. ``gloo``: ``nccl``'s handshake and layerwise reload
+    with the bytes on a gloo group, for engines on CPU."""
+
+    #: nccl (disaggregated, distinct GPUs), ipc (colocated on the trainer's GPU, one process), or gloo (the
+    #: nccl handshake with the bytes on a gloo group: CPU engines, the vLLM CPU build)
+    backend: Literal["nccl", "ipc", "gloo"] = "nccl"
+    #: nccl/gloo: vLLM engines the trainer waits for before forming the group; ``rlbus run``/``up`` set it to
+    #: the rollouts they start (0, the default: theirs to set); ipc: ignored (the one colocated engine)
+    engines: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
+    #: nccl/gloo: address the engines' workers reach the trainer's rendezvous at
+    master_addr: str = "127.0.0.1"
+    #: nccl/gloo: 0 picks a free port
+    master_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    #: bytes per packed bucket (vLLM's ``packed_buffer_size_bytes``): bounds the extra device memory on
+    #: the trainer and on every worker to ``bucket_bytes * num_buffers``
+    bucket_bytes: Annotated[int, msgspec.Meta(ge=1 * MiB, le=64 * 1024 * MiB)] = 256 * MiB
+    #: buckets in flight (vLLM's ``packed_num_buffers``: one packs while another is on the wire)
+    num_buffers: Annotated[int, msgspec.Meta(ge=1, le=8)] = 2
+    #: any rendezvous, control request or transfer that takes longer fails the send (never a silent hang)
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    #: sender: seconds a failed send keeps forming the group again (engines that did not answer are dropped
+    #: from it; restarted ones register anew) before it raises; 0: one try
+    reform_for_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    #: dtype of sent weights: bf16 casts floating tensors; native keeps the training dtype
+    dtype: Literal["bf16", "native"] = "native"
+    #: scope of the engine registry (KV bucket of the scope)
+    scope: str = "main"
+    #: ipc: name of the in-process channel the colocated engine registers under
+    channel: str = "default"
+
+
+TransportConfig = StoreTransportConfig | BroadcastConfig | InprocConfig | VllmTransferConfig
 
 
 def load_hmac_key(env_var: str) -> bytes | None:

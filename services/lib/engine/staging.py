@@ -80,3 +80,23 @@ def stage(tensors: Mapping[str, Any], directory: str, prefix: str) -> str:
         raise StagingError(f"staging the weight update in {directory} failed ({type(exc).__name__}: {exc}); "
                            f"needed {_mib(need)}, {_mib(free_bytes(directory))} free now: {hint}") from exc
     return path
+
+
+def stage_state_dict(state_dict: Mapping[str, Any], directory: str, version: int, *, tied: bool,
+                     embed: str) -> str:
+    """Write the tensors (CPU, contiguous, tied ones de-duplicated) to a safetensors file vLLM's workers read,
+    through :func:`stage`. ``tied``: the model ties its head to the embeddings (``embed``: the embeddings'
+    name, or empty), which vLLM loads through the embeddings only."""
+    tensors: dict[str, Any] = {}
+    seen: set[int] = set()
+    for name, tensor in state_dict.items():
+        if tied and name == "lm_head.weight":
+            if embed in state_dict or not embed:
+                continue
+            name = embed
+        t = tensor.detach().to("cpu").contiguous()
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        tensors[name] = t
+    return stage(tensors, staging_base(directory), f"rlbus-weights-v{version}-")

@@ -54,6 +54,7 @@ from services.lib.engine.base import (
 from services.lib.engine.config import VllmEngineConfig
 from services.lib.engine.vllm_procs import EngineProcesses, without_expandable_segments
 from services.lib.engine.vllm_weights import hf_parameter_shapes, layer_groups
+from services.lib.engine.vllm_xfer import TransferSteps
 
 log = logging.getLogger("rlbus.engine.vllm")
 
@@ -93,6 +94,7 @@ class VllmEngine:
         self._total_tokens = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._procs = EngineProcesses()
+        self._transfer: Any = None  # vllm_xfer.TransferSteps, when weights come through vLLM's transfer API
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -128,8 +130,8 @@ class VllmEngine:
             enforce_eager=cfg.enforce_eager, seed=self.seed if self.seed is not None else secrets.randbits(31),
             enable_sleep_mode=cfg.enable_sleep_mode,
             kv_cache_memory_bytes=int(kv_gib * GIB) if kv_gib is not None else None,
-            logprobs_mode="processed_logprobs", worker_extension_cls="services.lib.engine.vllm_weights.VllmWorkerExtension",
-            disable_log_stats=True, **cfg.engine_args)
+            logprobs_mode="processed_logprobs", disable_log_stats=True,
+            **TransferSteps.engine_args(self._transfer), **cfg.engine_args)
         await asyncio.to_thread(self._load_hf_side)
         self._llm = await self._procs.start(lambda: self._build(args))
         try:
@@ -327,6 +329,20 @@ class VllmEngine:
         return "length" if reason == "length" else "stop"
 
     # ------------------------------------------------------------------ weights
+    def enable_weight_transfer(self, backend: str, timeout_s: float) -> None:
+        """Receive weights through vLLM's weight-transfer API (nccl, ipc or gloo); call before :meth:`start`."""
+        self._transfer = TransferSteps(backend, timeout_s, self.config.weight_update_mode)
+
+    async def worker_gpus(self) -> list[str]:
+        return list(await self._llm.collective_rpc("rlbus_device_uuid"))  # per worker: GPU UUID or "cpu"
+
+    async def transfer_step(self, op: str, info: dict[str, Any], version: int) -> None:
+        """One step of vLLM's weight-sync handshake (:mod:`services.lib.engine.vllm_xfer`)."""
+        if self._transfer is None:
+            raise WeightUpdateError("this engine was not started for vLLM's weight transfer ([weights] type = vllm)")
+        if await self._transfer.step(self._llm if self._running else None, op, info, version):
+            self._version = version
+
     async def update_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         """Load ``state_dict`` (all or some of the model's tensors) into the running engine and set ``version``.
 
@@ -335,6 +351,8 @@ class VllmEngine:
         """
         if not self._running:
             raise EngineNotRunningError("the vllm engine is not running; call start() first")
+        if not state_dict and version == self._version:
+            return  # already in: vLLM's weight transfer put it there (transfer_step)
         from services.lib.weights import lora_merge
 
         full = not lora_merge.is_adapter(state_dict)
@@ -357,7 +375,9 @@ class VllmEngine:
             raise WeightUpdateError("after a level-2 sleep the engine holds no weights: the update must carry every "
                                     "layer (a full state dict); use sleep_level = 1 where updates are partial")
         async with self._update_lock:
-            path = await asyncio.to_thread(self._stage, state_dict, version)
+            embed = next((k for k in self._targets if k.endswith("embed_tokens.weight")), "")
+            path = await asyncio.to_thread(staging.stage_state_dict, state_dict, self.config.staging_dir, version,
+                                           tied=self._tied, embed=embed)
             llm = self._llm
             mode = "keep" if self.config.weight_update_mode == "in_flight" else "wait"
             started = time.perf_counter()
@@ -399,24 +419,6 @@ class VllmEngine:
             return self._adapters.merged(state_dict, include=siblings)
         except lora_merge.AdapterFormatError as exc:
             raise WeightUpdateError(f"adapter version {version}: {exc}") from exc
-
-    def _stage(self, state_dict: Mapping[str, Any], version: int) -> str:
-        """Write the tensors (CPU, contiguous, tied ones de-duplicated) to a safetensors file the workers read
-        (:mod:`services.lib.engine.staging`: free space checked first, no partial file left on failure)."""
-        tensors: dict[str, Any] = {}
-        seen: set[int] = set()
-        embed = next((k for k in self._targets if k.endswith("embed_tokens.weight")), "")
-        for name, tensor in state_dict.items():
-            if self._tied and name == "lm_head.weight":  # vLLM loads a tied head through the embeddings only
-                if embed in state_dict or not embed:
-                    continue
-                name = embed
-            t = tensor.detach().to("cpu").contiguous()
-            if t.untyped_storage().data_ptr() in seen:
-                t = t.clone()
-            seen.add(t.untyped_storage().data_ptr())
-            tensors[name] = t
-        return staging.stage(tensors, staging.staging_base(self.config.staging_dir), f"rlbus-weights-v{version}-")
 
     # ------------------------------------------------------------------ sleep / wake (GPU)
     async def sleep(self, level: int | None = None) -> None:

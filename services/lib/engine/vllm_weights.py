@@ -30,6 +30,15 @@ class VllmWorkerExtension:
             method.process_weights_after_loading(head)
         return len(names)
 
+    def rlbus_device_uuid(self) -> str:
+        """This worker's GPU UUID ("cpu" when it has none): the vllm transport refuses a trainer on it."""
+        import torch
+
+        device = getattr(self, "device", None)
+        if device is None or getattr(device, "type", "cpu") != "cuda":
+            return "cpu"
+        return str(torch.cuda.get_device_properties(device.index or 0).uuid)
+
     def rlbus_packed_modules(self) -> dict[str, list[str]]:
         """vLLM's fused layers of this model and the checkpoint layers in each (e.g. qkv_proj: q, k, v)."""
         return dict(getattr(self.model_runner.model, "packed_modules_mapping", {}) or {})

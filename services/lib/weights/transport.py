@@ -1,4 +1,5 @@
-"""One interface for every way weights travel, chosen by one config key ``transport``: store | broadcast | inproc.
+"""One interface for every way weights travel, chosen by one config key ``transport``: store | broadcast | inproc
+| vllm (straight into vLLM's workers through vLLM's own weight-transfer API: :mod:`.vllm_transfer`).
 
 The trainer holds a :class:`WeightSender`, each engine a :class:`WeightReceiver`::
 
@@ -55,6 +56,7 @@ from services.runtime.weights_config import (
     InprocConfig,
     StoreTransportConfig,
     TransportConfig,
+    VllmTransferConfig,
     load_hmac_key,
 )
 
@@ -345,13 +347,18 @@ def make_sender(config: TransportConfig, nc: NATS | None, run_id: str,
         from services.lib.weights.inproc import InprocSender
 
         return InprocSender(config, run_id)
+    if isinstance(config, VllmTransferConfig):
+        from services.lib.weights.vllm_transfer import VllmSender
+
+        return VllmSender(config, nc, run_id)
     raise TypeError(f"unknown transport config {type(config).__name__}")
 
 
 def make_receiver(config: TransportConfig, nc: NATS | None, run_id: str,
-                  device: str | torch.device | None = None) -> WeightReceiver:
+                  device: str | torch.device | None = None, engine: object = None) -> WeightReceiver:
     """The engine side of the transport ``config`` selects; ``device``: the engine's device (an NCCL broadcast
-    receives into it; required for NCCL, never guessed from the thread's current device)."""
+    receives into it; required for NCCL, never guessed from the thread's current device); ``engine``: the one it
+    feeds, which the vllm transport drives itself."""
     if isinstance(config, StoreTransportConfig):
         if nc is None:
             raise ValueError("the store transport needs a NATS connection")
@@ -366,4 +373,8 @@ def make_receiver(config: TransportConfig, nc: NATS | None, run_id: str,
         from services.lib.weights.inproc import InprocReceiver
 
         return InprocReceiver(config, run_id)
+    if isinstance(config, VllmTransferConfig):
+        from services.lib.weights.vllm_receiver import VllmReceiver
+
+        return VllmReceiver(config, nc, run_id, engine)
     raise TypeError(f"unknown transport config {type(config).__name__}")
