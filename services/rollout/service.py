@@ -23,6 +23,7 @@ from typing import Any
 from proto import catalog
 from proto.prompts import PromptTicket
 from proto.rollouts import RolloutGroup, RolloutSample
+from services.lib.chat_template import use_chat_template
 from services.lib.colocation import DEVICE_SHARE
 from services.lib.engine.base import (
     Engine,
@@ -111,6 +112,7 @@ class RolloutService:
         ctx.gauges["rollout/max_tickets"] = float(self.cfg.max_tickets)  # the trainer's admission sums these
         engine, sleeps = await asyncio.to_thread(self._engine)
         await engine.start()
+        use_chat_template(engine.tokenizer, self.loaded.model.chat_template)  # [model] chat_template, if any
         if sleeps:
             DEVICE_SHARE.register(engine)  # asleep while a colocated trainer steps (services/lib/colocation.py)
         self.attach(engine, engine.tokenizer, SandboxClient(

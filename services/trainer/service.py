@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from proto import catalog
+from services.lib.chat_template import use_chat_template
 from services.lib.colocation import DEVICE_SHARE
 from services.lib.weights.transport import WeightSender, make_sender
 from services.runtime import bus, metrics, tracing
@@ -108,6 +109,7 @@ class Trainer:
         self.versions = Versions(sender, ledger)
         self.started = time.time()
         self.reporter = Reporter(ctx, run_dir)
+        use_chat_template(self.learner.tokenizer, loaded.model.chat_template)  # [model] chat_template, if any
         tickets = Tickets(ctx, cfg, loaded.task.name, self.task, self.learner.tokenizer)
         eval_prompts = self.task.eval_prompts()
         self.evals = Evaluations(eval_prompts[: cfg.eval.prompts] if cfg.eval.prompts else eval_prompts,
