@@ -3,7 +3,7 @@
 A run file says everything about a run once::
 
     [run]        id, dir, seed
-    [model]      the policy every service loads (name, revision, dtype, cache_dir)
+    [model]      the policy every service loads (name, revision, dtype, cache_dir, chat_template)
     [task]       the task the run trains on: name and one options table, read by trainer, rollout and judge
     [weights]    how weight versions travel trainer -> engines (type = "store" | "broadcast" | "inproc")
     [nats]       the bus; [common] settings every service shares; [gang] all-or-nothing start
@@ -199,6 +199,10 @@ class RunFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self._check_layout()
         self._check_distill()
         self._check_cluster()
+        if self.model.chat_template:
+            from services.lib.chat_template import read_chat_template
+
+            read_chat_template(self.model.chat_template)
         derived = self._check_weights()
         from services.launcher.placement import Layout
 

@@ -23,6 +23,7 @@ from typing import Any
 from proto import catalog
 from proto.prompts import PromptTicket
 from proto.rollouts import RolloutGroup, RolloutSample
+from services.lib.chat_template import use_chat_template
 from services.lib.colocation import DEVICE_SHARE
 from services.lib.engine.base import (
     Engine,
@@ -135,6 +136,7 @@ class RolloutService:
             DEVICE_SHARE.register(engine)  # (services/lib/colocation.py)
         else:
             await engine.start()
+        use_chat_template(engine.tokenizer, self.loaded.model.chat_template)  # [model] chat_template, if any
         self.attach(engine, engine.tokenizer, SandboxClient(
             ctx.nc, ctx.run_id, timeout_s=self.cfg.agent.sandbox_timeout_s,
             default_exec_timeout_s=self.cfg.agent.exec_timeout_s))

@@ -115,6 +115,10 @@ class ModelSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     #: where builtin models are built and cached (empty: ~/.cache/rlbus or $RLBUS_CACHE)
     cache_dir: str = ""
+    #: a Jinja chat template file that replaces the tokenizer's own in the trainer and the rollout (empty: the
+    #: model's own), e.g. examples/chat_templates/chatml_tools.jinja for tool calls with SmolLM2; checked at
+    #: start-up (it must render tools); a relative path is taken from the working directory
+    chat_template: str = ""
 
 
 class TaskMixEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 
 from proto import catalog
+from services.lib.chat_template import use_chat_template
 from services.lib.colocation import DEVICE_SHARE, HostOffload
 from services.lib.weights.transport import WeightSender, make_sender
 from services.runtime import bus, metrics, tracing
@@ -123,6 +124,7 @@ class Trainer:
         self.versions = Versions(sender, ledger)
         self.started = time.time()
         self.reporter = Reporter(ctx, run_dir)
+        use_chat_template(self.learner.tokenizer, loaded.model.chat_template)  # [model] chat_template, if any
         tickets = Tickets(ctx, cfg, self.task, self.learner.tokenizer)
         self.evals = Evaluations(self.task.eval_prompts(cfg.eval.prompts), cfg.eval.samples, ledger, tickets,
                                  self.reporter, per_env=self.task.is_mixture)
