@@ -122,7 +122,7 @@ class Trainer:
         self.ledger = ledger
         self.version_kept = start.version_kept
         self.versions = Versions(sender, ledger)
-        self.started = time.time()
+        self.started = time.time() - ledger.state.trained_s  # a resumed run's clock goes on
         self.reporter = Reporter(ctx, run_dir)
         use_chat_template(self.learner.tokenizer, loaded.model.chat_template)  # [model] chat_template, if any
         tickets = Tickets(ctx, cfg, self.task, self.learner.tokenizer)
@@ -189,6 +189,7 @@ class Trainer:
             for v in version_lag:
                 _STALENESS(v)
             self.ledger.advance()
+            state.trained_s = time.time() - self.started
             # the step's bookkeeping waits with its version: committed once it is sent (ledger.py, rule 2)
             self.ledger.stage(indices(s for g in groups for s in g),
                               self.outcomes.records(samples, "trained") + self.collector.failed_outcomes(failed))

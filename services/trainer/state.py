@@ -63,6 +63,9 @@ class TrainerState(msgspec.Struct, kw_only=True):
     finished: dict[str, list[int]] = {}
     final_model: str = ""
     reason: str = ""
+    #: seconds of training when this state was saved: a restarted trainer counts on from here, so
+    #: ``[services.trainer] max_wall_s`` bounds the run, not each process of it
+    trained_s: float = 0.0
     updated_at: float = msgspec.field(default_factory=time.time)
 
     def count(self, outcome: str, n: int = 1) -> None:

@@ -101,8 +101,11 @@ async def test_trainer_resumes_from_the_kept_version_then_from_its_checkpoint(na
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["step"] == stopped.step + 1  # one more step, not a fresh start
     assert summary["version"] == stopped.version + 1
+    # the run's clock went on: max_wall_s bounds the run, not each process (the first one's time is counted)
+    assert stopped.trained_s > 0 and summary["wall_s"] >= stopped.trained_s
     done = await _saved_state(js)
     assert done is not None and done.state == "finished" and done.data_position > stopped.data_position
+    assert done.trained_s > stopped.trained_s
     assert done.counters["trained"] == 2 * (stopped.step + 1)  # group_size 2 per step, none trained twice
     ckpt = read_checkpoint_state(tmp_path / "run" / "checkpoints" / (tmp_path / "run" / "checkpoints" / "latest")
                                  .read_text().strip())
