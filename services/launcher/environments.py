@@ -35,12 +35,15 @@ class MissingEnvironment(ConfigError):
 
 def needs_vllm(service: str, runfile: Any) -> bool:
     """True when a part of ``service`` ("rollout", "trainer+rollout", ...) is configured with a vLLM engine
-    under ``runfile`` (a :class:`~services.launcher.runfile.RunFile`): a rollout's ``engine``, the default
+    under ``runfile`` (a :class:`~services.launcher.runfile.RunFile`), or needs vLLM itself: a trainer sending
+    weights through vLLM's weight transfer (``[weights] type = "vllm"``), a rollout's ``engine``, the default
     ``auto`` for a model of its size where a vLLM environment exists, or a judge's ``llm_judge`` grader with
     ``judge = { type = "vllm" }``."""
     from services.tasks.models import model_params
 
     parts = service.split("+")
+    if "trainer" in parts and tag_of(runfile.weights) == "vllm":
+        return True  # [weights] type = "vllm": the trainer runs vLLM's trainer-side weight-transfer engine
     if "rollout" in parts:
         engine = runfile.services.rollout.engine
         if tag_of(engine) == "vllm":

@@ -28,6 +28,9 @@ def test_only_parts_with_a_vllm_engine_need_it():
         {"type": "reward"}, {"type": "llm_judge", "rubric": "Correct?", "judge": {"type": "vllm", "model": "smollm2"}}]}}}})
     assert needs_vllm("judge", judged) and not needs_vllm("judge", run_file({"services": {"judge": {"graders": {}}}}))
     assert python_for("trainer", VLLM_TREE) == sys.executable
+    # vLLM's weight transfer runs vLLM's trainer-side engine in the trainer's process
+    transfer = run_file({"weights": {"type": "vllm"}, "services": {"rollout": {"engine": {"type": "vllm"}}}})
+    assert needs_vllm("trainer", transfer) and not needs_vllm("judge", transfer)
 
 
 def test_the_vllm_environment_is_found_or_the_error_says_how_to_install_it(tmp_path, monkeypatch):
