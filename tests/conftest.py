@@ -8,6 +8,7 @@ import inspect
 import json
 import os
 import re
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,20 @@ def nats_server(tmp_path):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 1 MiB tmpfs, unmounted afterwards (mounting needs root, as on these machines)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
 
 
 @pytest.fixture

@@ -20,18 +20,6 @@ from services.lib.engine.config import VllmEngineConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path):
-    """A 1 MiB tmpfs (needs root: mount)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_an_update_larger_than_the_staging_dir_fails_naming_dir_sizes_and_leaves_nothing(tiny_tmpfs):

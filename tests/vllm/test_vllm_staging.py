@@ -17,19 +17,6 @@ from services.lib.engine.staging import StagingError
 from services.lib.engine.vllm_engine import VllmEngine
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
-
-
 async def test_an_update_that_does_not_fit_the_staging_dir_is_refused_and_the_engine_serves_on(tiny_tmpfs,
                                                                                               loop_model_dir):
     from transformers import AutoModelForCausalLM
