@@ -19,7 +19,9 @@ advantages ``[B, T]`` minimises the reverse KL to the teacher on the student's o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import msgspec
 import torch
 from torch import Tensor
 
@@ -83,3 +85,11 @@ def missing_teacher(trajectory: ScoredTrajectory) -> str:
     if len(teacher) != tokens:
         return f"teacher logprobs do not fit: {len(teacher)} for {tokens} tokens"
     return ""
+
+
+def fail_missing_teacher(samples: Sequence[Any]) -> None:
+    """Mark each sample (an admission ``Sample``) whose teacher logprobs are missing or do not fit as a failed
+    rollout with the reason, so the step drops it like any failed rollout instead of training on it."""
+    for s in samples:
+        if not s.item.rollout.error and (why := missing_teacher(s.item)):
+            s.item = msgspec.structs.replace(s.item, rollout=msgspec.structs.replace(s.item.rollout, error=why))

@@ -33,8 +33,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from proto import catalog
 from services.lib.chat_template import use_chat_template
 from services.lib.colocation import DEVICE_SHARE, HostOffload
@@ -47,7 +45,7 @@ from services.trainer import devices, nodes, resume
 from services.trainer.admission import Sample
 from services.trainer.collect import Collector, Fleet
 from services.trainer.config import TrainerConfig
-from services.trainer.distill import missing_teacher
+from services.trainer.distill import fail_missing_teacher
 from services.trainer.evaluation import Evaluations
 from services.trainer.faults import fault_point
 from services.trainer.learner import Learner
@@ -163,9 +161,7 @@ class Trainer:
         state = self.ledger.state
         samples = [s for g in groups for s in g]
         if self.distill.enabled:  # never trained without its teacher logprobs: dropped with the reason
-            for s in samples:
-                if not s.item.rollout.error and (why := missing_teacher(s.item)):
-                    s.item = msgspec.structs.replace(s.item, rollout=msgspec.structs.replace(s.item.rollout, error=why))
+            fail_missing_teacher(samples)
         # a failed rollout (sandbox died, engine error) is dropped with its error, never trained on as reward 0
         failed = [s for s in samples if s.item.rollout.error]
         samples = [s for s in samples if not s.item.rollout.error]
