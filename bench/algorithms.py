@@ -15,6 +15,13 @@ groups dynamic sampling filtered, the fraction of tokens the mismatch masks drop
     .venv/bin/python bench/algorithms.py --variant dynamic:dynamic_sampling=true   # only that one
     .venv/bin/python bench/algorithms.py --quick       # two sides, a few steps each: a smoke run
 
+``--example`` runs another shipped example instead, evaluated in the loop by its own engine (its ``[eval]``
+settings; offline evaluation of a real model on CPU would take longer than the runs), each run stopped by
+``--max-wall-s`` or ``--steps``, whichever comes first; its threads and engine stay the example's:
+
+    .venv/bin/python bench/algorithms.py --example examples/smollm2_math.toml --steps 200 --max-wall-s 900 \
+        --eval-prompts 100 --variant dynamic:dynamic_sampling=true
+
 The default variants (without ``--variant``) are every option of docs/algorithms.md that the example can
 take. ``--reuse`` reads a side whose run directory (``WORK/seed<N>/<side>``) already holds a finished run.
 The last stdout line is one JSON object: ``per_seed`` and ``mean`` (over seeds, per variant).
@@ -34,10 +41,12 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 
 from bench._offline_eval import offline_overrides  # noqa: E402
 from bench._rlbus_runs import (  # noqa: E402
+    EXAMPLE,
     BenchRunError,
     RunResult,
     compare,
     default_target,
+    example_run_file,
     ratio,
     read_metrics,
     read_run,
@@ -45,7 +54,6 @@ from bench._rlbus_runs import (  # noqa: E402
     smooth_curve,
 )
 from bench.async_vs_sync import (  # noqa: E402
-    check_keys,
     eval_reward_mean,
     evaluate_offline,
     mean,
@@ -93,7 +101,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reuse", action="store_true",
                    help="read a side whose run directory already holds a finished run instead of rerunning it")
     p.add_argument("--work-dir", type=Path, default=None, help="where the run directories go (default: a temp dir)")
+    p.add_argument("--example", type=Path, default=EXAMPLE,
+                   help="the run file of every side (default: the addition example, evaluated offline; another "
+                        "example is evaluated in the loop with its own threads and engine)")
+    p.add_argument("--max-wall-s", type=float, default=0.0,
+                   help="with --example: each run's training wall-clock limit (0: --steps alone ends it)")
     args = p.parse_args(argv)
+    args.example = args.example.resolve()
+    args.offline = args.example == EXAMPLE.resolve()
     args.steps = args.steps or (8 if args.quick else 120)
     args.eval_every = args.eval_every or (4 if args.quick else 10)
     args.eval_prompts = args.eval_prompts or (50 if args.quick else 200)
@@ -102,6 +117,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # the asynchronous side of bench/async_vs_sync.py: the example's own staleness and one thread each
     args.async_staleness, args.async_threads = 1, 1
     return args
+
+
+def side_overrides(args: argparse.Namespace, seed: int) -> dict[str, object]:
+    """Config keys every side shares: bench/async_vs_sync.py's asynchronous side on the default example; on another
+    example only the budget, the seed and the evaluation (its threads, engine and staleness stay its own)."""
+    if args.offline:
+        return {**overrides(args, args.async_staleness, args.async_threads, seed), **offline_overrides(args.eval_every)}
+    return {
+        "run.seed": seed,
+        "services.trainer.total_steps": args.steps,
+        "services.trainer.max_wall_s": args.max_wall_s,
+        "services.trainer.eval.every": args.eval_every,
+        "services.trainer.eval.prompts": args.eval_prompts,
+        "services.trainer.checkpoint_every": 0,
+        "common.drain_timeout_s": 2.0,
+        **dict(parse_set(item) for item in args.sets),
+    }
+
+
+def check_keys(args: argparse.Namespace, keys: dict[str, object]) -> None:
+    """Raise ``ConfigError`` naming the key when the example with the shared keys and ``keys`` would not load."""
+    from bench._rlbus_runs import toml_value
+
+    shared = side_overrides(args, 0)
+    example_run_file(args.example, [f"{k}={toml_value(v)}" for k, v in {**shared, **keys}.items()])
 
 
 def option_figures(run_dir: Path) -> dict[str, float]:
@@ -126,10 +166,12 @@ def compare_seed(args: argparse.Namespace, seed: int, work: Path,
         if args.reuse and (run_dir / "summary.json").is_file():
             results[name] = read_run(name, run_dir)
         else:
-            results[name] = run_rlbus(f"{name}-s{seed}", run_dir,
-                                      {**overrides(args, args.async_staleness, args.async_threads, seed), **keys,
-                                       **offline_overrides(args.eval_every)}, keep_versions=True)
-        results[name].curve, extra[name] = evaluate_offline(args, seed, results[name])
+            results[name] = run_rlbus(f"{name}-s{seed}", run_dir, {**side_overrides(args, seed), **keys},
+                                      example=args.example, keep_versions=args.offline,
+                                      timeout_s=max(1800.0, 3 * args.max_wall_s))
+        extra[name] = {}
+        if args.offline:
+            results[name].curve, extra[name] = evaluate_offline(args, seed, results[name])
         extra[name].update(option_figures(run_dir))
         log.info("seed %d %s: final %.3f, mean %.3f", seed, name, results[name].final_reward,
                  eval_reward_mean(results[name]))
@@ -190,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         if "default" in variants:
             raise ValueError("a variant may not be called 'default' (the example as shipped)")
         for keys in [{}, *variants.values()]:  # every side's keys load on the example before the first run
-            check_keys({**overrides(args, 1, 1, 0), **keys})
+            check_keys(args, keys)
     except (ValueError, ConfigError) as e:
         print(f"algorithms: {e}", file=sys.stderr)
         return 2
@@ -206,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "bench": "algorithms",
         "quick": args.quick,
+        "example": str(args.example),
+        "eval": "offline" if args.offline else "inloop",
         "seeds": seeds,
         "steps": args.steps,
         "smooth": args.smooth,
