@@ -65,6 +65,20 @@ def token_advantages(
     return out
 
 
+def distill_figures(teacher_logprobs: Sequence[Sequence[float]], behaviour_logprobs: Sequence[Sequence[float]],
+                    masks: Sequence[Sequence[int]]) -> dict[str, float]:
+    """The batch's distance to the teacher, over its loss tokens: ``distill/reverse_kl``, the mean of
+    ``log pi_student - log pi_teacher`` of the sampled tokens (a one-sample estimate of ``KL(pi_student ||
+    pi_teacher)`` per token, what distillation drives down), and ``distill/teacher_logprob``, the teacher's mean
+    logprob of them. Empty when no token carries loss."""
+    n, kl, teacher = 0, 0.0, 0.0
+    for t_row, b_row, m_row in zip(teacher_logprobs, behaviour_logprobs, masks, strict=True):
+        for t, b, m in zip(t_row, b_row, m_row, strict=False):
+            if m > 0:
+                n, kl, teacher = n + 1, kl + (b - t), teacher + t
+    return {"distill/reverse_kl": kl / n, "distill/teacher_logprob": teacher / n} if n else {}
+
+
 def pad_token_advantages(rows: Sequence[Sequence[float]], width: int, device: torch.device | str = "cpu") -> Tensor:
     """``[B, width]`` float32, each row right-padded with 0 (or cut to ``width``)."""
     out = torch.zeros((len(rows), width), dtype=torch.float32)

@@ -14,7 +14,7 @@ import torch
 from proto.trajectories import ScoredTrajectory
 from services.runtime.config import DistillSection
 from services.trainer.config import TrainerConfig
-from services.trainer.distill import token_advantages
+from services.trainer.distill import distill_figures, token_advantages
 from services.trainer.loss import group_advantages
 
 
@@ -90,8 +90,10 @@ class StepInput:
             weights = [loss.staleness_decay ** k for k in behind_freshest(batch)]
         tokens: list[list[float]] = []
         if distill is not None and distill.enabled:  # 3. per token: kl_coef * reverse KL + reward_weight * A_group
-            tokens = token_advantages([t.teacher_logprobs or [] for t in batch], behaviour, masks, advantages.tolist(),
+            teacher = [t.teacher_logprobs or [] for t in batch]
+            tokens = token_advantages(teacher, behaviour, masks, advantages.tolist(),
                                       kl_coef=distill.kl_coef, reward_weight=distill.reward_weight)
+            figures.update(distill_figures(teacher, behaviour, masks))
         return cls(prompts, completions, masks, behaviour, advantages.tolist(), rewards.tolist(),
                    loss_total(masks, range(len(masks)), str(loss.aggregation)), weights, figures, tokens)
 

@@ -8,7 +8,12 @@ import math
 import pytest
 import torch
 
-from services.trainer.distill import DistillInputError, pad_token_advantages, token_advantages
+from services.trainer.distill import (
+    DistillInputError,
+    distill_figures,
+    pad_token_advantages,
+    token_advantages,
+)
 from services.trainer.loss import LossInputError, grpo_loss
 
 TEACHER = [[-0.5, -1.0, -2.0], [-0.1]]
@@ -27,6 +32,14 @@ def test_negative_reverse_kl_mixed_with_the_group_advantage():
     # kl_coef 0: the group advantage on every loss token (plain GRPO)
     assert token_advantages(TEACHER, BEHAVIOUR, MASKS, GROUP, kl_coef=0.0, reward_weight=1.0)[0] == \
         pytest.approx([0.8, 0.8, 0.0])
+
+
+def test_the_distance_to_the_teacher_is_reported_over_loss_tokens_only():
+    # loss tokens: (-0.5, -1.0), (-1.0, -1.0), (-0.1, -2.3) as (teacher, behaviour); the masked -2.0/-0.5 is not read
+    f = distill_figures(TEACHER, BEHAVIOUR, MASKS)
+    assert f["distill/reverse_kl"] == pytest.approx(((-1.0 + 0.5) + 0.0 + (-2.3 + 0.1)) / 3)
+    assert f["distill/teacher_logprob"] == pytest.approx((-0.5 - 1.0 - 0.1) / 3)
+    assert distill_figures([[-1.0]], [[-1.0]], [[0]]) == {}  # no loss token: no figure, not a made-up 0
 
 
 def test_teacher_logprobs_that_do_not_fit_the_sample_are_refused():
@@ -95,6 +108,9 @@ def test_the_step_input_of_a_distillation_batch():
     # (teacher - behaviour) on the assistant's tokens, 0 on the observation token, plus half the group advantage
     assert inp.token_advantages[0] == pytest.approx([0.5 + a, -0.5 + a, 0.0])
     assert inp.token_advantages[1] == pytest.approx([-1.0 - a])
+    # the step reports the distance: behaviour - teacher over the three loss tokens (-0.5, 0.5, 1.0)
+    assert inp.figures["distill/reverse_kl"] == pytest.approx(1.0 / 3)
+    assert "distill/reverse_kl" not in plain.figures
     assert StepInput.of(batch, cfg, DistillSection(enabled=False)).token_advantages == []
 
 
