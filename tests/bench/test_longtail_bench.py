@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 
 from bench._time_split import completion_lengths, ideal_speedup, length_figures, percentile, step_split
-from bench.longtail import parse_args
+from bench._offline_eval import run_task
+from bench.longtail import WORKLOADS, check_keys, parse_args, side_overrides
+from services.launcher.cli import resolve_target
+from services.launcher.runfile import RunFile
+from services.lib.engine.config import AutoEngineConfig
+from services.tasks.models import model_params
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "longtail.py"
@@ -63,6 +68,31 @@ def test_lengths_leave_out_evaluation_groups_and_show_the_tail():
     assert f["p50"] <= f["p90"] <= f["p99"] <= f["max"] and f["max_over_p50"] == round(512 / 7, 2)
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([7], 99) == 7
     assert length_figures([]) == {"count": 0}
+
+
+def test_the_longtail_example_asks_for_reasoning_up_to_512_tokens_on_vllm():
+    path = WORKLOADS["longtail"]
+    assert Path(resolve_target("longtail")) == path  # `rlbus run longtail` finds it
+    runfile = RunFile.load(path, env={})
+    runfile.check()
+    cfg, engine = runfile.services.trainer, runfile.services.rollout.engine
+    assert (runfile.model.name, runfile.task.name, cfg.sampling.max_new_tokens) == ("smollm2", "word_problems", 512)
+    assert isinstance(engine, AutoEngineConfig) and engine.picks_vllm(model_params(runfile.model.name))
+    prompt = run_task(runfile).eval_prompts()[0]
+    assert "step by step" in prompt.messages[-1]["content"] and cfg.eval.prompts <= len(run_task(runfile).eval_prompts())
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the pooled layout needs two CPUs")
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_every_side_of_each_workload_passes_the_start_up_checks(workload):
+    args = parse_args(["--workload", workload])
+    runfile = RunFile.load(args.example, env={})
+    for mode in ("sync", "async"):
+        for layout in ("shared", "pooled"):
+            keys = side_overrides(args, runfile, mode, layout)
+            check_keys(args.example, keys)  # the placement and its thread rule hold (the example's 2 threads set to 0)
+            assert keys["services.trainer.max_staleness"] == (0 if mode == "sync" else 1)
+            assert ("placement.trainer.cpus" in keys) == (layout == "pooled")
 
 
 def test_arguments_name_what_is_wrong():
