@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench._time_split import completion_lengths, ideal_speedup, length_figures, percentile, step_split
 from bench._offline_eval import run_task
+from bench._time_split import completion_lengths, ideal_speedup, length_figures, percentile, step_split
 from bench.longtail import WORKLOADS, check_keys, parse_args, side_overrides
 from services.launcher.cli import resolve_target
 from services.launcher.runfile import RunFile
