@@ -63,6 +63,7 @@ from bench._rlbus_runs import (  # noqa: E402
     example_model_dir,
     example_run_file,
     ratio,
+    read_metrics,
     run_rlbus,
     toml_value,
 )
@@ -159,11 +160,22 @@ def check_keys(example: Path, keys: dict[str, object]) -> None:
     example_run_file(example, [f"{k}={toml_value(v)}" for k, v in keys.items()]).check()
 
 
+def trainer_restarts(metrics: list[dict[str, Any]]) -> int:
+    """Times the trainer's clock went back between step lines: a restarted trainer (resumed from its
+    checkpoint by the launcher) starts ``elapsed_s`` again, so its run's times do not add up."""
+    times = [float(m["elapsed_s"]) for m in metrics if "trainer/version" in m]
+    return sum(b < a for a, b in zip(times, times[1:], strict=False))
+
+
 def side_figures(r: RunResult, limit: int | None, sync: bool) -> dict[str, Any]:
     """One side's figures: the loop's stats, its completion lengths and, for a synchronous side, its split."""
     spans = read_spans(r.run_dir)
     out: dict[str, Any] = {"final_reward": r.final_reward, "curve": curve_json(r.curve), **r.stats,
-                           "lengths": length_figures(completion_lengths(spans), limit)}
+                           "lengths": length_figures(completion_lengths(spans), limit),
+                           "trainer_restarts": trainer_restarts(read_metrics(r.run_dir / "metrics.jsonl"))}
+    if out["trainer_restarts"]:
+        log.warning("%s: the trainer restarted %d time(s) (its clock started again): this side's times are not "
+                    "comparable; see %s", r.label, out["trainer_restarts"], r.run_dir / "logs")
     if sync:
         split = step_split(spans)
         period = r.stats.get("s_per_step") or 0.0

@@ -15,7 +15,7 @@ import pytest
 
 from bench._offline_eval import run_task
 from bench._time_split import completion_lengths, ideal_speedup, length_figures, percentile, step_split
-from bench.longtail import WORKLOADS, check_keys, parse_args, side_overrides
+from bench.longtail import WORKLOADS, check_keys, parse_args, side_overrides, trainer_restarts
 from services.launcher.cli import resolve_target
 from services.launcher.runfile import RunFile
 from services.lib.engine.config import AutoEngineConfig
@@ -95,6 +95,12 @@ def test_every_side_of_each_workload_passes_the_start_up_checks(workload):
             assert ("placement.trainer.cpus" in keys) == (layout == "pooled")
 
 
+def test_a_restarted_trainer_is_counted_from_its_clock_going_back():
+    steps = [{"step": i, "elapsed_s": t, "trainer/version": i} for i, t in [(1, 10.0), (2, 20.0), (2, 3.0), (3, 9.0)]]
+    evals = [{"step": 0, "elapsed_s": 1.0, "eval/reward": 0.1}]  # not a step line
+    assert trainer_restarts(evals + steps) == 1 and trainer_restarts(steps[:2]) == 0
+
+
 def test_arguments_name_what_is_wrong():
     args = parse_args(["--quick"])
     assert args.example.name == "addition.toml" and (args.steps, args.eval_every, args.eval_prompts) == (6, 3, 20)
@@ -115,7 +121,7 @@ def test_quick_runs_every_side_and_reports_the_split_lengths_and_ratios(tmp_path
     assert out["bench"] == "longtail" and out["example"] == "examples/addition.toml"
     assert set(out["sides"]) == {"sync-shared", "async-shared", "sync-pooled", "async-pooled"}
     for name, side in out["sides"].items():
-        assert side["steps"] == out["steps"] == 6, name
+        assert side["steps"] == out["steps"] == 6 and side["trainer_restarts"] == 0, name
         lengths = side["lengths"]
         assert lengths["count"] >= out["sample_budget"], name  # every generated sample's length was traced
         assert 1 <= lengths["p50"] <= lengths["p90"] <= lengths["p99"] <= lengths["max"] <= out["max_new_tokens"]
