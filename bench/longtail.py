@@ -178,9 +178,9 @@ def side_figures(r: RunResult, limit: int | None, sync: bool) -> dict[str, Any]:
                     "comparable; see %s", r.label, out["trainer_restarts"], r.run_dir / "logs")
     if sync:
         split = step_split(spans)
-        period = r.stats.get("s_per_step") or 0.0
+        period = None if out["trainer_restarts"] else r.stats.get("s_per_step")  # a restart breaks the clock
         split["period_s"] = period
-        split["other_s"] = round(period - split["g_s"] - split["t_s"] - split["w_s"], 3)
+        split["other_s"] = None if period is None else round(period - split["g_s"] - split["t_s"] - split["w_s"], 3)
         out["split"] = split
     return out
 
@@ -199,7 +199,7 @@ def layout_figures(sync: dict[str, Any], async_: dict[str, Any], sync_r: RunResu
         "ideal_speedup": ideal, "measured_speedup": measured,
         "measured_over_ideal": ratio(measured, ideal),
         # the same bound against sync's whole period: the rest (judging, bus hops) is hidden by overlap too
-        "ideal_speedup_of_period": ratio(split["period_s"], bound),
+        "ideal_speedup_of_period": ratio(split["period_s"], bound) if bound > 0 else None,
         "target": f["target"], "target_trivial": trivial,
         "sync_s": f["sync_s"], "async_s": f["async_s"], "sync_steps": f["sync_steps"], "async_steps": f["async_steps"],
         "time_ratio": None if trivial else ratio(f["sync_s"], f["async_s"]),
