@@ -8,6 +8,8 @@ the rules that span sections, naming the keys:
   instance the launcher (or its autoscaler, up to its ``max``) may start;
 * a CPU-only process (judge, sandbox, weightsync, tracker, echo; a torch engine or trainer on ``cpu``) is
   given no GPU, and always starts with ``CUDA_VISIBLE_DEVICES=""`` so it never holds memory on one;
+* a placed process's explicit torch thread count (``services.trainer.devices.num_threads``, a torch engine's
+  ``num_threads``) fits its CPUs (each rank's share for a rank group); 0 follows the placement;
 * the trainer's ranks fit its GPUs (one each) and a ``cuda:N`` device is among them; a rollout's engine
   device and vLLM's ``tensor_parallel_size`` fit its GPUs;
 * a trainer and a separate vLLM engine (or two vLLM engines) never share a GPU: vLLM takes most of a GPU's
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING
 from services.lib.engine.config import AutoEngineConfig, TorchEngineConfig, VllmEngineConfig
 from services.runtime.config import ConfigError
 from services.runtime.natsd import die_with_parent
-from services.runtime.placement import ServicePlacement, process_env, slots
+from services.runtime.placement import ServicePlacement, process_env, slots, split_evenly
 
 if TYPE_CHECKING:
     from services.launcher.runfile import RunFile
@@ -125,7 +127,31 @@ class Layout:
                                   "with CUDA_VISIBLE_DEVICES=\"\"); give its GPUs to the trainer or an engine")
             if gpus is not None:
                 self._check_devices(name, len(gpus[0]) if gpus else 0)
+            self._check_threads(name)
         self._check_overlap()
+
+    def _check_threads(self, name: str) -> None:
+        """A placed process's explicit torch thread counts fit its CPUs: torch's intra-op pool follows the
+        placement (OMP_NUM_THREADS) only where the service leaves its own count at 0; more threads than CPUs
+        spin against each other on the pinned cores."""
+        cpus = self.cpu_slots(name)
+        if not cpus:
+            return
+        have, parts = len(cpus[0]), name.split("+")
+        services = self.runfile.services
+        asked: list[tuple[str, int, int, str]] = []  # (key, threads, CPUs it gets, who gets them)
+        if "trainer" in parts:
+            devices = services.trainer.devices  # a rank group shares its CPUs out among its ranks (trainer/nodes.py)
+            per_rank = min(len(share) for share in split_evenly(cpus[0], devices.nproc_per_node))
+            asked.append(("services.trainer.devices.num_threads", devices.num_threads, per_rank,
+                          "each rank" if devices.nproc_per_node > 1 else "each instance"))
+        engine = services.rollout.engine
+        if "rollout" in parts and isinstance(engine, TorchEngineConfig):
+            asked.append(("services.rollout.engine.num_threads", engine.num_threads, have, "each instance"))
+        for key, threads, fits, who in asked:
+            if threads > fits:
+                raise ConfigError(f"config key {key} is {threads}, but placement.{name}.cpus gives {who} {fits} "
+                                  f"CPU(s); set it to 0 (follow the placement) or at most {fits}")
 
     def _check_devices(self, name: str, count: int) -> None:
         """The trainer's ranks and the engine's device fit the ``count`` GPUs each instance sees."""

@@ -81,6 +81,11 @@ def rollout_sample(ctx: ServiceContext, ticket: PromptTicket, index: int,
                          error=out.error, metadata={**out.metadata, **extra}, prompt_ids=out.prompt_ids)
 
 
+def generated_tokens(out: AgentOutcome) -> int:
+    """Tokens the model generated in an episode (its assistant turns; observations are not generated)."""
+    return sum(len(t.token_ids) for t in out.turns if t.role == "assistant")
+
+
 async def publish_group(ctx: ServiceContext, ticket: PromptTicket,
                         samples: list[RolloutSample]) -> list[tuple[RolloutGroup, Any]]:
     """A ticket's samples as one message carrying the ticket once (parts when over the size limit), each
@@ -358,9 +363,12 @@ class RolloutService:
                                 stop=list(s.stop))
         env = self.environment(ticket.task)
         with tracing.span("generate group", group_id=ticket.group_id, samples=ticket.group_size,
-                          version=self.engine.version):
+                          version=self.engine.version) as span:
             outcomes = await asyncio.gather(*(self.episode(ticket, env, params, i)
                                               for i in range(ticket.group_size)), return_exceptions=True)
+            # each sample's generated tokens (every assistant turn; 0: failed): the length distribution
+            span.set_attribute("completion_tokens", [0 if isinstance(o, BaseException) else generated_tokens(o)
+                                                     for o in outcomes])
         for out in outcomes:
             if isinstance(out, EngineOverloadedError):
                 raise Retry(str(out), delay_s=2.0)

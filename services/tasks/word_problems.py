@@ -68,6 +68,8 @@ class WordProblemsTask:
         num_eval: size of the fixed held-out eval split.
         eval_seed: seed of the eval split.
         system_prompt: optional system message put before the question.
+        instruction: the text after the question in the user turn (default: the final number only; a
+            step-by-step instruction makes long, varied completions: ``examples/longtail.toml``).
     """
 
     name = "word_problems"
@@ -75,9 +77,14 @@ class WordProblemsTask:
     stop: list[str] = []
 
     def __init__(
-        self, num_eval: int = 200, eval_seed: int = 20261202, system_prompt: str | None = None
+        self, num_eval: int = 200, eval_seed: int = 20261202, system_prompt: str | None = None,
+        instruction: str = _INSTRUCTION,
     ) -> None:
+        if not instruction.strip():
+            raise ValueError("task option instruction is empty; give the text that follows the question "
+                             f"(default {_INSTRUCTION!r})")
         self.system_prompt = system_prompt
+        self.instruction = instruction.strip()
         rng = random.Random(f"word-problems-eval:{eval_seed}")
         self._eval: list[Problem] = []
         seen: set[str] = set()
@@ -96,7 +103,7 @@ class WordProblemsTask:
     def _prompt(self, prompt_id: str, problem: Problem) -> Prompt:
         question, answer = problem
         messages = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
-        messages.append({"role": "user", "content": f"{question} {_INSTRUCTION}"})
+        messages.append({"role": "user", "content": f"{question} {self.instruction}"})
         return Prompt(id=prompt_id, text=question, messages=messages, metadata={"answer": str(answer)})
 
     def train_prompts(self, seed: int, start: int = 0) -> Iterator[Prompt]:

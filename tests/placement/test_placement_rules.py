@@ -142,3 +142,22 @@ def test_a_multi_node_group_names_its_keys():
     msg = refused(runfile({"trainer": 1}, {}, trainer={"device": "cpu", "nnodes": 2, "world_size": 2,
                                                         "node_rank": 2, "master_addr": "a", "master_port": 1}))
     assert "node_rank is 2" in msg
+
+
+def test_an_explicit_thread_count_above_the_placed_cpus_is_refused_naming_both_keys():
+    cpu_trainer = {"device": "cpu", "num_threads": 2}
+    torch_engine = {"type": "torch", "device": "cpu", "num_threads": 2}
+    layout = {"trainer": 1, "rollout": 1}
+    # one core each (the disjoint pools of bench/longtail.py): 2 threads would spin against each other
+    msg = refused(runfile(layout, {"trainer": {"cpus": [0]}}, trainer=cpu_trainer))
+    assert "services.trainer.devices.num_threads is 2" in msg and "placement.trainer.cpus gives each instance 1" in msg
+    msg = refused(runfile(layout, {"rollout": {"cpus": "1"}}, trainer=cpu_trainer, engine=torch_engine))
+    assert "services.rollout.engine.num_threads is 2" in msg and "placement.rollout.cpus" in msg
+    # a rank group: each rank gets its share of the CPUs
+    msg = refused(runfile(layout, {"trainer": {"cpus": [0, 1]}}, trainer={**cpu_trainer, "world_size": 2}))
+    assert "gives each rank 1 CPU(s)" in msg
+    # 0 follows the placement (OMP_NUM_THREADS); a count within the CPUs, or an unplaced process, is fine
+    runfile(layout, {"trainer": {"cpus": [0]}, "rollout": {"cpus": [1]}},
+            trainer={"device": "cpu", "num_threads": 0}, engine={**torch_engine, "num_threads": 1}).check()
+    runfile(layout, {"trainer": {"cpus": [0, 1]}}, trainer=cpu_trainer, engine=torch_engine).check()
+    runfile(layout, {}, trainer=cpu_trainer, engine=torch_engine).check()

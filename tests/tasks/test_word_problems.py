@@ -70,3 +70,13 @@ def test_format_prompt_applies_the_chat_template():
     text = tokenizer.decode(ids)
     assert text.startswith("1+1=")  # the system turn, then the user turn (digits survive the char vocab)
     assert text.endswith("=")
+
+
+def test_instruction_option_replaces_the_text_after_the_question():
+    default = WordProblemsTask(num_eval=3).eval_prompts()[0]
+    assert default.messages[-1]["content"].endswith("Answer with the final number only.")
+    steps = WordProblemsTask(num_eval=3, instruction="  Think step by step.  ").eval_prompts()[0]
+    assert steps.messages[-1]["content"] == f"{steps.text} Think step by step."
+    assert steps.answer == default.answer  # same problem, same answer: only the instruction changed
+    with pytest.raises(ValueError, match="task option instruction is empty"):
+        WordProblemsTask(instruction=" ")

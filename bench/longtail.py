@@ -1,0 +1,274 @@
+"""Where the bus should win: a long-tailed or agentic workload, synchronous vs asynchronous, everything shared vs
+disjoint pools, each beside its physical limit (issue 30).
+
+Workloads (``--workload``): ``longtail`` (examples/longtail.toml: SmolLM2-135M on word problems, step-by-step
+answers up to 512 tokens, heavy-tailed lengths) and ``agentic`` (examples/tool_use.toml: the calculator tool,
+two turns an episode). ``--quick`` runs the tiny addition example instead (either workload's own example
+needs SmolLM2 and tens of seconds a step): a few steps of every side, to show the bench's parts work.
+
+Sides, one after the other, the same seed and sample budget (steps x groups_per_step x group_size):
+
+* ``sync`` (max_staleness 0) and ``async`` (``--async-staleness``, default 1);
+* ``shared``: every process on every core, the example's thread counts; ``pooled``: the trainer pinned to
+  one core, rollout, judge and weightsync to the other, through the run file's ``[placement]`` (CPU affinity
+  set before ``exec``, OMP_NUM_THREADS to match), explicit torch thread counts set to 0 so they follow it.
+
+``--modes`` and ``--layouts`` pick a subset. Every side is traced whole (``OTEL_TRACES_SAMPLER=always_on``,
+the same cost on each) and evaluated offline after its run as bench/async_vs_sync.py does
+(bench/_offline_eval.py: checkpoints every ``--eval-every`` steps kept, evaluated with HF ``generate`` off
+the run's clock, placed at the trainer clock time of their step).
+
+Figures (bench/_time_split.py says how each is read from the traces):
+
+* ``lengths``: each side's completion-length distribution (p50/p90/p99/max, share cut at the limit);
+* per layout, from its synchronous run: the time split per step (generation g, training t, weight sync w,
+  and the rest of the period), the ideal asynchronous speedup ``(g + t + w) / max(g, t)``, the measured one
+  (sync's trainer clock over async's for the whole budget) and measured / ideal (goal >= 0.85 pooled); the
+  issue's ideal leaves out the rest of sync's period (judging, bus hops), which overlap hides as well, so
+  ``ideal_speedup_of_period`` (sync's period / max(g, t)) is printed beside it;
+* per layout, async against sync: time and steps to the same held-out reward (default target: the lower of
+  the pair's final rewards) with ``time_ratio`` = sync / async (goal >= 1.5 on long-tail) and
+  ``steps_ratio`` = async / sync (goal <= 1.1);
+* per mode, pooled against shared: shared's trainer clock over pooled's for the whole budget.
+
+    .venv/bin/python bench/longtail.py --quick                       # tiny model, every side, about a minute
+    .venv/bin/python bench/longtail.py --workload longtail           # SmolLM2, 40 steps a side (hours here)
+    .venv/bin/python bench/longtail.py --workload agentic --steps 30
+
+The last stdout line is one JSON object of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._offline_eval import offline_overrides, run_curve  # noqa: E402
+from bench._rlbus_runs import (  # noqa: E402
+    EXAMPLE,
+    BenchRunError,
+    RunResult,
+    compare,
+    curve_json,
+    default_target,
+    example_model_dir,
+    example_run_file,
+    ratio,
+    read_metrics,
+    run_rlbus,
+    toml_value,
+)
+from bench._time_split import completion_lengths, ideal_speedup, length_figures, read_spans, step_split  # noqa: E402
+from services.lib.engine.config import TorchEngineConfig  # noqa: E402
+from services.runtime.config import ConfigError  # noqa: E402
+
+log = logging.getLogger("rlbus.bench.longtail")
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOADS = {"longtail": REPO / "examples" / "longtail.toml", "agentic": REPO / "examples" / "tool_use.toml"}
+MODES = ("sync", "async")
+LAYOUTS = ("shared", "pooled")
+#: every span of every group and step: the time split and the length distribution need them all
+TRACE_ALL = {"OTEL_TRACES_SAMPLER": "always_on"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="longtail")
+    p.add_argument("--quick", action="store_true", help="the tiny addition example, a few steps, every side "
+                   "(about a minute): the parts work; too short to learn, so no time-to-reward figure")
+    p.add_argument("--example", type=Path, default=None, help="run this run file instead of the workload's")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps per side (default 40; quick 6)")
+    p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default 5; quick 3)")
+    p.add_argument("--eval-prompts", type=int, default=None,
+                   help="held-out prompts per evaluation (default: the example's eval.prompts; quick 20)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async-staleness", type=int, default=1, help="max_staleness of the async sides")
+    p.add_argument("--modes", default="sync,async", help="comma-separated: sync, async")
+    p.add_argument("--layouts", default="shared,pooled", help="comma-separated: shared, pooled")
+    p.add_argument("--target", type=float, default=None,
+                   help="held-out reward to reach (default per pair: the lower final reward)")
+    p.add_argument("--timeout-s", type=float, default=7200.0, help="most seconds one side's run may take")
+    p.add_argument("--work-dir", type=Path, default=None, help="where the run directories go (default: a temp dir)")
+    args = p.parse_args(argv)
+    args.modes = _choice_list(p, "--modes", args.modes, MODES)
+    args.layouts = _choice_list(p, "--layouts", args.layouts, LAYOUTS)
+    args.example = args.example or (EXAMPLE if args.quick else WORKLOADS[args.workload])
+    if args.steps is None:
+        args.steps = 6 if args.quick else 40
+    if args.eval_every is None:
+        args.eval_every = 3 if args.quick else 5
+    if args.eval_prompts is None and args.quick:
+        args.eval_prompts = 20
+    for name in ("steps", "eval_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def _choice_list(p: argparse.ArgumentParser, flag: str, text: str, allowed: tuple[str, ...]) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        p.error(f"{flag}: {', '.join(bad) or 'empty'}; choose from {', '.join(allowed)}")
+    return [x for x in allowed if x in items]
+
+
+def pool_cpus() -> tuple[int, int]:
+    """The trainer's core and the rollout side's core: the first two CPUs this process may use.
+
+    Raises:
+        BenchRunError: fewer than two CPUs (a pooled layout needs two).
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise BenchRunError(f"the pooled layout needs two CPUs; this process may use {cpus}")
+    return cpus[0], cpus[1]
+
+
+def side_overrides(args: argparse.Namespace, runfile: Any, mode: str, layout: str) -> dict[str, object]:
+    """Config keys of one side: the budget, offline evaluation, the mode's staleness and the layout."""
+    keys: dict[str, object] = {
+        "run.seed": args.seed,
+        "services.trainer.total_steps": args.steps,
+        "services.trainer.max_wall_s": 0.0,  # the sample budget, not a clock, ends every side
+        "services.trainer.max_staleness": 0 if mode == "sync" else args.async_staleness,
+        "common.drain_timeout_s": 2.0,
+        **offline_overrides(args.eval_every),
+    }
+    if layout == "pooled":
+        trainer_cpu, rollout_cpu = pool_cpus()
+        for name in runfile.launcher.services:
+            keys[f"placement.{name}.cpus"] = str(trainer_cpu if name == "trainer" else rollout_cpu)
+        keys["services.trainer.devices.num_threads"] = 0  # torch follows the placement (one core)
+        if isinstance(runfile.services.rollout.engine, TorchEngineConfig):  # vLLM on CPU follows the affinity
+            keys["services.rollout.engine.num_threads"] = 0
+    return keys
+
+
+def check_keys(example: Path, keys: dict[str, object]) -> None:
+    """Raise ``ConfigError`` naming the key when ``example`` with ``keys`` would not start."""
+    example_run_file(example, [f"{k}={toml_value(v)}" for k, v in keys.items()]).check()
+
+
+def trainer_restarts(metrics: list[dict[str, Any]]) -> int:
+    """Times the trainer's clock went back between step lines: a restarted trainer (resumed from its
+    checkpoint by the launcher) starts ``elapsed_s`` again, so its run's times do not add up."""
+    times = [float(m["elapsed_s"]) for m in metrics if "trainer/version" in m]
+    return sum(b < a for a, b in zip(times, times[1:], strict=False))
+
+
+def side_figures(r: RunResult, limit: int | None, sync: bool) -> dict[str, Any]:
+    """One side's figures: the loop's stats, its completion lengths and, for a synchronous side, its split."""
+    spans = read_spans(r.run_dir)
+    out: dict[str, Any] = {"final_reward": r.final_reward, "curve": curve_json(r.curve), **r.stats,
+                           "lengths": length_figures(completion_lengths(spans), limit),
+                           "trainer_restarts": trainer_restarts(read_metrics(r.run_dir / "metrics.jsonl"))}
+    if out["trainer_restarts"]:
+        log.warning("%s: the trainer restarted %d time(s) (its clock started again): this side's times are not "
+                    "comparable; see %s", r.label, out["trainer_restarts"], r.run_dir / "logs")
+    if sync:
+        split = step_split(spans)
+        period = None if out["trainer_restarts"] else r.stats.get("s_per_step")  # a restart breaks the clock
+        split["period_s"] = period
+        split["other_s"] = None if period is None else round(period - split["g_s"] - split["t_s"] - split["w_s"], 3)
+        out["split"] = split
+    return out
+
+
+def layout_figures(sync: dict[str, Any], async_: dict[str, Any], sync_r: RunResult, async_r: RunResult,
+                   target: float | None) -> dict[str, Any]:
+    """One layout's async against sync: the physical limit from sync's split, and the same-reward figures."""
+    split = sync["split"]
+    ideal = ideal_speedup(split["g_s"], split["t_s"], split["w_s"])
+    measured = ratio(sync_r.stats.get("last_step_s"), async_r.stats.get("last_step_s"))
+    pair = {"sync": sync_r.curve, "async": async_r.curve}
+    f = compare(pair, target if target is not None else default_target(*pair.values()))
+    trivial = f["target_trivial"]
+    bound = max(split["g_s"], split["t_s"])
+    return {
+        "ideal_speedup": ideal, "measured_speedup": measured,
+        "measured_over_ideal": ratio(measured, ideal),
+        # the same bound against sync's whole period: the rest (judging, bus hops) is hidden by overlap too
+        "ideal_speedup_of_period": ratio(split["period_s"], bound) if bound > 0 else None,
+        "target": f["target"], "target_trivial": trivial,
+        "sync_s": f["sync_s"], "async_s": f["async_s"], "sync_steps": f["sync_steps"], "async_steps": f["async_steps"],
+        "time_ratio": None if trivial else ratio(f["sync_s"], f["async_s"]),
+        "steps_ratio": None if trivial else ratio(f["async_steps"], f["sync_steps"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    sides = [(m, lay) for lay in args.layouts for m in args.modes]
+    try:
+        runfile = example_run_file(args.example)
+        for mode, layout in sides:  # every side's keys load and pass the start-up checks before the first run
+            check_keys(args.example, side_overrides(args, runfile, mode, layout))
+    except (ConfigError, BenchRunError) as e:
+        print(f"longtail: {e}", file=sys.stderr)
+        return 2
+    cfg = runfile.services.trainer
+    limit = cfg.sampling.max_new_tokens or None
+    eval_prompts = args.eval_prompts if args.eval_prompts is not None else cfg.eval.prompts
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="rlbus-longtail-"))
+    results: dict[str, RunResult] = {}
+    figures: dict[str, dict[str, Any]] = {}
+    try:
+        for mode, layout in sides:
+            name = f"{mode}-{layout}"
+            results[name] = run_rlbus(name, work / name, side_overrides(args, runfile, mode, layout),
+                                      example=args.example, timeout_s=args.timeout_s, env=TRACE_ALL,
+                                      keep_versions=True)
+        model_dir = example_model_dir(runfile, args.seed)
+        for mode, layout in sides:
+            name = f"{mode}-{layout}"
+            r = results[name]
+            r.curve, offline = run_curve(r, runfile, model_dir, eval_every=args.eval_every,
+                                         eval_prompts=eval_prompts, threads=1, seed=args.seed)
+            figures[name] = {**side_figures(r, limit, mode == "sync"), **offline}
+    except (BenchRunError, ValueError) as e:
+        print(f"longtail: {e}", file=sys.stderr)
+        return 1
+    layouts = {layout: layout_figures(figures[f"sync-{layout}"], figures[f"async-{layout}"],
+                                      results[f"sync-{layout}"], results[f"async-{layout}"], args.target)
+               for layout in args.layouts if {"sync", "async"} <= set(args.modes)}
+    pooled_vs_shared = {mode: ratio(results[f"{mode}-shared"].stats.get("last_step_s"),
+                                    results[f"{mode}-pooled"].stats.get("last_step_s"))
+                        for mode in args.modes if set(LAYOUTS) <= set(args.layouts)}
+    samples_per_step = cfg.groups_per_step * cfg.group_size
+    out = {
+        "bench": "longtail",
+        "workload": args.workload,
+        "quick": args.quick,
+        "example": str(args.example.relative_to(REPO) if args.example.is_relative_to(REPO) else args.example),
+        "model": runfile.model.name,
+        "seed": args.seed,
+        "steps": args.steps,
+        "samples_per_step": samples_per_step,
+        "sample_budget": samples_per_step * args.steps,
+        "max_new_tokens": limit,
+        "eval_every": args.eval_every,
+        "eval_prompts": eval_prompts,
+        "pool_cpus": list(pool_cpus()) if "pooled" in args.layouts else None,
+        "layouts": layouts,
+        # shared / pooled trainer clock for the whole budget (> 1: the disjoint pools are faster)
+        "pooled_vs_shared": pooled_vs_shared,
+        "sides": figures,
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
