@@ -10,7 +10,8 @@ Per episode (:class:`CommandAgents`, called by :class:`services.rollout.black_bo
    loopback ones, so the endpoint must listen on an address the sandbox service reaches that is not loopback
    (``[services.rollout] endpoint.host = "0.0.0.0"``; ``agent_host`` is what agents are given).
 2. **run** ``agent_command`` in the work directory with the session's ``OPENAI_BASE_URL``/``OPENAI_API_KEY``/
-   ``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY``, ``RLBUS_PROMPT_FILE`` and the task's ``agent_env(prompt)``,
+   ``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY``, ``RLBUS_MODEL`` (the served model's name),
+   ``RLBUS_PROMPT_FILE`` and the task's ``agent_env(prompt)``,
    under the exec time limit ``wall_time_s``. The calls and tokens budgets are the session's: a call past
    them is refused (400 ``session_budget_exhausted``) and the harness is expected to stop; one that keeps
    running is cut at the wall time.
@@ -73,7 +74,8 @@ class CommandAgents:
             base=cfg.sandbox.base, limits=limits, files=files, egress=[egress],
             lease_ttl_s=cfg.wall_time_s + 2 * cfg.sandbox_timeout_s + 60.0, labels=labels)
         out.sandbox_id = created.sandbox_id
-        env = {**task.agent_env(prompt), **endpoint.env(), "RLBUS_PROMPT_FILE": PROMPT_FILE}
+        env = {**task.agent_env(prompt), **endpoint.env(), "RLBUS_MODEL": endpoint.model,
+               "RLBUS_PROMPT_FILE": PROMPT_FILE}
         reply = await self.sandboxes.exec(out.sandbox_id, task.agent_command, env=env, timeout_s=cfg.wall_time_s,
                                           max_output_bytes=64 * 1024)
         out.metadata["agent_exit_code"] = str(reply.exit_code)
