@@ -54,20 +54,20 @@ def main():
         lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
         result = json.loads(lines[-1][len(MARK):]) if lines else {"import_error": "no result: " + proc.stderr[-200:]}
     except subprocess.TimeoutExpired:
-        result = {"import_error": "timed out after %ss" % spec["timeout_s"]}
+        result = {"import_error": f"timed out after {spec['timeout_s']}s"}
     failures, passed, broken = [], 0, []
     if "import_error" in result:
         failures.append(result["import_error"])
     else:
         for name, cases in groups.items():
-            for (args, expected), got in zip(cases, result.get(name, [])):
+            for (args, expected), got in zip(cases, result.get(name, []), strict=False):
                 ok = "value" in got and same(got["value"], expected)
                 if ok and name == spec["target"]:
                     passed += 1
                 elif not ok:
+                    shown = ", ".join(repr(a) for a in args)
                     (broken if name != spec["target"] else failures).append(
-                        "%s(%s) gave %s, expected %r" % (name, ", ".join(repr(a) for a in args),
-                                                         got.get("value", got.get("error")), expected))
+                        f"{name}({shown}) gave {got.get('value', got.get('error'))}, expected {expected!r}")
     if broken:
         failures = ["the change broke " + broken[0], *failures]
         passed = 0
