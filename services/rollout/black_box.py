@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from services.lib.sandbox_client import SandboxClientError
-from services.rollout.command_agent import CommandAgents, egress_entry
+from services.rollout.command_agent import CommandAgentError, CommandAgents, egress_entry
 from services.rollout.config import AgentSection
 from services.rollout.endpoint import Endpoint
 from services.rollout.episode import EpisodeOutcome
@@ -96,7 +96,7 @@ class BlackBoxLoop:
         except TimeoutError:
             finish = "wall_time"
             self.counters["wall_time"] += 1
-        except SandboxClientError as e:
+        except (SandboxClientError, CommandAgentError) as e:
             out.error = f"sandbox: {e}"
         except Exception as e:  # the agent's own failure ends its episode only
             if session.exhausted is None:

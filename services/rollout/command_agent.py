@@ -44,6 +44,10 @@ log = logging.getLogger("rlbus.rollout.command_agent")
 TAIL_CHARS = 600
 
 
+class CommandAgentError(Exception):
+    """The command agent's episode cannot run as configured (the reason says what to change)."""
+
+
 def _tail(data: bytes, limit: int = TAIL_CHARS) -> str:
     text = data.decode("utf-8", errors="replace").strip()
     return text if len(text) <= limit else "..." + text[-limit:]
@@ -70,9 +74,16 @@ class CommandAgents:
         files = {**task.sandbox_files(prompt), PROMPT_FILE: (prompt.text or "").encode()}
         limits = api.Limits(memory_mb=cfg.sandbox.memory_mb, pids=cfg.sandbox.pids, cpus=cfg.sandbox.cpus,
                             disk_mb=cfg.sandbox.disk_mb, inodes=cfg.sandbox.inodes)
-        created = await self.sandboxes.create(
-            base=cfg.sandbox.base, limits=limits, files=files, egress=[egress],
-            lease_ttl_s=cfg.wall_time_s + 2 * cfg.sandbox_timeout_s + 60.0, labels=labels)
+        try:
+            created = await self.sandboxes.create(
+                base=cfg.sandbox.base, limits=limits, files=files, egress=[egress],
+                lease_ttl_s=cfg.wall_time_s + 2 * cfg.sandbox_timeout_s + 60.0, labels=labels)
+        except SandboxClientError as e:
+            if e.code == "invalid" and egress in e.error.message:
+                raise CommandAgentError(
+                    f"{e}; the sandbox cannot reach the endpoint at {egress}: set [services.rollout.endpoint] "
+                    'host = "0.0.0.0" (or agent_host to an address of this host that is not loopback)') from None
+            raise
         out.sandbox_id = created.sandbox_id
         env = {**task.agent_env(prompt), **endpoint.env(), "RLBUS_MODEL": endpoint.model,
                "RLBUS_PROMPT_FILE": PROMPT_FILE}

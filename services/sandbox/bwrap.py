@@ -34,13 +34,7 @@ from services.sandbox.cgroups import Hierarchy
 from services.sandbox.config import SandboxConfig
 from services.sandbox.egress import Allowlist, EgressPolicy, EgressProxy
 from services.sandbox.etc import write_etc
-from services.sandbox.host import (
-    base_args,
-    check_prerequisites,
-    check_sandbox_python,
-    python_env,
-    reap_instance,
-)
+from services.sandbox.host import base_args, check_prerequisites, python_env, reap_instance
 from services.sandbox.images import resolve_image
 from services.sandbox.overlay import Doomed, Layers, remove_all, rmtree
 
@@ -95,7 +89,6 @@ class BwrapBackend:
         os.mkdir(os.path.join(self.state_dir, "s"), 0o711)
         self.layers = Layers(self.state_dir, self.cfg.sandbox_uid, self.cfg.sandbox_gid, self.cfg.max_layers)
         self.hierarchy.prepare_instance(self.instance_id, self.cfg.memory_budget())
-        check_sandbox_python(self.cfg)
         etc_dir = os.path.join(self.state_dir, "etc")
         write_etc(self.cfg, etc_dir)
         cache = os.path.join(self.cfg.root_dir, ".images")

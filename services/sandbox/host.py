@@ -44,6 +44,7 @@ def _traversable(path: str, uid: int, gid: int) -> bool:
 
 def check_prerequisites(cfg: SandboxConfig) -> Hierarchy:
     """Everything the bwrap backend needs, or one :class:`BackendUnavailable` listing all that is missing."""
+    check_sandbox_python(cfg)
     problems: list[str] = []
     if os.geteuid() != 0:
         problems.append("the service must run as root (overlay mounts, cgroups, dropping to sandbox_uid)")

@@ -113,7 +113,7 @@ async def test_a_command_agent_reaches_the_endpoint_only_and_its_sandbox_is_grad
                              "loopback": f"http://127.0.0.1:{endpoint.port}/v1/models"})
             assert is_command_agent(task) and endpoint.agent_host not in ("0.0.0.0", "127.0.0.1")
             loop = BlackBoxLoop(endpoint, cfg, CommandAgents(bus.sandboxes, cfg))
-            hang_cfg = AgentSection(max_turns=3, wall_time_s=4.0)
+            hang_cfg = AgentSection(max_turns=3, wall_time_s=15.0)  # its one call takes ~1 s
             hang_loop = BlackBoxLoop(endpoint, hang_cfg, CommandAgents(bus.sandboxes, hang_cfg))
             ok, exited, flooded, hung = await asyncio.gather(
                 loop.run(task, prompt("ok"), {"sample": "0"}), loop.run(task, prompt("exit"), {"sample": "1"}),
@@ -153,6 +153,16 @@ async def test_a_command_agent_reaches_the_endpoint_only_and_its_sandbox_is_grad
             assert [t.role for t in hung.turns] == ["assistant"]
             await bus.sandboxes.destroy(hung.sandbox_id)
             assert loop.counters["errors"] == 1 and hang_loop.counters["wall_time"] == 1
+
+            # an endpoint only on loopback: the sandbox service refuses the entry, and the error says what to set
+            local = Endpoint(ScriptedEngine(TOK, ["Four."]), TOK, EndpointSection(enabled=True), "scripted")
+            await local.start()
+            try:
+                out = await BlackBoxLoop(local, cfg, CommandAgents(bus.sandboxes, cfg)).run(task, prompt("ok"))
+            finally:
+                await local.stop()
+            assert out.finish_reason == "error" and f"127.0.0.1:{local.port}" in out.error
+            assert 'host = "0.0.0.0"' in out.error and out.sandbox_id is None
     finally:
         await endpoint.stop()
         other_server.close()
