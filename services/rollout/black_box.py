@@ -76,16 +76,17 @@ class BlackBoxLoop:
         finish: str | None = None
         agent = AgentEndpoint(ep.base_url, session.id, ep.model_name)
         command = is_command_agent(task)
+        commands = self.commands
+        exit_error: str | None = None
         started = time.monotonic()
         try:
-            if command and self.commands is None:
+            if command and commands is None:
                 raise RuntimeError("a command agent needs the rollout's sandbox client")
             # a command's own exec limit is the wall time: its reply (timed out) comes before this bound
             async with asyncio.timeout(self.cfg.wall_time_s + (self.cfg.sandbox_timeout_s if command else 0.0)):
-                if command:
-                    assert self.commands is not None
-                    answer = await self.commands.run(task, agent, egress_entry(ep.agent_host, ep.port), prompt,
-                                                     out, labels)
+                if commands is not None and command:
+                    answer, exit_error = await commands.run(task, agent, egress_entry(ep.agent_host, ep.port),
+                                                            prompt, out, labels)
                 else:
                     answer = await task.solve(agent, prompt)
             if answer is not None:
@@ -103,8 +104,8 @@ class BlackBoxLoop:
                 out.error = f"agent: {type(e).__name__}: {e}"
         finally:
             ep.sessions.close(session.id)
-        if out.error is not None and command and session.exhausted is not None and out.error.startswith("agent "):
-            out.error = None  # its calls ran into the session's budget: the exit is the budget's, scored
+        if exit_error is not None and session.exhausted is None:  # after a refused call the exit is the budget's
+            out.error = exit_error
         elapsed = time.monotonic() - started
         generated = session.generated_tokens
         self.counters["calls"] += len(session.calls)

@@ -66,9 +66,10 @@ class CommandAgents:
         self.cfg = cfg
 
     async def run(self, task: Any, endpoint: AgentEndpoint, egress: str, prompt: Prompt, out: EpisodeOutcome,
-                  labels: dict[str, str]) -> str | None:
-        """Create the sandbox (its id in ``out.sandbox_id``), run the command, read its exit into ``out``.
-        Returns the end of its stdout (the episode's ``agent_answer``). Sandbox failures raise
+                  labels: dict[str, str]) -> tuple[str | None, str | None]:
+        """Create the sandbox (its id in ``out.sandbox_id``), run the command, note its exit in ``out``.
+        Returns the end of its stdout (the episode's ``agent_answer``) and, for a non-zero exit, the reason
+        (the caller ends the episode with it unless the session's budget was spent). Sandbox failures raise
         SandboxClientError (the caller ends the episode with them)."""
         cfg = self.cfg
         files = {**task.sandbox_files(prompt), PROMPT_FILE: (prompt.text or "").encode()}
@@ -91,12 +92,13 @@ class CommandAgents:
                                           max_output_bytes=64 * 1024)
         out.metadata["agent_exit_code"] = str(reply.exit_code)
         out.metadata["agent_exec_s"] = f"{reply.duration_s:.3f}"
+        failure = None
         if reply.timed_out:
             out.finish_reason = "wall_time"
         elif reply.exit_code != 0:
             why = " (OOM-killed)" if reply.oom_killed else ""
-            out.error = f"agent command exited with {reply.exit_code}{why}: {_tail(reply.stderr) or '(no stderr)'}"
-        return _tail(reply.stdout) or None
+            failure = f"agent command exited with {reply.exit_code}{why}: {_tail(reply.stderr) or '(no stderr)'}"
+        return _tail(reply.stdout) or None, failure
 
     async def settle(self, out: EpisodeOutcome) -> None:
         """Hand a scored episode's sandbox to the judge (paused, lease extended) or destroy it; destroy a failed
