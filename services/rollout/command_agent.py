@@ -15,7 +15,8 @@ Per episode (:class:`CommandAgents`, called by :class:`services.rollout.black_bo
    under the exec time limit ``wall_time_s``. The calls and tokens budgets are the session's: a call past
    them is refused (400 ``session_budget_exhausted``) and the harness is expected to stop; one that keeps
    running is cut at the wall time.
-3. **read the exit**: past the wall time → ``wall_time``; a non-zero exit while the budgets still held →
+3. **read the exit**: past the wall time → ``wall_time`` (also when the exec's reply is lost after its limit,
+   an overloaded sandbox service); a non-zero exit while the budgets still held →
    the episode ends with ``error`` and the exit code and the end of stderr (after a refused call, the exit is
    the budget's: ``turn_limit``/``token_budget``, and the episode is scored).
 4. **settle** the sandbox once the trajectory is known: a scored episode's sandbox is paused and handed to
@@ -29,10 +30,11 @@ agent's episode ends with the sandbox error).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from proto import sandbox as api
-from services.lib.sandbox_client import SandboxClient, SandboxClientError
+from services.lib.sandbox_client import SandboxClient, SandboxClientError, SandboxTimeout
 from services.rollout.config import AgentSection
 from services.rollout.episode import EpisodeOutcome
 from services.tasks.base import Prompt
@@ -88,8 +90,19 @@ class CommandAgents:
         out.sandbox_id = created.sandbox_id
         env = {**task.agent_env(prompt), **endpoint.env(), "RLBUS_MODEL": endpoint.model,
                "RLBUS_PROMPT_FILE": PROMPT_FILE}
-        reply = await self.sandboxes.exec(out.sandbox_id, task.agent_command, env=env, timeout_s=cfg.wall_time_s,
-                                          max_output_bytes=64 * 1024)
+        started = time.monotonic()
+        try:
+            reply = await self.sandboxes.exec(out.sandbox_id, task.agent_command, env=env,
+                                              timeout_s=cfg.wall_time_s, max_output_bytes=64 * 1024)
+        except SandboxTimeout:
+            if time.monotonic() - started < cfg.wall_time_s:
+                raise
+            # the exec's own limit passed and its reply did not come within the client's margin (an overloaded
+            # sandbox service): the service cuts the command at that limit, so the episode ends at its wall time
+            log.warning("agent command in sandbox %s: no reply after its %.0f s limit; ended at the wall time",
+                        out.sandbox_id, cfg.wall_time_s)
+            out.finish_reason = "wall_time"
+            return None, None
         out.metadata["agent_exit_code"] = str(reply.exit_code)
         out.metadata["agent_exec_s"] = f"{reply.duration_s:.3f}"
         failure = None

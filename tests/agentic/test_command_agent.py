@@ -13,6 +13,7 @@ import json
 from agentic_harness import Bus, ScriptedEngine, chat_tokenizer
 
 from proto.rollouts import Rollout, Turn
+from services.lib.sandbox_client import SandboxClient
 from services.rollout.black_box import BlackBoxLoop
 from services.rollout.command_agent import CommandAgents
 from services.rollout.config import AgentSection, EndpointSection
@@ -153,6 +154,13 @@ async def test_a_command_agent_reaches_the_endpoint_only_and_its_sandbox_is_grad
             assert [t.role for t in hung.turns] == ["assistant"]
             await bus.sandboxes.destroy(hung.sandbox_id)
             assert loop.counters["errors"] == 1 and hang_loop.counters["wall_time"] == 1
+
+            # the exec's reply lost after its limit (a client with no margin: the sandbox service replies only
+            # after it has cut the command): still the wall time, scored on the session's calls
+            hurried = SandboxClient(bus.nc, "agentic", timeout_s=30.0, exec_margin_s=0.0)
+            out = await BlackBoxLoop(endpoint, hang_cfg, CommandAgents(hurried, hang_cfg)).run(task, prompt("hang"))
+            assert out.error is None and out.finish_reason == "wall_time" and out.handed_off, out.error
+            await bus.sandboxes.destroy(out.sandbox_id)
 
             # an endpoint only on loopback: the sandbox service refuses the entry, and the error says what to set
             local = Endpoint(ScriptedEngine(TOK, ["Four."]), TOK, EndpointSection(enabled=True), "scripted")
