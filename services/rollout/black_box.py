@@ -16,19 +16,29 @@ The finish reason is the last generated choice's (``eos``/``stop``/``length``), 
 into (``turn_limit``/``token_budget``; the agent saw the refusal and returned or raised), or ``wall_time``.
 An agent that raises (for a reason other than a spent budget) ends its episode with ``error`` and the
 exception. ``solve``'s return value is kept as the sample's ``agent_answer`` metadata (cut to 2,000 chars).
+
+A **command agent** (:class:`services.tasks.black_box.CommandAgentTask`) runs as a command in the episode's
+sandbox instead of ``solve`` (``services/rollout/command_agent.py``): the same session, budgets and trajectory;
+its exit is read as said there, and its sandbox is handed to the judge when the episode is scored.
+
+Per episode the sample's metadata says ``agent_calls`` (model calls), ``agent_tokens`` (generated tokens),
+``agent_prompt_tokens`` (prompt tokens prefilled) and ``agent_wall_s`` (seconds, the agent's whole run).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
+from services.lib.sandbox_client import SandboxClientError
+from services.rollout.command_agent import CommandAgentError, CommandAgents, egress_entry
 from services.rollout.config import AgentSection
 from services.rollout.endpoint import Endpoint
 from services.rollout.episode import EpisodeOutcome
 from services.tasks.base import Prompt
-from services.tasks.black_box import AgentEndpoint
+from services.tasks.black_box import AgentEndpoint, is_command_agent
 
 log = logging.getLogger("rlbus.rollout.black_box")
 
@@ -39,32 +49,71 @@ ANSWER_CHARS = 2000
 class BlackBoxLoop:
     """Runs black-box agent episodes against one endpoint; one instance serves every such episode."""
 
-    def __init__(self, endpoint: Endpoint, cfg: AgentSection) -> None:
+    def __init__(self, endpoint: Endpoint, cfg: AgentSection, commands: CommandAgents | None = None) -> None:
         self.endpoint = endpoint
         self.cfg = cfg
-        self.counters = {"episodes": 0, "errors": 0, "segments_refused": 0, "wall_time": 0, "calls": 0}
+        #: runs command agents in sandboxes (None: a rollout without a sandbox client refuses them)
+        self.commands = commands
+        self.counters = {"episodes": 0, "errors": 0, "segments_refused": 0, "wall_time": 0, "calls": 0,
+                         "tokens": 0, "prompt_tokens": 0, "seconds": 0.0}
 
     async def run(self, task: Any, prompt: Prompt, labels: dict[str, str] | None = None) -> EpisodeOutcome:
+        out = EpisodeOutcome(turns=[], finish_reason="error")
+        try:
+            await self._run(task, prompt, labels or {}, out)
+        finally:  # also when cancelled: a command agent's sandbox is never left behind
+            if self.commands is not None and out.sandbox_id is not None:
+                await self.commands.settle(out)
+        if out.error is not None:
+            self.counters["errors"] += 1
+            log.warning("black-box episode %s: %s", prompt.id, out.error)
+        return out
+
+    async def _run(self, task: Any, prompt: Prompt, labels: dict[str, str], out: EpisodeOutcome) -> None:
         self.counters["episodes"] += 1
         ep = self.endpoint
         session = ep.sessions.open(labels, max_calls=self.cfg.max_turns, max_tokens=self.cfg.max_total_tokens)
-        out = EpisodeOutcome(turns=[], finish_reason="error")
         finish: str | None = None
+        agent = AgentEndpoint(ep.base_url, session.id, ep.model_name)
+        command = is_command_agent(task)
+        commands = self.commands
+        exit_error: str | None = None
+        started = time.monotonic()
         try:
-            async with asyncio.timeout(self.cfg.wall_time_s):
-                answer = await task.solve(AgentEndpoint(ep.base_url, session.id, ep.model_name), prompt)
+            if command and commands is None:
+                raise RuntimeError("a command agent needs the rollout's sandbox client")
+            # a command's own exec limit is the wall time: its reply (timed out) comes before this bound
+            async with asyncio.timeout(self.cfg.wall_time_s + (self.cfg.sandbox_timeout_s if command else 0.0)):
+                if commands is not None and command:
+                    answer, exit_error = await commands.run(task, agent, egress_entry(ep.agent_host, ep.port),
+                                                            prompt, out, labels)
+                else:
+                    answer = await task.solve(agent, prompt)
             if answer is not None:
                 out.metadata["agent_answer"] = str(answer)[:ANSWER_CHARS]
+            if out.finish_reason == "wall_time":  # the command's exec ran out of time
+                finish = "wall_time"
+                self.counters["wall_time"] += 1
         except TimeoutError:
             finish = "wall_time"
             self.counters["wall_time"] += 1
+        except (SandboxClientError, CommandAgentError) as e:
+            out.error = f"sandbox: {e}"
         except Exception as e:  # the agent's own failure ends its episode only
             if session.exhausted is None:
                 out.error = f"agent: {type(e).__name__}: {e}"
         finally:
             ep.sessions.close(session.id)
+        if exit_error is not None and session.exhausted is None:  # after a refused call the exit is the budget's
+            out.error = exit_error
+        elapsed = time.monotonic() - started
+        generated = session.generated_tokens
         self.counters["calls"] += len(session.calls)
-        out.metadata["agent_calls"] = str(len(session.calls))
+        self.counters["tokens"] += generated
+        self.counters["prompt_tokens"] += session.prefilled_tokens
+        self.counters["seconds"] += elapsed
+        out.metadata.update(agent_calls=str(len(session.calls)), agent_tokens=str(generated),
+                            agent_prompt_tokens=str(session.prefilled_tokens), agent_wall_s=f"{elapsed:.3f}")
         segments = session.close()
         if out.error is None and not segments:
             out.error = "agent: the agent returned without a model call that finished"
@@ -73,10 +122,8 @@ class BlackBoxLoop:
             out.error = (f"agent: its calls make {len(segments)} segments (it rewrote or truncated its history); "
                          "an episode trains as one sequence")
         if out.error is not None:
-            self.counters["errors"] += 1
-            log.warning("black-box episode %s: %s", prompt.id, out.error)
-            return out
+            out.finish_reason = "error"
+            return
         out.prompt_ids, out.turns = segments[0].sequence(lambda ids: ep.renderer.decode(ids))
         last = next(c for c in reversed(session.calls) if c.choices and c.continued_by is not None)
         out.finish_reason = finish or session.exhausted or last.choices[last.continued_by].finish_reason
-        return out

@@ -113,8 +113,13 @@ class EndpointSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     #: serve the endpoint beside the engine (off: nothing listens)
     enabled: bool = False
-    #: the address it listens on (127.0.0.1: this host only; sandboxes reach it through their egress allowlist)
+    #: the address it listens on (127.0.0.1: this host only; 0.0.0.0 / "::": every interface). Agents running as
+    #: commands in sandboxes reach it through the sandbox's egress proxy, which refuses loopback: give those
+    #: runs an address the sandbox service can reach (0.0.0.0, or this host's own address)
     host: str = "127.0.0.1"
+    #: the address agents are given in their base URL (and that sandboxes' egress allows): "" = ``host``, or,
+    #: when ``host`` is 0.0.0.0 / "::", this host's first non-loopback address (found at start)
+    agent_host: str = ""
     #: the TCP port (0: a free port, chosen at start and logged)
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     #: the model id /v1/models lists and responses name ("": the run's [model] name); requests may name any

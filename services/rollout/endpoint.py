@@ -33,6 +33,7 @@ import dataclasses
 import json
 import logging
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -65,6 +66,24 @@ from services.tasks.toolcalls import get_parser
 log = logging.getLogger("rlbus.rollout.endpoint")
 
 
+def advertised_host(host: str) -> str:
+    """The address to give agents for an endpoint listening on ``host``: ``host`` itself, or for a wildcard
+    (0.0.0.0, ::, "") this host's address on its default route (a UDP socket is connected, nothing is sent),
+    else its name's address; 127.0.0.1 when it has none."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("198.51.100.1", 9))  # TEST-NET-2: only the route is looked up
+            return str(s.getsockname()[0])
+    except OSError:
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 class ChatContext:
     """What a chat call's continuation must start with: its messages and its tools."""
 
@@ -88,6 +107,7 @@ class Endpoint:
         self.sessions = SessionStore(cfg.max_sessions)
         self.counters = {"requests": 0, "errors": 0, "aborted": 0}
         self.port = 0
+        self.agent_host = cfg.agent_host or cfg.host
         self._runner: web.AppRunner | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -104,7 +124,9 @@ class Endpoint:
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
         self.port = self._runner.addresses[0][1]
-        log.info("endpoint serving %s on http://%s:%d/v1", self.model_name, self.cfg.host, self.port)
+        self.agent_host = self.cfg.agent_host or advertised_host(self.cfg.host)
+        log.info("endpoint serving %s on http://%s:%d/v1 (agents call %s)", self.model_name, self.cfg.host,
+                 self.port, self.base_url)
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -113,8 +135,9 @@ class Endpoint:
 
     @property
     def base_url(self) -> str:
-        """The OpenAI base URL (Anthropic clients take it without ``/v1``)."""
-        return f"http://{self.cfg.host}:{self.port}/v1"
+        """The OpenAI base URL agents are given (Anthropic clients take it without ``/v1``)."""
+        host = f"[{self.agent_host}]" if ":" in self.agent_host else self.agent_host
+        return f"http://{host}:{self.port}/v1"
 
     # ---------------------------------------------------------------- plumbing
     @web.middleware

@@ -45,7 +45,7 @@ from services.runtime.service import ServiceContext, colocated_names
 from services.runtime.weights_config import ConfigError, VllmTransferConfig
 from services.tasks import TaskRegistrationError, UnknownTaskError, get_task
 from services.tasks.base import Prompt, Task
-from services.tasks.black_box import is_black_box_agent
+from services.tasks.black_box import is_black_box_agent, is_command_agent
 from services.tasks.env import SingleTurn, environment_of, is_environment
 from services.tasks.models import resolve_model
 from services.tasks.sandbox_tools import uses_sandbox
@@ -188,6 +188,7 @@ class RolloutService:
     async def serve_endpoint(self, ctx: Any) -> None:
         """Start the OpenAI/Anthropic-compatible endpoint over the engine (services/rollout/endpoint.py)."""
         from services.rollout.black_box import BlackBoxLoop  # aiohttp only where the endpoint is on
+        from services.rollout.command_agent import CommandAgents
         from services.rollout.endpoint import Endpoint
 
         if self.episodes is None or self.episodes.tokenizer is None:
@@ -195,7 +196,9 @@ class RolloutService:
         self.endpoint = Endpoint(self.engine, self.episodes.tokenizer, self.cfg.endpoint, self.loaded.model.name,
                                  tool_parser=self.cfg.agent.tool_parser)
         await self.endpoint.start()
-        self.black_box = BlackBoxLoop(self.endpoint, self.cfg.agent)
+        sandboxes = None if self.agents is None else self.agents.sandboxes
+        self.black_box = BlackBoxLoop(self.endpoint, self.cfg.agent,
+                                      None if sandboxes is None else CommandAgents(sandboxes, self.cfg.agent))
         ctx.gauges["rollout/endpoint/port"] = float(self.endpoint.port)
 
     async def _watch_engine(self, ctx: ServiceContext) -> None:
@@ -392,6 +395,9 @@ class RolloutService:
             if self.black_box is None:
                 raise Poison(f"task {name!r} runs black-box agents against the endpoint, which is off: set "
                              "[services.rollout] endpoint.enabled = true")
+            if is_command_agent(task) and self.black_box.commands is None:
+                raise Poison(f"task {name!r} runs its agent as a command in a sandbox; this rollout has no sandbox "
+                             "client")
             return task
         if task is not None and is_agent_task(task):
             if self.agents is None:

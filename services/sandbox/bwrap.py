@@ -34,7 +34,7 @@ from services.sandbox.cgroups import Hierarchy
 from services.sandbox.config import SandboxConfig
 from services.sandbox.egress import Allowlist, EgressPolicy, EgressProxy
 from services.sandbox.etc import write_etc
-from services.sandbox.host import base_args, check_prerequisites, reap_instance
+from services.sandbox.host import base_args, check_prerequisites, python_env, reap_instance
 from services.sandbox.images import resolve_image
 from services.sandbox.overlay import Doomed, Layers, remove_all, rmtree
 
@@ -234,7 +234,7 @@ class BwrapBackend:
         cwd = req.cwd or self.cfg.workdir
         if not cwd.startswith("/"):
             raise InvalidRequest(f"cwd {cwd!r} must be an absolute path inside the sandbox")
-        env = {**self.cfg.env, "HOME": self.cfg.workdir, **sb.spec.env, **common.check_env(dict(req.env))}
+        env = {**self.cfg.env, **python_env(self.cfg), "HOME": self.cfg.workdir, **sb.spec.env, **common.check_env(dict(req.env))}
         if sb.allowlist:
             env.update(self.egress.env())
         async with sb.lock:

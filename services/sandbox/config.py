@@ -90,6 +90,11 @@ class SandboxConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: directories of the host exposed read-only by base ``"host"``; without "/etc" here, sandboxes see a
     #: synthesized /etc (users, hosts, resolver, CA certificates; see ``etc.py``), not the host's
     host_paths: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_HOST_PATHS))
+    #: base ``"host"`` also shows the site-packages of the Python environment this service runs in (read-only,
+    #: at their own paths) and every exec gets them on ``PYTHONPATH``: sandboxed agent commands import the
+    #: packages installed beside rlbus (mini-swe-agent, litellm, openai) with the sandbox's ``python3``, which
+    #: must be the same minor version as the service's Python (checked at start)
+    python_packages: bool = False
     #: the writable work directory inside the sandbox (overlay layers; snapshotted and forked)
     workdir: str = "/workspace"
     #: host uid/gid sandboxed processes run as (unprivileged); root inside the sandbox maps to it

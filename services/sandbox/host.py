@@ -8,6 +8,8 @@ import logging
 import os
 import shutil
 import stat
+import sys
+import sysconfig
 
 from proto import sandbox as api
 from services.sandbox.backend import BackendUnavailable, EventSink
@@ -42,6 +44,7 @@ def _traversable(path: str, uid: int, gid: int) -> bool:
 
 def check_prerequisites(cfg: SandboxConfig) -> Hierarchy:
     """Everything the bwrap backend needs, or one :class:`BackendUnavailable` listing all that is missing."""
+    check_sandbox_python(cfg)
     problems: list[str] = []
     if os.geteuid() != 0:
         problems.append("the service must run as root (overlay mounts, cgroups, dropping to sandbox_uid)")
@@ -88,6 +91,34 @@ def check_prerequisites(cfg: SandboxConfig) -> Hierarchy:
     return hierarchy
 
 
+def python_package_dirs(cfg: SandboxConfig) -> list[str]:
+    """The site-packages directories of this service's Python that sandboxes see (``python_packages``)."""
+    if not cfg.python_packages:
+        return []
+    paths = sysconfig.get_paths()
+    return sorted({paths["purelib"], paths["platlib"]})
+
+
+def python_env(cfg: SandboxConfig) -> dict[str, str]:
+    """What every exec's environment gets for ``python_packages`` (nothing when it is off)."""
+    dirs = python_package_dirs(cfg)
+    return {"PYTHONPATH": ":".join(dirs)} if dirs else {}
+
+
+def check_sandbox_python(cfg: SandboxConfig) -> None:
+    """With ``python_packages``, the host's ``python3`` (what sandboxes run) must be this Python's minor
+    version, or the packages' compiled modules would not load: raises BackendUnavailable naming both."""
+    if not cfg.python_packages:
+        return
+    want = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    found = next((os.path.realpath(os.path.join(d, "python3")) for d in ("/usr/bin", "/usr/local/bin", "/bin")
+                  if os.path.exists(os.path.join(d, "python3"))), None)
+    if found is None or not os.path.basename(found).startswith(want):
+        raise BackendUnavailable(
+            f"python_packages = true: sandboxes run {found or 'no python3'}, but this service's packages are for "
+            f"{want}; install {want} on the host or turn python_packages off")
+
+
 def base_args(cfg: SandboxConfig, base: str, etc_dir: str, image_root: str = "") -> list[str]:
     """bwrap arguments building the read-only base root named ``base``.
 
@@ -99,7 +130,7 @@ def base_args(cfg: SandboxConfig, base: str, etc_dir: str, image_root: str = "")
     ``etc_dir`` unless ``host_paths`` names "/etc".
     """
     if base == "host":
-        paths = [(p, p) for p in cfg.host_paths]
+        paths = [(p, p) for p in [*cfg.host_paths, *python_package_dirs(cfg)]]
     else:
         image = image_root or cfg.images[base]
         skip = {"dev", "proc", "tmp", cfg.workdir.strip("/").split("/")[0]}

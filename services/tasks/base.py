@@ -154,7 +154,8 @@ def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
 #: agent loop), so importing ``services.tasks`` never forms an import cycle; ``reasoning_gym``, ``textarena`` and
 #: ``openenv`` import an optional package (``rlbus[envs]``) that takes time to import and need not be installed
 _LAZY_BUILTINS = {"coding": "services.tasks.coding", "reasoning_gym": "services.tasks.reasoning_gym",
-                  "textarena": "services.tasks.textarena_env", "openenv": "services.tasks.openenv_env"}
+                  "textarena": "services.tasks.textarena_env", "openenv": "services.tasks.openenv_env",
+                  "swe_fix": "services.tasks.swe_fix"}
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:

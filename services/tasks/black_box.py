@@ -15,8 +15,12 @@ new prompt tokens after the first call), ``wall_time_s`` for the whole ``solve``
 answered with an error (the agent sees it); an agent that raises ends its episode with the error, one that
 does not return within the wall time is cancelled (its pending calls with it).
 
-Not here yet: agents as commands inside the episode's sandbox (with ``OPENAI_BASE_URL``/``OPENAI_API_KEY``
-from :meth:`AgentEndpoint.env`), and verifiers environments.
+A :class:`CommandAgentTask` is a black-box agent that is a *command* run in the episode's own sandbox (any
+harness, any language): ``agent_command`` runs there with :meth:`AgentEndpoint.env` (``OPENAI_BASE_URL``,
+``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``), the prompt in the file ``PROMPT_FILE`` (its
+path in ``RLBUS_PROMPT_FILE``) and the task's ``agent_env(prompt)``; the sandbox's egress allows the endpoint
+and nothing else. The rollout runs it (``services/rollout/command_agent.py``); the judge may grade the
+sandbox it leaves behind with hidden tests in a fork, as for the ``coding`` task.
 """
 
 from __future__ import annotations
@@ -76,3 +80,34 @@ class BlackBoxAgentTask:
 def is_black_box_agent(task: object) -> bool:
     """True for tasks whose episodes run user agent code against the endpoint."""
     return getattr(task, "black_box", False) is True and callable(getattr(task, "solve", None))
+
+
+#: where a command agent finds its prompt's text, relative to the sandbox's work directory
+PROMPT_FILE = ".rlbus/prompt.txt"
+
+
+class CommandAgentTask(BlackBoxAgentTask):
+    """Base of tasks whose agent is a command in the episode's sandbox (see the module docstring).
+
+    Subclasses set ``agent_command`` (a shell script, run in the work directory) and give prompts, the
+    sandbox's starting files (``sandbox_files``) and a ``reward`` and/or ``hidden_tests`` for the judge."""
+
+    #: the shell script the episode runs in its sandbox
+    agent_command: str = ""
+
+    def sandbox_files(self, prompt: Prompt) -> dict[str, bytes]:
+        """Files the sandbox starts with (paths relative to its work directory); the prompt file is added."""
+        return {}
+
+    def agent_env(self, prompt: Prompt) -> dict[str, str]:
+        """Environment variables of the command beside the endpoint's (its budgets, its model name...)."""
+        return {}
+
+    async def solve(self, endpoint: AgentEndpoint, prompt: Prompt) -> Any:
+        raise TypeError(f"{type(self).__name__} is a command agent: the rollout runs its agent_command in the "
+                        "episode's sandbox (services/rollout/command_agent.py), not solve()")
+
+
+def is_command_agent(task: object) -> bool:
+    """True for black-box agent tasks whose agent is a command in the episode's sandbox."""
+    return is_black_box_agent(task) and bool(getattr(task, "agent_command", ""))

@@ -164,8 +164,9 @@ def loaded(url: str, service: Any) -> Loaded:
 class Bus:
     """A sandbox service in this event loop plus a client connection; services started with :meth:`serve`."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, **sandbox_options: Any) -> None:
         self.url = url
+        self.sandbox_options = sandbox_options  # more SandboxConfig fields of the sandbox service
         self.root = f"/var/tmp/rlbus-agentic-{uuid.uuid4().hex[:8]}"
         self.tasks: list[tuple[ServiceContext, asyncio.Task[Any]]] = []
 
@@ -175,7 +176,7 @@ class Bus:
         self.js = self.nc.jetstream()
         await bus.provision_all(self.js)
         self.sandboxes = SandboxClient(self.nc, RUN, timeout_s=30.0)
-        sbx_loaded = loaded(self.url, SandboxConfig(root_dir=self.root))
+        sbx_loaded = loaded(self.url, SandboxConfig(root_dir=self.root, **self.sandbox_options))
         ctx = await self.context("sandbox", sbx_loaded)
         service = SandboxService.from_loaded(sbx_loaded)
         task = asyncio.create_task(service.run(ctx), name="agentic-sandbox-service")
