@@ -15,10 +15,13 @@ Protocol on the unix stream socket ``fd`` (the host holds the other end):
   is gone (code: the command's exit status, or 128 + the signal that killed it).
 
 Each exec gets a *shepherd*: a forked child that is a child subreaper (``PR_SET_CHILD_SUBREAPER``),
-leads a new session and forks the command. Whatever the command leaves behind (background jobs,
+leads a new session and starts the command. Whatever the command leaves behind (background jobs,
 double-forked daemons) is re-parented to the shepherd, which kills all of it (SIGKILL, until it has
 no child left) when the command exits or when the host asks for the kill (SIGUSR1); only then does
-it exit, so ``exit`` means the exec's whole process tree is gone and its pipes are closed.
+it exit, so ``exit`` means the exec's whole process tree is gone and its pipes are closed. A
+shepherd killed from inside the sandbox re-parents its exec's processes to pid 1 (this server): any
+child of the server that is not a shepherd is such a stray and is killed, with its tree, as soon as
+the shepherd's death is noticed.
 """
 
 import _signal
@@ -31,32 +34,42 @@ PR_SET_CHILD_SUBREAPER = 36
 MSG_CMSG_CLOEXEC = 0x40000000
 
 
-def descendants():
-    """Pids of every descendant of this process (walking /proc/<pid>/task/<tid>/children)."""
-    found, todo = [], [os.getpid()]
-    while todo:
-        pid = todo.pop()
+def children(pid):
+    """Pids of the children of ``pid`` (from /proc/<pid>/task/<tid>/children)."""
+    found = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tids:
         try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(k) for k in f.read().split()]
+        except (OSError, ValueError):
             continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except (OSError, ValueError):
-                continue
-            found += kids
-            todo += kids
     return found
 
 
-def kill_descendants():
-    for pid in descendants():
+def descendants(root):
+    """Pids of every descendant of ``root``."""
+    found, todo = [], [root]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_all(pids):
+    for pid in pids:
         try:
             os.kill(pid, 9)
         except OSError:
             pass
+
+
+def kill_descendants():
+    kill_all(descendants(os.getpid()))
 
 
 def shepherd(libc, argv, env, cwd, fds):
@@ -104,7 +117,9 @@ def recv_exact(sock, n):
 
 
 def main():
-    import ctypes  # after the socket is known good: the only non-trivial import
+    if os.getpid() != 1:  # it kills every child that is not a shepherd: only ever as pid 1 of its own namespace
+        sys.exit("rlbus exec server: refusing to run outside a sandbox (not pid 1 of its own pid namespace)")
+    import ctypes  # the only non-trivial import
 
     fd = int(sys.argv[1])
     os.set_inheritable(fd, False)
@@ -124,9 +139,14 @@ def main():
             if pid == 0:
                 return
             exec_id = shepherds.pop(pid, None)
-            if exec_id is not None:  # anything else was an orphan re-parented to pid 1
-                code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
-                send(f"exit {exec_id} {code}")
+            if exec_id is None:
+                continue  # a stray (below) that died
+            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+            # a shepherd killed from inside left its exec's processes to pid 1: strays, killed with their trees
+            for stray in children(os.getpid()):
+                if stray not in shepherds:
+                    kill_all([stray, *descendants(stray)])
+            send(f"exit {exec_id} {code}")
 
     _signal.signal(_signal.SIGCHLD, reap)
     space = _socket.CMSG_SPACE(3 * 4)
