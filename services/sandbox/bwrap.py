@@ -11,7 +11,8 @@ it exits or the sandbox is destroyed; that is how long-running processes (a
 server, a counter loop) live in a sandbox. Processes of different execs share
 the filesystem, limits and freezer but not pid or network namespaces.
 
-With ``exec_path`` ``server`` or ``hybrid`` (the default), a sandbox's execs run instead as children of one
+With ``exec_path`` ``server`` or ``hybrid`` (the default; the server from the second exec on), a sandbox's
+execs run instead as children of one
 persistent exec server, the sandbox's pid 1, started through that same command line once
 (:mod:`.exec_server`): the same uid, namespaces, cgroup, environment, timeouts and output caps, without a new
 bwrap per exec; execs then share the sandbox's pid and network namespace, and each exec's process tree is

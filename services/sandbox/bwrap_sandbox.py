@@ -100,13 +100,14 @@ class Sandbox:
             raise NotFound(f"sandbox {self.id} was destroyed", self.id)
 
     async def exec_server(self, spawn: Spawn, wait: bool) -> ExecServer | None:
-        """Under :attr:`lock`: the ready exec server, or None; then one is being started by ``spawn`` in the
-        background, or (``wait``) it is started now, and None means it failed."""
+        """Under :attr:`lock`: the ready exec server, or None. ``wait``: it is started now (None: it failed);
+        else it is started by ``spawn`` in the background from the sandbox's second exec on (a sandbox that
+        runs one exec never pays for a server)."""
         if self.server is not None and not self.server.alive:  # died (OOM-killed, killed from inside): a new one
             dead, self.server = self.server, None
             await dead.close()
             self.server_start = None
-        if self.server is None and self.server_ok and self.server_start is None:
+        if self.server is None and self.server_ok and self.server_start is None and (wait or self.exec_count >= 2):
             if wait:
                 await self._start_server(spawn, locked=True)
             else:
@@ -123,6 +124,8 @@ class Sandbox:
                 server = await spawn()
             await server.wait_ready()
         except Exception as e:
+            if self.state == "destroying":  # killed by the destroy while it started
+                return
             log.warning("sandbox %s: its exec server did not start (%s): its execs run through their own bwrap",
                         self.id, e)
             self.server_ok = False

@@ -153,8 +153,9 @@ class SandboxConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     setpriv_path: str = "setpriv"
     #: how an exec starts. ``bwrap``: each exec is its own bubblewrap (sh, setpriv, bwrap: ~9 ms here).
     #: ``server``: through the sandbox's exec server (its pid 1, started by bubblewrap once, at the first exec,
-    #: which waits for it; then an exec is a request on a socket, see ``exec_server.py``). ``hybrid``: the first
-    #: exec starts the server in the background and execs run through their own bwrap until it is ready. A base
+    #: which waits for it; then an exec is a request on a socket, see ``exec_server.py``). ``hybrid``: the second
+    #: exec starts the server in the background and execs run through their own bwrap until it is ready (a
+    #: sandbox that runs one exec costs what it costs with ``bwrap``, later execs what they cost with ``server``). A base
     #: without ``exec_server_python`` runs every exec through its own bwrap
     exec_path: Literal["bwrap", "server", "hybrid"] = "hybrid"
     #: the interpreter that runs the exec server, a path inside the sandbox's base; a base without it runs every

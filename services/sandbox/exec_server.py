@@ -1,13 +1,14 @@
 """The host side of a sandbox's exec server: one bubblewrap per sandbox instead of one per exec.
 
 Starting ``sh`` → ``setpriv`` → ``bwrap`` → the command for every exec costs ~9 ms here, most of an
-agent's tool call. With ``exec_path`` ``server`` or ``hybrid``, a sandbox's first exec also starts a
+agent's tool call. With ``exec_path`` ``server`` or ``hybrid``, a sandbox's first (second) exec starts a
 small server (:mod:`.exec_server_main`) through the sandbox's own command line (same cgroup, uid,
 namespaces, read-only base, scrubbed environment) as the sandbox's pid 1 (``--as-pid-1``); once it
 has said ``ready``, each later exec is a request on a unix socket and runs as a child of the server,
 with pipes the host made and passed over (``SCM_RIGHTS``). ``server``: the first exec waits for the
-server; ``hybrid``: it starts in the background and execs run through their own bwrap until it is
-ready. Execs also run through their own bwrap wherever a server cannot (no interpreter in the base, a
+server; ``hybrid``: the second exec starts it in the background and execs run through their own
+bwrap until it is ready, so a sandbox with one exec never pays for it (Python's start, ~20-50 ms of
+CPU here, more than the bwrap it saves). Execs also run through their own bwrap wherever a server cannot (no interpreter in the base, a
 failed start).
 
 What the host still enforces itself, whatever the server does (it runs the sandbox's uid: code in the

@@ -131,22 +131,32 @@ def main():
         sock.sendall(line.encode() + b"\n")
 
     def reap(*_):
+        finished = []
         while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            exec_id = shepherds.pop(pid, None)
-            if exec_id is None:
-                continue  # a stray (below) that died
-            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+            while True:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                exec_id = shepherds.pop(pid, None)  # None: a stray (below) that died
+                if exec_id is not None:
+                    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+                    finished.append(f"exit {exec_id} {code}")
             # a shepherd killed from inside left its exec's processes to pid 1: strays, killed with their trees
-            for stray in children(os.getpid()):
-                if stray not in shepherds:
-                    kill_all([stray, *descendants(stray)])
-            send(f"exit {exec_id} {code}")
+            # (again and again: a stray may fork while it is being killed)
+            strays = [pid for pid in children(os.getpid()) if pid not in shepherds]
+            if not strays:
+                break
+            for stray in strays:
+                kill_all([stray, *descendants(stray)])
+            try:
+                os.waitpid(strays[0], 0)
+            except ChildProcessError:
+                pass
+        for line in finished:
+            send(line)
 
     _signal.signal(_signal.SIGCHLD, reap)
     space = _socket.CMSG_SPACE(3 * 4)

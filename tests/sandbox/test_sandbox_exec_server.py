@@ -42,12 +42,14 @@ async def test_execs_run_as_children_of_one_server(server_backend):
     assert sorted(sb.cgroup.pids()) == sorted([server.proc.pid, server.pid1])  # nothing else left running
 
 
-async def test_hybrid_runs_the_first_exec_through_bwrap_then_the_server(state_root, events):
+async def test_hybrid_starts_the_server_at_the_second_exec_and_uses_it_once_ready(state_root, events):
     async with started_backend(make_config(state_root, exec_path="hybrid"), events) as b:
         sid = await new_sandbox(b)
-        first = await sh(b, sid, "cat /proc/1/comm")
-        assert first.stdout == b"bwrap\n"  # its own bwrap, while the server starts beside it
         sb = b.sandboxes[sid]
+        first = await sh(b, sid, "cat /proc/1/comm")
+        assert first.stdout == b"bwrap\n" and sb.server_start is None  # one exec: no server started
+        second = await sh(b, sid, "cat /proc/1/comm")
+        assert second.stdout == b"bwrap\n" and sb.server_start is not None  # its own bwrap; the server starts
         await wait_for_async(lambda: sb.server is not None, 60, "the exec server to be ready")
         later = await sh(b, sid, "cat /proc/1/comm")
         assert later.stdout == b"python3\n" and later.exit_code == 0
