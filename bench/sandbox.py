@@ -27,7 +27,9 @@ overhead; ``renew_lease_ms_p50`` is the same call made directly).
 Exec paths (``path_<p>_`` prefix, ``p`` = ``bwrap``, ``hybrid``, ``server``: the backend's ``exec_path``, one
 backend each, iterations interleaved; ``--exec-paths-only`` runs just these): the create → exec ``true`` →
 destroy cycle and its parts, and ``warm_exec_ms``: ``true`` exec'd in a long-lived sandbox whose exec server
-is ready (the steady state of an agent's tool calls); ``ratio_<p>_over_bwrap_*`` compare them.
+is ready (the steady state of an agent's tool calls); ``warm_exec_cpu_ms``: the CPU one warm exec costs in
+all (this process, its reaped children, and the sandbox's exec server with everything it reaped), a figure
+that machine load does not inflate as it does latencies; ``ratio_<p>_over_bwrap_*`` compare them.
 
 Overload (``--overload N``, only this): N clients at once, each repeating create → exec ``true`` → destroy
 through the bus for ``--overload-s`` seconds against ``rlbus service sandbox`` with its host-default bounds;
@@ -53,6 +55,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -418,6 +421,7 @@ async def bench_exec_paths(root: str, n: int) -> dict[str, float]:
                 for p in EXEC_PATHS}
     cycles: dict[str, list[tuple[float, float, float, float]]] = {p: [] for p in EXEC_PATHS}
     warm: dict[str, list[float]] = {p: [] for p in EXEC_PATHS}
+    warm_cpu = {p: 0.0 for p in EXEC_PATHS}  # CPU seconds of the warm execs: this process, its children, the server
     async with contextlib.AsyncExitStack() as stack:
         live: dict[str, str] = {}
         for p, b in backends.items():
@@ -429,17 +433,26 @@ async def bench_exec_paths(root: str, n: int) -> dict[str, float]:
             sb = b.sandboxes[live[p]]
             while p != "bwrap" and sb.server is None:  # hybrid: started in the background by the second exec
                 await asyncio.sleep(0.05)
+        servers = {p: b.sandboxes[live[p]].server for p, b in backends.items()}
         for i in range(n + 5):
+            if i == 5:  # after the warm-up: the servers' CPU so far (their reaped children's included)
+                server_cpu0 = {p: proc_cpu_s(s.pid1) if s else 0.0 for p, s in servers.items()}
             for p, b in backends.items():
                 one = await create_exec_destroy(Direct(b))
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), own_cpu_s()
                 r = await b.exec(api.ExecRequest(run_id=RUN, sandbox_id=live[p], command=api.Argv(args=["true"])))
-                took = (time.perf_counter() - t0) * 1e3
+                took, cpu = (time.perf_counter() - t0) * 1e3, own_cpu_s() - c0
                 if r.exit_code != 0:
                     raise RuntimeError(f"{p}: `true` exited {r.exit_code}: {r.stderr!r}")
                 if i >= 5:  # warm-up
                     cycles[p].append(one)
                     warm[p].append(took)
+                    warm_cpu[p] += cpu
+        for p, server in servers.items():
+            if server is not None:
+                if backends[p].sandboxes[live[p]].server is not server:
+                    raise RuntimeError(f"{p}: the warm sandbox's exec server changed during the bench")
+                warm_cpu[p] += proc_cpu_s(server.pid1) - server_cpu0[p]
     out: dict[str, float] = {"exec_paths_n": n}
     for p in EXEC_PATHS:
         total, c_ms, e_ms, d_ms = (list(col) for col in zip(*cycles[p], strict=True))
@@ -447,10 +460,24 @@ async def bench_exec_paths(root: str, n: int) -> dict[str, float]:
                              ("destroy_ms", d_ms), ("warm_exec_ms", warm[p])):
             out[f"path_{p}_{stem}_p50"] = statistics.median(values)
             out[f"path_{p}_{stem}_p99"] = pct(values, 0.99)
+        out[f"path_{p}_warm_exec_cpu_ms"] = warm_cpu[p] * 1e3 / n
     for p in ("hybrid", "server"):
-        for stem in ("create_exec_destroy_ms_p50", "warm_exec_ms_p50", "warm_exec_ms_p99"):
+        for stem in ("create_exec_destroy_ms_p50", "warm_exec_ms_p50", "warm_exec_ms_p99", "warm_exec_cpu_ms"):
             out[f"ratio_{p}_over_bwrap_{stem.replace('_ms', '')}"] = out[f"path_{p}_{stem}"] / out[f"path_bwrap_{stem}"]
     return out
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and its reaped children (a per-exec bwrap and everything under it)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` and its reaped children (an exec server: its shepherds and their commands)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
 
 
 def exec_paths_table(figures: dict[str, Any]) -> str:
@@ -465,6 +492,7 @@ def exec_paths_table(figures: dict[str, Any]) -> str:
             note = "" if goal is None else (f"p50 <= {goal[0]:g} ({'met' if p50 <= goal[0] else 'NOT met'}), "
                                             f"p99 <= {goal[1]:g} ({'met' if p99 <= goal[1] else 'NOT met'})")
             lines.append(f"{p + ' ' + label:<30}{p50:>8.1f}{p99:>8.1f}   {note}".rstrip())
+        lines.append(f"{p + ' warm exec CPU (ms, all)':<30}{figures[f'path_{p}_warm_exec_cpu_ms']:>8.2f}")
     return "\n".join(lines)
 
 

@@ -136,16 +136,29 @@ class Sandbox:
             self.server = server
 
     async def stop_server(self) -> None:
-        """Kill the exec server (and all it runs); the next exec starts another."""
+        """Kill the exec server (and all it runs); the next exec starts another. Called with no exec running:
+        in a paused sandbox the server's processes are then all its cgroup holds, and they are thawed to die
+        (a frozen process dies only once thawed on cgroup v1), then the cgroup is frozen again."""
         task, self.server_start = self.server_start, None
-        if task is not None and not task.done():
-            task.cancel()
-        if task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         server, self.server = self.server, None
-        if server is not None:
-            await server.close()
+        paused = self.state == "paused" and (task is not None or server is not None)
+        if paused:
+            if server is not None:
+                server.kill()
+            self.cgroup.thaw()
+        try:
+            if task is not None and not task.done():
+                task.cancel()
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if self.server is not None:  # the start finished as it was cancelled
+                server, self.server = self.server, None
+            if server is not None:
+                await server.close()
+        finally:
+            if paused:
+                await self.cgroup.freeze()
 
     def listener(self, egress: EgressProxy, exec_id: str | None) -> Listen | None:
         """The egress listener's opener for this sandbox (None without an allowlist). A refusal names ``exec_id``,

@@ -107,3 +107,18 @@ def test_the_server_refuses_to_run_outside_a_sandbox():
     """It kills every child of its own that is not a shepherd: run anywhere but as pid 1 it must not start."""
     r = subprocess.run([sys.executable, "-I", "-S", str(SERVER_MAIN), "0"], capture_output=True, timeout=60)
     assert r.returncode != 0 and b"refusing to run outside a sandbox" in r.stderr
+
+
+async def test_a_paused_sandbox_with_a_server_can_be_forked_and_resumed(server_backend):
+    b = server_backend
+    sid = await new_sandbox(b)
+    await sh(b, sid, "echo kept > f")
+    assert b.sandboxes[sid].server is not None
+    await b.pause(api.PauseRequest(run_id=RUN, sandbox_id=sid))
+    # the snapshot stops the frozen server (thawed to die, the cgroup frozen again)
+    fork = await asyncio.wait_for(b.fork(api.ForkRequest(run_id=RUN, source=api.FromSandbox(sandbox_id=sid))), 60)
+    sb = b.sandboxes[sid]
+    assert sb.server is None and sb.state == "paused" and sb.cgroup.is_frozen() and sb.cgroup.pids() == []
+    await b.resume(api.ResumeRequest(run_id=RUN, sandbox_id=sid))
+    assert (await sh(b, sid, "cat f")).stdout == b"kept\n"
+    assert (await sh(b, fork.sandbox_id, "cat f")).stdout == b"kept\n"
