@@ -290,19 +290,22 @@ class ExecServer:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         loop = asyncio.get_running_loop()
         async with self._send_lock:
-            while True:
-                try:
-                    sent = self.sock.sendmsg([frame], anc)
-                    break
-                except BlockingIOError:
-                    writable = loop.create_future()
-                    loop.add_writer(self.sock.fileno(), lambda w=writable: w.done() or w.set_result(None))
+            try:
+                while True:
                     try:
-                        await writable
-                    finally:
-                        loop.remove_writer(self.sock.fileno())
-            if sent < len(frame):
-                await loop.sock_sendall(self.sock, frame[sent:])
+                        sent = self.sock.sendmsg([frame], anc)
+                        break
+                    except BlockingIOError:
+                        writable = loop.create_future()
+                        loop.add_writer(self.sock.fileno(), lambda w=writable: w.done() or w.set_result(None))
+                        try:
+                            await writable
+                        finally:
+                            loop.remove_writer(self.sock.fileno())
+                if sent < len(frame):
+                    await loop.sock_sendall(self.sock, frame[sent:])
+            except OSError as e:  # it died (its end closed) before the reader noticed
+                raise SandboxFailure(f"the sandbox's exec server is gone ({e})") from e
 
     async def _read(self) -> None:
         """Lines from the server: ``ready``, ``exit <id> <code>``; EOF (or nonsense) ends the server."""

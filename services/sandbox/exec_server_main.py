@@ -200,4 +200,5 @@ def main():
                         pass
 
 
-main()
+if __name__ == "__main__":  # run with -c (its source) inside a sandbox; importing it runs nothing
+    main()
