@@ -24,6 +24,13 @@ Direct and bus iterations alternate so both see the same machine load; ``ratio_*
 (created, destroyed) are stored in SANDBOX_EVENTS. ``bus_renew_lease_ms_p50`` is one request/reply round trip with next to no work (the floor of the bus
 overhead; ``renew_lease_ms_p50`` is the same call made directly).
 
+Exec paths (``path_<p>_`` prefix, ``p`` = ``bwrap``, ``hybrid``, ``server``: the backend's ``exec_path``, one
+backend each, iterations interleaved; ``--exec-paths-only`` runs just these): the create → exec ``true`` →
+destroy cycle and its parts, and ``warm_exec_ms``: ``true`` exec'd in a long-lived sandbox whose exec server
+is ready (the steady state of an agent's tool calls); ``warm_exec_cpu_ms``: the CPU one warm exec costs in
+all (this process, its reaped children, and the sandbox's exec server with everything it reaped), a figure
+that machine load does not inflate as it does latencies; ``ratio_<p>_over_bwrap_*`` compare them.
+
 Overload (``--overload N``, only this): N clients at once, each repeating create → exec ``true`` → destroy
 through the bus for ``--overload-s`` seconds against ``rlbus service sandbox`` with its host-default bounds;
 a refused (``overloaded``) create is counted and the client backs off by its ``retry_after_s`` (jittered)
@@ -48,6 +55,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -402,6 +410,92 @@ async def bench_paused(t: Target, backend: BwrapBackend, n: int, concurrency: in
     }
 
 
+#: how an exec starts (``exec_path``), compared side by side by :func:`bench_exec_paths`
+EXEC_PATHS = ("bwrap", "hybrid", "server")
+
+
+async def bench_exec_paths(root: str, n: int) -> dict[str, float]:
+    """Each ``exec_path`` its own backend, iterations interleaved: create → exec ``true`` → destroy (split into
+    its parts), and ``true`` exec'd in a long-lived sandbox whose exec server is ready (``warm_exec``)."""
+    backends = {p: BwrapBackend(SandboxConfig(root_dir=root, exec_path=p, default_lease_ttl_s=3600), lambda e: None)
+                for p in EXEC_PATHS}
+    cycles: dict[str, list[tuple[float, float, float, float]]] = {p: [] for p in EXEC_PATHS}
+    warm: dict[str, list[float]] = {p: [] for p in EXEC_PATHS}
+    warm_cpu = {p: 0.0 for p in EXEC_PATHS}  # CPU seconds of the warm execs: this process, its children, the server
+    async with contextlib.AsyncExitStack() as stack:
+        live: dict[str, str] = {}
+        for p, b in backends.items():
+            await b.start()
+            stack.push_async_callback(b.close)
+            live[p] = await create(Direct(b))
+            for _ in range(2):
+                await b.exec(api.ExecRequest(run_id=RUN, sandbox_id=live[p], command=api.Argv(args=["true"])))
+            sb = b.sandboxes[live[p]]
+            while p != "bwrap" and sb.server is None:  # hybrid: started in the background by the second exec
+                await asyncio.sleep(0.05)
+        servers = {p: b.sandboxes[live[p]].server for p, b in backends.items()}
+        for i in range(n + 5):
+            if i == 5:  # after the warm-up: the servers' CPU so far (their reaped children's included)
+                server_cpu0 = {p: proc_cpu_s(s.pid1) if s else 0.0 for p, s in servers.items()}
+            for p, b in backends.items():
+                one = await create_exec_destroy(Direct(b))
+                t0, c0 = time.perf_counter(), own_cpu_s()
+                r = await b.exec(api.ExecRequest(run_id=RUN, sandbox_id=live[p], command=api.Argv(args=["true"])))
+                took, cpu = (time.perf_counter() - t0) * 1e3, own_cpu_s() - c0
+                if r.exit_code != 0:
+                    raise RuntimeError(f"{p}: `true` exited {r.exit_code}: {r.stderr!r}")
+                if i >= 5:  # warm-up
+                    cycles[p].append(one)
+                    warm[p].append(took)
+                    warm_cpu[p] += cpu
+        for p, server in servers.items():
+            if server is not None:
+                if backends[p].sandboxes[live[p]].server is not server:
+                    raise RuntimeError(f"{p}: the warm sandbox's exec server changed during the bench")
+                warm_cpu[p] += proc_cpu_s(server.pid1) - server_cpu0[p]
+    out: dict[str, float] = {"exec_paths_n": n}
+    for p in EXEC_PATHS:
+        total, c_ms, e_ms, d_ms = (list(col) for col in zip(*cycles[p], strict=True))
+        for stem, values in (("create_exec_destroy_ms", total), ("create_ms", c_ms), ("exec_true_ms", e_ms),
+                             ("destroy_ms", d_ms), ("warm_exec_ms", warm[p])):
+            out[f"path_{p}_{stem}_p50"] = statistics.median(values)
+            out[f"path_{p}_{stem}_p99"] = pct(values, 0.99)
+        out[f"path_{p}_warm_exec_cpu_ms"] = warm_cpu[p] * 1e3 / n
+    for p in ("hybrid", "server"):
+        for stem in ("create_exec_destroy_ms_p50", "warm_exec_ms_p50", "warm_exec_ms_p99", "warm_exec_cpu_ms"):
+            out[f"ratio_{p}_over_bwrap_{stem.replace('_ms', '')}"] = out[f"path_{p}_{stem}"] / out[f"path_bwrap_{stem}"]
+    return out
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and its reaped children (a per-exec bwrap and everything under it)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` and its reaped children (an exec server: its shepherds and their commands)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+
+
+def exec_paths_table(figures: dict[str, Any]) -> str:
+    """p50/p99 per ``exec_path``: the create+exec+destroy cycle, its parts, and an exec in a warm sandbox."""
+    rows = [("create+exec+destroy", "create_exec_destroy_ms", (10.0, 50.0)), ("  create", "create_ms", None),
+            ("  exec true", "exec_true_ms", None), ("  destroy", "destroy_ms", None),
+            ("warm exec true", "warm_exec_ms", (10.0, 50.0))]
+    lines = [f"{'exec_path latency (ms)':<30}{'p50':>8}{'p99':>8}   goal"]
+    for p in EXEC_PATHS:
+        for label, stem, goal in rows:
+            p50, p99 = figures[f"path_{p}_{stem}_p50"], figures[f"path_{p}_{stem}_p99"]
+            note = "" if goal is None else (f"p50 <= {goal[0]:g} ({'met' if p50 <= goal[0] else 'NOT met'}), "
+                                            f"p99 <= {goal[1]:g} ({'met' if p99 <= goal[1] else 'NOT met'})")
+            lines.append(f"{p + ' ' + label:<30}{p50:>8.1f}{p99:>8.1f}   {note}".rstrip())
+        lines.append(f"{p + ' warm exec CPU (ms, all)':<30}{figures[f'path_{p}_warm_exec_cpu_ms']:>8.2f}")
+    return "\n".join(lines)
+
+
 #: figure → its bus/direct ratio key
 RATIOS = {
     "create_exec_destroy_ms_p50": "ratio_create_exec_destroy_p50",
@@ -522,6 +616,11 @@ async def bench_overload(args: argparse.Namespace) -> dict[str, Any]:
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.overload:
         return await bench_overload(args)
+    if args.exec_paths_only:
+        figures = {"mode": "exec_paths", "quick": args.quick, **await bench_exec_paths(args.root, 50 if args.quick
+                                                                                         else 300)}
+        figures["loadavg_1m"] = os.getloadavg()[0]
+        return {k: round(v, 2) if isinstance(v, float) else v for k, v in figures.items()}
     cfg = SandboxConfig(root_dir=args.root, max_sandboxes=max(5000, args.burst), default_lease_ttl_s=3600)
     backend = BwrapBackend(cfg, lambda e: None)
     await backend.start()
@@ -535,6 +634,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         q = args.quick
         steps = [
             ("create/exec/destroy", bench_create_exec_destroy(targets, 100 if q else 500)),
+            ("exec paths (direct)", bench_exec_paths(args.root, 50 if q else 300)),
             ("fork with 100 MB", bench_fork(targets, backend, 5 if q else 15)),
             ("burst of 1000 creates", bench_burst(targets, 1000)),
             ("paused sandboxes (direct)", bench_paused(direct, backend, 200 if q else 1000)),
@@ -569,6 +669,8 @@ if __name__ == "__main__":
     parser.add_argument("--overload-s", type=float, default=30.0, help="how long the overload lasts before the stop")
     parser.add_argument("--overload-timeout-s", type=float, default=30.0, help="each overload request's timeout")
     parser.add_argument("--service-repo", metavar="DIR", help="run the service from this checkout")
+    parser.add_argument("--exec-paths-only", action="store_true",
+                        help="only the exec_path comparison (bwrap, hybrid, server), direct")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.loop == "uvloop":
@@ -576,6 +678,8 @@ if __name__ == "__main__":
 
         uvloop.install()
     result = asyncio.run(main(args))
-    if not args.overload:
+    if "path_bwrap_create_exec_destroy_ms_p50" in result:
+        print(exec_paths_table(result))
+    if not args.overload and not args.exec_paths_only:
         print(latency_table(result))
     print(json.dumps(result))

@@ -11,6 +11,13 @@ it exits or the sandbox is destroyed; that is how long-running processes (a
 server, a counter loop) live in a sandbox. Processes of different execs share
 the filesystem, limits and freezer but not pid or network namespaces.
 
+With ``exec_path`` ``server`` or ``hybrid`` (the default; the server from the second exec on), a sandbox's
+execs run instead as children of one
+persistent exec server, the sandbox's pid 1, started through that same command line once
+(:mod:`.exec_server`): the same uid, namespaces, cgroup, environment, timeouts and output caps, without a new
+bwrap per exec; execs then share the sandbox's pid and network namespace, and each exec's process tree is
+killed when its command ends.
+
 How one exec is started (and joins the cgroup without a race) is in :mod:`.bwrap_exec`; one sandbox's
 record, events and exec bookkeeping are in :mod:`.bwrap_sandbox`. This module is the backend: the
 instance (start, reaping, shutdown), the registry of sandboxes and snapshots, and the verbs.
@@ -19,24 +26,32 @@ instance (start, reaping, shutdown), the registry of sandboxes and snapshots, an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import Awaitable
 
 from proto import sandbox as api
 from services.sandbox import backend, common, execio, files
-from services.sandbox.backend import BackendUnavailable, Conflict, EventSink, InvalidRequest, NotFound
+from services.sandbox.backend import (
+    BackendUnavailable,
+    Conflict,
+    EventSink,
+    InvalidRequest,
+    NotFound,
+    SandboxFailure,
+)
 from services.sandbox.bwrap_exec import command_prefix, smoke_test, spawn
 from services.sandbox.bwrap_sandbox import Sandbox, Snapshot, Spec
 from services.sandbox.cgroups import Hierarchy
 from services.sandbox.config import SandboxConfig
 from services.sandbox.egress import Allowlist, EgressPolicy, EgressProxy
 from services.sandbox.etc import write_etc
-from services.sandbox.host import base_args, check_prerequisites, python_env, reap_instance
+from services.sandbox.exec_server import ExecServer, server_python_in
+from services.sandbox.host import base_args, check_prerequisites, python_env, reap_instance, reap_orphans
 from services.sandbox.images import resolve_image
-from services.sandbox.overlay import Doomed, Layers, remove_all, rmtree
+from services.sandbox.overlay import Doomed, Layers, remove_all
 
 log = logging.getLogger("rlbus.sandbox.bwrap")
 
@@ -57,6 +72,8 @@ class BwrapBackend:
         self._lock = common.InstanceLock(self.state_dir)
         self._tasks: set[asyncio.Task[None]] = set()
         self._base_args: dict[str, list[str]] = {}
+        #: the bases whose sandboxes run an exec server (``exec_path`` not ``bwrap``, and its interpreter in the base)
+        self._server_bases: set[str] = set()
         self.hierarchy: Hierarchy | None = None
         self.layers: Layers | None = None
 
@@ -96,6 +113,8 @@ class BwrapBackend:
                  for name, path in self.cfg.images.items()}
         self._base_args = {"host": base_args(self.cfg, "host", etc_dir),
                            **{name: base_args(self.cfg, name, etc_dir, root) for name, root in roots.items()}}
+        self._server_bases = {base for base, root in [("host", "/"), *roots.items()]
+                              if self.cfg.exec_path != "bwrap" and server_python_in(self.cfg, base, root)}
         empty = self.layers.empty
         await smoke_test(command_prefix(self.cfg, self._base_args["host"], empty, empty, empty, []))
         log.info("sandbox instance %s ready (bwrap, cgroup v%d, state %s)", self.instance_id,
@@ -131,29 +150,7 @@ class BwrapBackend:
         """Destroy sandboxes of dead instances under ``root_dir``; returns their ids."""
         if self.hierarchy is None:
             raise BackendUnavailable("call start() first")
-        hierarchy = self.hierarchy
-        reaped: list[str] = []
-        try:
-            entries = [e.name for e in os.scandir(self.cfg.root_dir) if e.is_dir()]
-        except FileNotFoundError:
-            return reaped
-        for name in entries:
-            if name == self.instance_id or (name.startswith(".") and not name.startswith(".new-")):
-                continue
-            lock = common.InstanceLock(os.path.join(self.cfg.root_dir, name))
-            if not lock.try_acquire(create=False):
-                continue  # alive (or not an instance directory)
-            if name.startswith(".new-"):  # an instance that died while starting
-                rmtree(os.path.join(self.cfg.root_dir, name))
-                lock.release()
-                continue
-            try:
-                reaped += await reap_instance(self.cfg, hierarchy, name, self.on_event, keep_dir=False)
-            finally:
-                lock.release()
-        if reaped:
-            log.warning("reaped %d orphaned sandboxes of dead instances", len(reaped))
-        return reaped
+        return await reap_orphans(self.cfg, self.hierarchy, self.instance_id, self.on_event)
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -194,7 +191,7 @@ class BwrapBackend:
             allowlist=Allowlist(list(spec.egress)),
             argv_prefix=command_prefix(self.cfg, self._base_args[spec.base], tree.merged, tree.tmp, tree.shm,
                                        cgroup.self_attach_files()),
-            created_at=time.time(), parent_id=parent_id,
+            created_at=time.time(), parent_id=parent_id, server_ok=spec.base in self._server_bases,
         )
         self.sandboxes[sid] = sb
         return sb
@@ -244,15 +241,16 @@ class BwrapBackend:
                 raise NotFound(f"sandbox {sb.id} is being destroyed", sb.id)
             sb.exec_count += 1
             exec_id = f"{sb.id}-e{sb.exec_count}"
-            listen = None
-            if sb.allowlist:
-                def refused(host: str, port: int, reason: str) -> None:
-                    sb.emit(api.EgressRefused(host=host, port=port, reason=reason, exec_id=exec_id))
-
-                def listen(pid: int) -> Awaitable[asyncio.Server]:
-                    return self.egress.listen(pid, sb.allowlist, refused)
-            ex = await spawn(sb.argv_prefix, argv, env, cwd, req.detach, listen)
-            ex.exec_id = exec_id
+            server = await sb.exec_server(lambda: ExecServer.spawn(
+                sb.argv_prefix, self.cfg.exec_server_python, dict(self.cfg.env), sb.listener(self.egress, None)),
+                wait=self.cfg.exec_path == "server")
+            ex = None
+            if server is not None:
+                with contextlib.suppress(SandboxFailure):  # it died just now: this exec goes the other way
+                    ex = await server.run(exec_id, argv, env, cwd, req.detach)
+            if ex is None:  # no server (yet, or here): this exec gets its own bwrap
+                ex = await spawn(sb.argv_prefix, argv, env, cwd, req.detach, sb.listener(self.egress, exec_id))
+                ex.exec_id = exec_id
             sb.execs[exec_id] = ex
         sb.emit(api.ExecStarted(exec_id=exec_id, argv=[a[:200] for a in argv], detach=req.detach))
         if req.detach:
@@ -335,6 +333,7 @@ class BwrapBackend:
         store, _ = self._ready()
         copied = bool(sb.execs)
         if not copied:
+            await sb.stop_server()  # its mount namespace holds the upper layer being frozen; the next exec starts one
             layers = store.swap_upper(sb.tree)
         else:
             was_paused = sb.state == "paused"
@@ -400,6 +399,7 @@ class BwrapBackend:
             ex.kill()
         await sb.cgroup.kill_all()  # thaws a paused sandbox so the killed processes can exit
         await asyncio.gather(*(ex.proc.wait() for ex in execs))  # their waiters close them
+        await sb.stop_server()
         await sb.cgroup.remove()
         doomed = store.drop_tree(sb.tree)
         for snap_id in sb.snapshots:

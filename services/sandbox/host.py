@@ -12,6 +12,7 @@ import sys
 import sysconfig
 
 from proto import sandbox as api
+from services.sandbox import common
 from services.sandbox.backend import BackendUnavailable, EventSink
 from services.sandbox.cgroups import Hierarchy
 from services.sandbox.config import SandboxConfig
@@ -236,3 +237,29 @@ async def reap_instance(
     if ids:
         log.warning("reaped instance %s: %d sandboxes", instance, len(ids))
     return ids
+
+
+async def reap_orphans(cfg: SandboxConfig, hierarchy: Hierarchy, instance_id: str, on_event: EventSink) -> list[str]:
+    """Destroy sandboxes of dead instances under ``root_dir``; returns their ids."""
+    reaped: list[str] = []
+    try:
+        entries = [e.name for e in os.scandir(cfg.root_dir) if e.is_dir()]
+    except FileNotFoundError:
+        return reaped
+    for name in entries:
+        if name == instance_id or (name.startswith(".") and not name.startswith(".new-")):
+            continue
+        lock = common.InstanceLock(os.path.join(cfg.root_dir, name))
+        if not lock.try_acquire(create=False):
+            continue  # alive (or not an instance directory)
+        if name.startswith(".new-"):  # an instance that died while starting
+            rmtree(os.path.join(cfg.root_dir, name))
+            lock.release()
+            continue
+        try:
+            reaped += await reap_instance(cfg, hierarchy, name, on_event, keep_dir=False)
+        finally:
+            lock.release()
+    if reaped:
+        log.warning("reaped %d orphaned sandboxes of dead instances", len(reaped))
+    return reaped

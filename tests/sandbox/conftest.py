@@ -31,9 +31,11 @@ async def events() -> Events:
     return Events()
 
 
-@pytest.fixture
-async def backend(state_root: str, events: Events) -> AsyncIterator[BwrapBackend]:
-    async with started_backend(make_config(state_root), events) as b:
+@pytest.fixture(params=["server", "bwrap"])
+async def backend(request: pytest.FixtureRequest, state_root: str, events: Events) -> AsyncIterator[BwrapBackend]:
+    """A started backend; every test using it runs twice: each exec through the sandbox's exec server (started by
+    the first exec, which waits for it), and each exec through its own bubblewrap."""
+    async with started_backend(make_config(state_root, exec_path=request.param), events) as b:
         yield b
 
 

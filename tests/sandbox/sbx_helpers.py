@@ -46,6 +46,13 @@ class Events:
         return await asyncio.wait_for(_wait(), timeout)
 
 
+def exec_pids(backend: BwrapBackend, sandbox_id: str) -> list[int]:
+    """The processes in the sandbox's cgroup other than its exec server's (its bwrap monitor and pid 1)."""
+    sb = backend.sandboxes[sandbox_id]
+    server = {sb.server.proc.pid, sb.server.pid1} if sb.server is not None else set()
+    return [p for p in sb.cgroup.pids() if p not in server]
+
+
 def make_config(root: str, **kw: object) -> SandboxConfig:
     return SandboxConfig(root_dir=root, **kw)  # type: ignore[arg-type]
 

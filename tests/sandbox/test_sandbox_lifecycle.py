@@ -26,7 +26,8 @@ async def test_lease_expiry_destroys_the_sandbox(backend, events):
     await sh(backend, sid, "sleep 60", detach=True)
     tree = backend.sandboxes[sid].tree
     await events.wait_for(sid, "destroyed")
-    assert events.kinds(sid)[-2:] == ["lease_expired", "destroyed"]
+    kinds = events.kinds(sid)  # the lease may expire while the exec starts (an exec server's first start is slow)
+    assert kinds[-1] == "destroyed" and kinds.index("lease_expired") < len(kinds) - 1
     assert events.of(sid, "destroyed")[0].detail.reason == "lease_expired"
     assert sid not in backend.sandboxes
     # its volume is unmounted in the background (the destroy does not wait for the kernel)
