@@ -58,6 +58,8 @@ from collections.abc import Iterator
 from functools import cached_property
 from typing import Any
 
+import verifiers.v1 as vf  # imported with this module: the judge's workers import it before any call
+
 from services.runtime.config import ConfigError
 from services.tasks.base import Prompt, Reward, register_task
 from services.tasks.black_box import AgentEndpoint, BlackBoxAgentTask
@@ -84,8 +86,6 @@ def _import(module: str) -> Any:
 
 def load_env(spec: str, env_args: dict[str, Any]) -> Any:
     """The ``vf.Env`` that ``spec`` names with ``env_args`` (see the module docstring)."""
-    import verifiers.v1 as vf
-
     if not spec:
         raise VerifiersEnvError("task.options.env: name the environment: a module or pkg.module:function")
     module_name, _, attr = spec.partition(":")
@@ -111,8 +111,6 @@ def load_env(spec: str, env_args: dict[str, Any]) -> Any:
 
 
 def _taskset_env(module_name: str, module: Any, env_args: dict[str, Any]) -> Any:
-    import verifiers.v1 as vf
-
     taskset_id = module_name
     if "." in module_name:  # verifiers imports tasksets by an undotted id
         taskset_id = ALIAS_PREFIX + module_name.replace(".", "__")
@@ -126,7 +124,6 @@ def _taskset_env(module_name: str, module: Any, env_args: dict[str, Any]) -> Any
 
 def _with_rlbus_harness(env: Any) -> Any:
     """``env`` rebuilt with rlbus's harness (and verifiers' local runtime) on every seat that pins no harness."""
-    import verifiers.v1 as vf
     from verifiers.v1.configs.agent import agent_config_fields
 
     from services.tasks.verifiers_harness import harness_id
@@ -257,8 +254,6 @@ class VerifiersTask(BlackBoxAgentTask):
 
     async def solve(self, endpoint: AgentEndpoint, prompt: Prompt) -> str:
         """One verifiers episode of the prompt's task against the session; returns the rubric's verdict (JSON)."""
-        import verifiers.v1 as vf
-
         await self._serve()
         task = self._read(int(prompt.metadata["task_idx"]))[int(prompt.metadata["task_idx"])]
         base = f"{endpoint.base_url.removesuffix('/v1')}/s/{endpoint.api_key}/v1"
