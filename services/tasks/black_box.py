@@ -15,8 +15,10 @@ new prompt tokens after the first call), ``wall_time_s`` for the whole ``solve``
 answered with an error (the agent sees it); an agent that raises ends its episode with the error, one that
 does not return within the wall time is cancelled (its pending calls with it).
 
+verifiers environments run as black-box agent tasks too (:mod:`services.tasks.verifiers_env`).
+
 Not here yet: agents as commands inside the episode's sandbox (with ``OPENAI_BASE_URL``/``OPENAI_API_KEY``
-from :meth:`AgentEndpoint.env`), and verifiers environments.
+from :meth:`AgentEndpoint.env`).
 """
 
 from __future__ import annotations

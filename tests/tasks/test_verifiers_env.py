@@ -41,6 +41,17 @@ def test_tasks_become_a_held_out_eval_split_and_a_deterministic_training_stream(
     assert {p.metadata["task_idx"] for p, _ in zip(small.train_prompts(0), range(6), strict=False)} == {"1", "2", "3"}
 
 
+def test_a_verifiers_taskset_package_is_an_environment_with_its_config_from_env_args():
+    """examples/verifiers_env.py exports a vf.Taskset (no load_environment): verifiers' own load_environment
+    builds the environment, env_args its taskset's config; every seat runs rlbus's harness."""
+    from services.tasks.verifiers_harness import RlbusChatHarness
+
+    task = get_task("verifiers", env="examples.verifiers_env", env_args={"size": 12, "terms": 3}, eval_size=2)
+    assert [p.text.count("+") for p in task.eval_prompts()] == [2, 2]
+    assert len({p.metadata["task_idx"] for p, _ in zip(task.train_prompts(0), range(10), strict=False)}) == 10
+    assert all(isinstance(h, RlbusChatHarness) for h in task.env._harnesses.values())
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"env": "no_such_module_here"}, "task.options.env: module 'no_such_module_here' does not import"),
     ({"env": "json"}, "task.options.env: module 'json' has no load_environment and exports no verifiers Taskset"),
@@ -49,6 +60,8 @@ def test_tasks_become_a_held_out_eval_split_and_a_deterministic_training_stream(
     ({"env": ENVS, "env_args": {"bogus": 1}}, "raised TypeError"),
     ({"env": ENVS, "eval_size": 8}, "task.options.eval_size: the taskset has 8 tasks"),
     ({"env": ENVS, "evalsize": 2}, "task.options.evalsize: unknown option"),
+    ({"env": "examples.verifiers_env", "env_args": {"sizes": 3}},
+     "task.options.env_args: not the config of taskset 'examples.verifiers_env'"),
 ])
 def test_a_broken_environment_is_refused_naming_the_option(options, message):
     with pytest.raises(VerifiersEnvError, match="task.options") as info:
