@@ -21,8 +21,9 @@ interception server). ``env`` names one of:
 * ``"pkg.module"`` exporting a ``vf.Taskset`` subclass in ``__all__`` (a verifiers taskset package): the
   environment is verifiers' own ``vf.load_environment`` for it, ``env_args`` being the taskset's config.
 
-A module that does not import, has none of these, or gives something that is not a ``vf.Env`` is refused at
-start-up naming ``task.options.env``. Agent seats that do not pin a harness run rlbus's in-process chat
+A module that does not import, has none of these, or gives something that is not a ``vf.Env`` is refused
+naming ``task.options.env`` when the environment is first needed: the trainer's first prompts at start-up,
+the rollout's first episode (the judge never loads it: the reward reads the verdict). Agent seats that do not pin a harness run rlbus's in-process chat
 harness (:mod:`services.tasks.verifiers_harness`; verifiers' own chat harnesses install themselves with
 ``uv`` over the network) in verifiers' ``subprocess`` runtime.
 
@@ -35,7 +36,8 @@ session (the session id in the URL path, ``/s/<session>/v1``), so every model ca
 recorded by the session and becomes the trajectory; verifiers scores the trace with the task's reward
 functions inside the episode (bounded by the rollout's ``agent.wall_time_s``, as every agent is), and
 ``solve`` returns their verdict (``{"rewards": {name: [score, weight]}, "errors": [...]}``, kept as the
-sample's ``agent_answer``).
+sample's ``agent_answer``). An episode that failed elsewhere (the environment's ``run``, the harness, a model
+call) raises instead: the rollout ends it with ``error`` and the reason, and it is not trained.
 
 **Reward.** The judge reads the verdict: the weighted mean of the reward functions' scores (weights as
 verifiers declares them; a weight of 0 is a metric-like signal and does not count), each function's score
@@ -68,6 +70,8 @@ from services.tasks.black_box import AgentEndpoint, BlackBoxAgentTask
 ERROR_CHARS = 300
 #: errors kept in the verdict (with the rewards, it must fit the 2,000 characters kept of ``solve``'s answer)
 MAX_ERRORS = 3
+#: the error type verifiers records for a failure in a task's reward functions (its scoring boundary)
+SCORING_ERROR = "TaskError"
 #: prefix of the names under which dotted taskset modules are registered for verifiers' loader
 ALIAS_PREFIX = "rlbus_vf_"
 
@@ -137,10 +141,24 @@ def _with_rlbus_harness(env: Any) -> Any:
     return type(env)(env.config.model_copy(update=update))
 
 
+class VerifiersEpisodeError(RuntimeError):
+    """The environment's episode failed before it could be scored (its run, its harness, a model call)."""
+
+
 def verdict(episode: Any) -> dict[str, Any]:
-    """What the episode's reward functions said: every trace's rewards and every error, JSON-ready."""
+    """What the episode's reward functions said: every trace's rewards and the scoring errors, JSON-ready.
+
+    Raises:
+        VerifiersEpisodeError: the episode failed other than in its reward functions (the rollout ends the
+            episode with ``error`` and this reason; it is not trained).
+    """
+    failed = [f"{e.type}: {e.message}"[:ERROR_CHARS] for e in episode.errors]
+    failed += [f"{e.type}: {e.message}"[:ERROR_CHARS] for t in episode.traces for e in t.errors
+               if e.type != SCORING_ERROR]
+    if failed:
+        raise VerifiersEpisodeError("the verifiers episode failed: " + "; ".join(failed[:MAX_ERRORS]))
     rewards: dict[str, list[float | None]] = {}
-    errors = [f"{e.type}: {e.message}"[:ERROR_CHARS] for e in episode.errors]
+    errors: list[str] = []
     for trace in episode.traces:
         errors += [f"{e.type}: {e.message}"[:ERROR_CHARS] for e in trace.errors]
         for name, r in trace.rewards.items():
@@ -151,7 +169,7 @@ def verdict(episode: Any) -> dict[str, Any]:
 def reward_of(v: dict[str, Any]) -> Reward:
     """The weighted mean of a verdict's scores, each in the explanation; 0 with the reason when one failed."""
     if v.get("errors"):
-        return Reward(0.0, "the environment failed: " + "; ".join(v["errors"]))
+        return Reward(0.0, "the reward functions failed: " + "; ".join(v["errors"]))
     parts, total, weights = [], 0.0, 0.0
     for name, (score, weight) in sorted(v.get("rewards", {}).items()):
         if score is None:
@@ -191,18 +209,29 @@ class VerifiersTask(BlackBoxAgentTask):
             if value < 1:
                 raise VerifiersEnvError(f"task.options.{key}: must be at least 1, got {value}")
         self.spec, self.eval_size, self.max_new_tokens = env, eval_size, max_new_tokens
-        self.env = load_env(env, dict(env_args or {}))
+        self.env_args = dict(env_args or {})
         self._tasks: list[Any] = []  # the taskset's tasks read so far, in load() order
-        self._source = iter(self.env.taskset)
-        self._bounded = self.env.taskset.bounded
-        if self._bounded and len(self._read(None)) <= eval_size:
-            raise VerifiersEnvError(f"task.options.eval_size: the taskset has {len(self._tasks)} tasks; "
-                                    f"holding out {eval_size} leaves none to train on")
         self._serving: contextlib.AsyncExitStack | None = None
         self._serving_lock: asyncio.Lock | None = None
 
+    @cached_property
+    def env(self) -> Any:
+        """The environment, loaded on first use: by the trainer's first prompts and the rollout's first
+        episode (a broken one stops them there, naming the option); never by the judge, whose ``reward``
+        reads only the verdict (its workers' first call would otherwise pay for loading the environment)."""
+        env = load_env(self.spec, self.env_args)
+        self._source = iter(env.taskset)
+        self._bounded = env.taskset.bounded
+        if self._bounded:
+            self._tasks += self._source
+            if len(self._tasks) <= self.eval_size:
+                raise VerifiersEnvError(f"task.options.eval_size: the taskset has {len(self._tasks)} tasks; "
+                                        f"holding out {self.eval_size} leaves none to train on")
+        return env
+
     def _read(self, upto: int | None) -> list[Any]:
         """The tasks up to position ``upto`` (all of them: None; a bounded taskset only)."""
+        self.env  # noqa: B018  (loads the environment and its first tasks)
         need = None if upto is None else upto + 1 - len(self._tasks)
         if need is None or need > 0:
             self._tasks += itertools.islice(self._source, need)
@@ -226,6 +255,7 @@ class VerifiersTask(BlackBoxAgentTask):
     def train_prompts(self, seed: int, start: int = 0) -> Iterator[Prompt]:
         """The other tasks, an epoch at a time in an order drawn from ``(seed, epoch)``; prompt id
         ``verifiers/train/<seed>/<position>``."""
+        self.env  # noqa: B018  (loads the environment: is the taskset bounded?)
         if not self._bounded:
             for position in itertools.count(start):
                 yield self._prompt(f"verifiers/train/{seed}/{position}", self.eval_size + position)

@@ -17,7 +17,7 @@ from endpoint_harness import serving, tokenizer, torch_engine  # noqa: E402
 
 from services.rollout.black_box import BlackBoxLoop  # noqa: E402
 from services.rollout.config import AgentSection  # noqa: E402
-from services.tasks.base import get_task  # noqa: E402
+from services.tasks.base import Prompt, get_task  # noqa: E402
 from services.tasks.verifiers_env import VerifiersEnvError, reward_of  # noqa: E402
 
 ENVS = "tests.tasks.verifiers_envs"
@@ -65,8 +65,16 @@ def test_a_verifiers_taskset_package_is_an_environment_with_its_config_from_env_
 ])
 def test_a_broken_environment_is_refused_naming_the_option(options, message):
     with pytest.raises(VerifiersEnvError, match="task.options") as info:
-        get_task("verifiers", **options)
+        get_task("verifiers", **options).eval_prompts()  # the environment loads when first needed
     assert message in str(info.value)
+
+
+def test_the_judge_side_never_loads_the_environment():
+    """The judge's reward reads only the verdict: building the task there loads nothing (a broken module
+    included), so its workers' first call costs no environment loading."""
+    task = get_task("verifiers", env="no_such_module_here")
+    prompt = Prompt(id="p", metadata={"agent_answer": '{"rewards": {"a": [1.0, 1.0]}, "errors": []}'})
+    assert task.reward(prompt, "").value == 1.0 and "env" not in task.__dict__
 
 
 def test_the_rubric_verdict_is_the_weighted_mean_of_its_functions():
@@ -128,3 +136,9 @@ async def test_a_reward_function_that_raises_or_returns_garbage_scores_zero_with
     prompt = task.eval_prompts()[0]
     reward = task.reward(prompt.__class__(id=prompt.id, metadata={**prompt.metadata, **out.metadata}), "")
     assert reward.value == 0.0 and reason in reward.explanation.lower()
+
+
+async def test_an_environment_whose_run_fails_ends_its_episode_with_the_reason():
+    _, (out,) = await _episodes({"env": f"{ENVS}:load_dialogue", "env_args": {"fail": True}})
+    assert out.finish_reason == "error" and "the environment broke" in out.error, out.error
+    assert "VerifiersEpisodeError" in out.error

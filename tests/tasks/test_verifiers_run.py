@@ -20,6 +20,7 @@ from proto import catalog
 from services.launcher.accounting import read_all
 from services.runtime.natsd import EmbeddedNats
 from tests.conftest import run_file, trainer_records
+from tests.rollout.conftest import build_tiny_model
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -31,9 +32,12 @@ TEMPLATE = REPO / "examples" / "chat_templates" / "chatml_tools.jinja"
     ("tests.tasks.verifiers_envs", {"contains_answer", "brief"}),
     ("tests.tasks.verifiers_envs:load_dialogue", {"replied_every_turn", "contains_answer", "brief"}),
 ])
-def test_a_short_run_of_a_verifiers_environment_trains(tmp_path, loop_model_dir, env, rewards):
+def test_a_short_run_of_a_verifiers_environment_trains(tmp_path, env, rewards):
     run_dir = tmp_path / "run"
-    cfg = run_file(tmp_path, loop_model_dir, run_id="vf", model_keys={"chat_template": str(TEMPLATE)},
+    # a chat needs more context than the addition model's 64 positions: the character-level model of the
+    # rollout tests (512 positions, random weights; the pipeline is what is under test, not learning)
+    model = build_tiny_model(tmp_path / "model")
+    cfg = run_file(tmp_path, model, run_id="vf", model_keys={"chat_template": str(TEMPLATE)},
                    services={"trainer": 1, "rollout": 1, "judge": 1, "weightsync": 1},
                    task="verifiers", task_options={"env": env, "eval_size": 2, "max_new_tokens": 8},
                    trainer={"groups_per_step": 2, "group_size": 2, "total_steps": 2, "max_staleness": 1},

@@ -75,6 +75,8 @@ def load_environment(size: int = 8) -> vf.Env:
 class DialogueConfig(vf.EnvConfig):
     agent: vf.AgentConfig = vf.AgentConfig()
     turns: int = 2
+    #: the environment's own run raises after the first turn
+    fail: bool = False
 
 
 class DialogueEnv(vf.Env[DialogueConfig]):
@@ -85,6 +87,8 @@ class DialogueEnv(vf.Env[DialogueConfig]):
         replies = 0
         async with agents.agent.interaction(task) as interaction:
             segment = await interaction.turn()
+            if self.config.fail:
+                raise RuntimeError("the environment broke")
             while not segment.terminated:
                 replies += 1
                 if replies >= self.config.turns:  # is_completed
@@ -93,8 +97,8 @@ class DialogueEnv(vf.Env[DialogueConfig]):
         interaction.trace.record_reward("replied_every_turn", replies / self.config.turns, 1.0)
 
 
-def load_dialogue(turns: int = 2) -> vf.Env:
-    cfg = DialogueConfig.model_validate({"taskset": {"id": _taskset_id()}, "turns": turns})
+def load_dialogue(turns: int = 2, fail: bool = False) -> vf.Env:
+    cfg = DialogueConfig.model_validate({"taskset": {"id": _taskset_id()}, "turns": turns, "fail": fail})
     return DialogueEnv(cfg)
 
 
