@@ -23,7 +23,7 @@ interception server). ``env`` names one of:
 
 A module that does not import, has none of these, or gives something that is not a ``vf.Env`` is refused
 naming ``task.options.env`` when the environment is first needed: the trainer's first prompts at start-up,
-the rollout's first episode (the judge never loads it: the reward reads the verdict). Agent seats that do not pin a harness run rlbus's in-process chat
+the rollout's first episode (the judge never loads it, nor imports verifiers: the reward reads the verdict). Agent seats that do not pin a harness run rlbus's in-process chat
 harness (:mod:`services.tasks.verifiers_harness`; verifiers' own chat harnesses install themselves with
 ``uv`` over the network) in verifiers' ``subprocess`` runtime.
 
@@ -60,8 +60,6 @@ from collections.abc import Iterator
 from functools import cached_property
 from typing import Any
 
-import verifiers.v1 as vf  # imported with this module: the judge's workers import it before any call
-
 from services.runtime.config import ConfigError
 from services.tasks.base import Prompt, Reward, register_task
 from services.tasks.black_box import AgentEndpoint, BlackBoxAgentTask
@@ -90,6 +88,8 @@ def _import(module: str) -> Any:
 
 def load_env(spec: str, env_args: dict[str, Any]) -> Any:
     """The ``vf.Env`` that ``spec`` names with ``env_args`` (see the module docstring)."""
+    import verifiers.v1 as vf  # not at import: the judge builds this task to read verdicts, never loading verifiers
+
     if not spec:
         raise VerifiersEnvError("task.options.env: name the environment: a module or pkg.module:function")
     module_name, _, attr = spec.partition(":")
@@ -115,6 +115,8 @@ def load_env(spec: str, env_args: dict[str, Any]) -> Any:
 
 
 def _taskset_env(module_name: str, module: Any, env_args: dict[str, Any]) -> Any:
+    import verifiers.v1 as vf
+
     taskset_id = module_name
     if "." in module_name:  # verifiers imports tasksets by an undotted id
         taskset_id = ALIAS_PREFIX + module_name.replace(".", "__")
@@ -128,6 +130,7 @@ def _taskset_env(module_name: str, module: Any, env_args: dict[str, Any]) -> Any
 
 def _with_rlbus_harness(env: Any) -> Any:
     """``env`` rebuilt with rlbus's harness (and verifiers' local runtime) on every seat that pins no harness."""
+    import verifiers.v1 as vf
     from verifiers.v1.configs.agent import agent_config_fields
 
     from services.tasks.verifiers_harness import harness_id
@@ -284,6 +287,8 @@ class VerifiersTask(BlackBoxAgentTask):
 
     async def solve(self, endpoint: AgentEndpoint, prompt: Prompt) -> str:
         """One verifiers episode of the prompt's task against the session; returns the rubric's verdict (JSON)."""
+        import verifiers.v1 as vf
+
         await self._serve()
         task = self._read(int(prompt.metadata["task_idx"]))[int(prompt.metadata["task_idx"])]
         base = f"{endpoint.base_url.removesuffix('/v1')}/s/{endpoint.api_key}/v1"
