@@ -151,11 +151,12 @@ def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
 
 
 #: built-in tasks imported on first use: ``coding`` imports other service packages (the judge's graders, the
-#: agent loop), so importing ``services.tasks`` never forms an import cycle; ``reasoning_gym``, ``textarena`` and
-#: ``openenv`` import an optional package (``rlbus[envs]``) that takes time to import and need not be installed
+#: agent loop), so importing ``services.tasks`` never forms an import cycle; ``reasoning_gym``, ``textarena``,
+#: ``openenv`` and ``verifiers`` import an optional package (``rlbus[envs]``, ``rlbus[agents]``) that takes time to import and need not be installed
 _LAZY_BUILTINS = {"coding": "services.tasks.coding", "reasoning_gym": "services.tasks.reasoning_gym",
                   "textarena": "services.tasks.textarena_env", "openenv": "services.tasks.openenv_env",
-                  "swe_fix": "services.tasks.swe_fix"}
+                  "swe_fix": "services.tasks.swe_fix",
+                  "verifiers": "services.tasks.verifiers_env"}
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:

@@ -21,6 +21,8 @@ harness, any language): ``agent_command`` runs there with :meth:`AgentEndpoint.e
 path in ``RLBUS_PROMPT_FILE``) and the task's ``agent_env(prompt)``; the sandbox's egress allows the endpoint
 and nothing else. The rollout runs it (``services/rollout/command_agent.py``); the judge may grade the
 sandbox it leaves behind with hidden tests in a fork, as for the ``coding`` task.
+
+verifiers environments run as black-box agent tasks too (:mod:`services.tasks.verifiers_env`).
 """
 
 from __future__ import annotations
