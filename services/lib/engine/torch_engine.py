@@ -404,7 +404,9 @@ class TorchEngine:
 
     def _apply_update(self, update: _WeightUpdate) -> None:
         try:
-            with torch.no_grad():
+            # inference mode, not no_grad: a weight the forward pass made in inference mode (generation runs in it)
+            # can only be updated in place inside it, and a plain parameter can be either way
+            with torch.inference_mode():
                 if is_adapter(update.tensors):
                     update.tensors = self._adapters.merged(update.tensors)
                 else:
