@@ -1,0 +1,47 @@
+"""bench/learner.py --quick, run as the real script (the tiny model, the trainer's own Learner): a peak GEMM
+rate per dtype, every side timed with its FLOPs and its fraction of the peak as the figures give it, packed
+rows computing fewer tokens and exactly the completion tokens' logits, the layouts agreeing on the logprobs, and
+the profile's shares adding up. No timing thresholds: the figures are the bench's to report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "learner.py"
+
+
+def test_quick_run_reports_every_side_against_the_peak():
+    r = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    figures = json.loads(r.stdout.strip().splitlines()[-1])
+    batch = figures["batch"]
+    assert batch["completion_max"] == 24 and len(batch["completion_tokens"]) == 4
+    peaks = {dtype: figures["peak"][dtype]["peak_gflops"] for dtype in ("bfloat16", "float32")}
+    assert all(p > 0 for p in peaks.values())
+    sides = figures["sides"]
+    assert set(sides) == {f"bfloat16/{s}" for s in ("padded-all-logits", "padded", "padded-plain-logsoftmax",
+                                                      "packed-all-logits", "packed")} | {"float32/padded",
+                                                                                         "float32/packed"}
+    for name, side in sides.items():
+        dtype = name.split("/")[0]
+        assert side["step_s_median"] > 0 and side["useful_tflop"] > 0
+        assert side["executed_tflop"] >= side["useful_tflop"]
+        assert side["fraction_of_peak"] == pytest.approx(side["achieved_gflops"] / peaks[dtype], rel=1e-2)
+        assert side["phases"]["forward_s"] > 0 and side["phases"]["optimiser_s"] > 0
+    packed, padded = sides["bfloat16/packed"]["layout"], sides["bfloat16/padded"]["layout"]
+    assert packed["tokens"] < padded["tokens"] and packed["rows"] < padded["rows"]
+    assert packed["logits"] == sum(batch["completion_tokens"]) < padded["logits"]
+    for name in ("padded-all-logits", "padded-plain-logsoftmax", "packed-all-logits", "packed"):
+        assert sides[f"bfloat16/{name}"]["max_abs_logprob_diff"] < 0.1  # the same logprobs, bf16 rounding aside
+    for name in ("padded", "packed"):
+        profile = sides[f"bfloat16/{name}"]["profile"]
+        assert sum(profile["share"].values()) == pytest.approx(1.0, abs=0.01) and profile["share"]["gemm"] > 0
+    goal = figures["goal"]
+    assert goal["bf16_fraction_of_peak"] == sides[f"bfloat16/{goal['bf16_best_side']}"]["fraction_of_peak"]
+    assert figures["ratios"]["bf16_packed_speedup_over_padded"] == pytest.approx(
+        sides["bfloat16/padded"]["step_s_median"] / sides["bfloat16/packed"]["step_s_median"], rel=1e-2)
