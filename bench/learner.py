@@ -19,20 +19,24 @@ GEMM FLOP/s of the same cores, bf16 and fp32, with the profile of the rest and t
    ``6 * n_layers * d_attn * L_i^2 / 2 * 2 = 6 * n_layers * d_attn * L_i^2``. ``executed`` applies the same
    formula to what a layout computes (padded rows, logits at every kept position, attention over whole rows).
    Achieved FLOP/s = flops / step time; the headline is its fraction of the dtype's peak.
-4. **Sides** (same batches, a fresh Learner each, ``--warmup`` untimed steps then ``--steps`` timed):
+4. **Sides** (same batches, ``--warmup`` untimed rounds then ``--steps`` timed ones):
 
-   * ``padded-all-logits``: right-padded rows, logits at every position (what a plain implementation does);
-   * ``padded``: right-padded, logits from the shortest prompt's last token on (the trainer before packing);
-   * ``padded-plain-logsoftmax``: as ``padded`` with the unchunked float32 ``log_softmax`` + gather instead of
-     the chunked one (:func:`services.lib.model_io.token_logprobs`);
-   * ``packed-all-logits``: packed rows (:mod:`services.lib.packing`) but logits at every position;
+   * ``padded``: right-padded rows, logits from the shortest prompt's last token on (the trainer before
+     packing, ``optim.packing = false``);
+   * ``packed-all-logits``: packed rows (:mod:`services.lib.packing`) but logits at every position: the
+     lever "logits only for completion tokens" is this side against ``packed``;
+   * ``packed-plain-logsoftmax``: as ``packed`` with the unchunked float32 ``log_softmax`` + gather instead of
+     the chunked one (:func:`services.lib.model_io.token_logprobs`): the log-softmax lever;
    * ``packed``: packed rows, logits only where a completion token is predicted (``optim.packing``, the
      default).
 
-   bf16 runs every side, fp32 ``padded`` and ``packed``, each dtype's sides on one Learner, interleaved
-   round by round. Before bf16's rounds each side's logprobs of the first batch (no gradient) are compared
-   with ``padded``'s (fp32's exactness is ``tests/trainer/test_packing.py``'s): the layouts compute the same thing, so ``max_abs_logprob_diff`` is rounding only.
-5. **Profile.** One more step of bf16 ``padded`` and ``packed`` under ``torch.profiler``: self CPU time by
+   bf16 runs every side, fp32 ``packed`` (its fraction of the fp32 peak; each SmolLM2 step costs minutes
+   on two shared cores, so the levers are measured in bf16 only), each dtype's sides on one Learner,
+   interleaved round by round. Before bf16's rounds, ``packed``'s logprobs of the first batch (no gradient)
+   are compared with ``padded``'s: the layouts compute the same thing, so ``max_abs_logprob_diff`` is rounding
+   only (fp32's exactness: ``tests/trainer/test_packing.py``).
+5. **Profile.** Phases of every step (model forward, optimiser, the rest: log-softmax, loss, backward), and
+   one more step of bf16 ``packed`` under ``torch.profiler``: self CPU time by
    kind of op (GEMMs, attention, log-softmax family, dtype casts, optimiser, the rest) and the top ops; and
    the GEMMs' own rate (the GEMM FLOPs the layout executes / time in GEMM ops).
 
@@ -70,14 +74,13 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "smollm2_math.toml"
 #: (name, packing, logits at every position, unchunked log-softmax)
 SIDES: dict[str, tuple[bool, bool, bool]] = {
-    "padded-all-logits": (False, True, False),
     "padded": (False, False, False),
-    "padded-plain-logsoftmax": (False, False, True),
     "packed-all-logits": (True, True, False),
+    "packed-plain-logsoftmax": (True, False, True),
     "packed": (True, False, False),
 }
-FP32_SIDES = ("padded", "packed")
-PROFILED = ("padded", "packed")
+FP32_SIDES = ("packed",)
+PROFILED = ("packed",)
 GOAL = 0.40
 log = logging.getLogger("rlbus.bench.learner")
 
@@ -309,6 +312,9 @@ def logprob_agreement(learner: Any, sides: tuple[str, ...], batch: list[ScoredTr
 
     inp = StepInput.of(batch, learner.cfg)
     got = {}
+    if not {"padded", "packed"} <= set(sides):
+        return {}
+    sides = ("padded", "packed")
     with torch.no_grad(), learner._autocast():
         for side in sides:
             with side_patches(learner, side):
@@ -353,14 +359,15 @@ def run_dtype(dtype: str, sides: tuple[str, ...], args: argparse.Namespace, mode
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
-    from services.lib.model_io import load_policy
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     from services.tasks.models import resolve_model
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
-    model, tokenizer = load_policy(model_dir)
-    dims = model_dims(model)
-    del model
+    with torch.device("meta"):  # the shapes only: no memory
+        dims = model_dims(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(args.seed)
     shape = {"sequences": args.sequences, "prompt": args.prompt, "limit": args.limit,
              "lengths": completion_lengths(args.sequences, args.median, args.limit, rng)}
@@ -375,22 +382,23 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     log.info("peak GEMM: %s", {k: v["peak_gflops"] for k, v in peaks.items()})
     sides: dict[str, dict[str, Any]] = {}
     for dtype in dtypes:
-        names = tuple(SIDES) if dtype == "bfloat16" else FP32_SIDES
+        names = tuple(s for s in SIDES if s in args.sides) if dtype == "bfloat16" else FP32_SIDES
+        if dtype == "float32" and args.no_fp32:
+            continue
         for side, figures in run_dtype(dtype, names, args, model_dir, dims, batches,
                                        peaks[dtype]["peak_gflops"]).items():
             sides[f"{dtype}/{side}"] = figures
     bf = {k.split("/", 1)[1]: v for k, v in sides.items() if k.startswith("bfloat16/")}
     best = max(bf, key=lambda k: bf[k]["fraction_of_peak"])
 
-    def speedup(a: str, b: str) -> float:
+    def speedup(a: str, b: str) -> float | None:
+        if a not in sides or b not in sides:
+            return None
         return round(sides[a]["step_s_median"] / sides[b]["step_s_median"], 3)
 
     ratios = {"bf16_packed_speedup_over_padded": speedup("bfloat16/padded", "bfloat16/packed"),
-              "bf16_packed_speedup_over_padded_all_logits": speedup("bfloat16/padded-all-logits", "bfloat16/packed"),
-              "bf16_completion_logits_speedup_padded": speedup("bfloat16/padded-all-logits", "bfloat16/padded"),
-              "bf16_completion_logits_speedup_packed": speedup("bfloat16/packed-all-logits", "bfloat16/packed"),
-              "bf16_chunked_logsoftmax_speedup": speedup("bfloat16/padded-plain-logsoftmax", "bfloat16/padded"),
-              "fp32_packed_speedup_over_padded": speedup("float32/padded", "float32/packed"),
+              "bf16_completion_logits_speedup": speedup("bfloat16/packed-all-logits", "bfloat16/packed"),
+              "bf16_chunked_logsoftmax_speedup": speedup("bfloat16/packed-plain-logsoftmax", "bfloat16/packed"),
               "bf16_over_fp32_step_packed": speedup("float32/packed", "bfloat16/packed")}
     lengths = shape["lengths"]
     return {"bench": "learner", "model": args.model, "threads": args.threads, "dims": dims,
@@ -419,8 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gemm-repeats", type=int, default=3)
     p.add_argument("--gemm-min-s", type=float, default=0.5, help="seconds per GEMM timing")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--sides", default=",".join(SIDES), help="bf16 sides to run, comma-separated")
+    p.add_argument("--no-fp32", action="store_true", help="skip the fp32 step")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.sides = [x for x in args.sides.split(",") if x]
+    if unknown := [x for x in args.sides if x not in SIDES]:
+        p.error(f"--sides: unknown {unknown}; choose from {list(SIDES)}")
     if args.quick:
         args.model, args.prompt, args.median, args.limit = "tiny-addition", 12, 6.0, 24
         args.sequences, args.warmup, args.steps, args.gemm_repeats, args.gemm_min_s = 4, 0, 1, 1, 0.02
