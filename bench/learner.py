@@ -3,7 +3,9 @@ GEMM FLOP/s of the same cores, bf16 and fp32, with the profile of the rest and t
 
 1. **Peak.** ``torch.matmul`` at the model's own GEMM shapes (tokens x hidden x intermediate, hidden x
    hidden, intermediate x hidden, completion tokens x hidden x vocabulary), bf16 and fp32, on ``--threads``
-   threads; the peak of a dtype is its fastest shape (median of ``--gemm-repeats`` timings).
+   threads; the peak of a dtype is its fastest shape (median of ``--gemm-repeats`` timings). The machine is
+   shared and its load moves, so the fastest shape is timed again just before and after every timed step,
+   and each side's fraction of peak is taken against the mean of its own probes.
 2. **The step.** The trainer's own :class:`~services.trainer.learner.Learner` (``examples/smollm2_math.toml``'s
    ``[services.trainer]``, ``micro_batch_size`` 8 so the batch is one pass, ``max_new_tokens`` 512) steps
    (forward + backward + AdamW) on one group of 8 sequences at the long-tail workload's shapes: prompts of
@@ -82,6 +84,7 @@ SIDES: dict[str, tuple[bool, bool, bool]] = {
 FP32_SIDES = ("packed",)
 PROFILED = ("packed",)
 GOAL = 0.40
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 log = logging.getLogger("rlbus.bench.learner")
 
 
@@ -157,25 +160,28 @@ def layout(side: str, prompts: list[int], completions: list[int]) -> dict[str, i
 # --- peak GEMM ------------------------------------------------------------------------------------------
 
 
+def gemm_rate(shape: tuple[int, int, int], dtype: torch.dtype, min_s: float) -> float:
+    """GFLOP/s of ``torch.matmul`` of ``[m, k] x [k, n]`` over at least ``min_s`` seconds."""
+    m, k, n = shape
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    torch.matmul(a, b)
+    reps, t0 = 0, time.perf_counter()
+    while reps == 0 or time.perf_counter() - t0 < min_s:
+        torch.matmul(a, b)
+        reps += 1
+    return 2.0 * m * k * n * reps / (time.perf_counter() - t0) / 1e9
+
+
 def gemm_peak(dims: dict[str, int], tokens: int, completion: int, dtype: torch.dtype, repeats: int,
               min_s: float) -> dict[str, Any]:
     """GFLOP/s of ``torch.matmul`` at the model's GEMM shapes; the peak is the fastest shape's median."""
     h, i, v = dims["hidden"], dims["intermediate"], dims["vocab"]
     shapes = {"tokens x hidden x intermediate": (tokens, h, i), "tokens x hidden x hidden": (tokens, h, h),
               "tokens x intermediate x hidden": (tokens, i, h), "completion x hidden x vocab": (completion, h, v)}
-    rates: dict[str, float] = {}
-    for name, (m, k, n) in shapes.items():
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        torch.matmul(a, b)
-        samples = []
-        for _ in range(repeats):
-            reps, t0 = 0, time.perf_counter()
-            while reps == 0 or time.perf_counter() - t0 < min_s:
-                torch.matmul(a, b)
-                reps += 1
-            samples.append(2.0 * m * k * n * reps / (time.perf_counter() - t0) / 1e9)
-        rates[name] = float(f"{statistics.median(samples):.4g}")
-    return {"gflops_by_shape": rates, "peak_gflops": max(rates.values())}
+    rates = {name: float(f"{statistics.median(gemm_rate(mkn, dtype, min_s) for _ in range(repeats)):.4g}")
+             for name, mkn in shapes.items()}
+    best = max(rates, key=lambda k: rates[k])
+    return {"gflops_by_shape": rates, "peak_gflops": rates[best], "peak_shape": list(shapes[best])}
 
 
 # --- the sides ------------------------------------------------------------------------------------------
@@ -325,9 +331,12 @@ def logprob_agreement(learner: Any, sides: tuple[str, ...], batch: list[ScoredTr
 
 
 def run_dtype(dtype: str, sides: tuple[str, ...], args: argparse.Namespace, model_dir: Path,
-              dims: dict[str, int], batches: list[list[ScoredTrajectory]], peak: float) -> dict[str, dict[str, Any]]:
+              dims: dict[str, int], batches: list[list[ScoredTrajectory]],
+              peak_shape: tuple[int, int, int]) -> dict[str, dict[str, Any]]:
     """Every side of ``dtype`` on one Learner, interleaved: ``--warmup`` rounds, then ``--steps`` timed rounds,
-    each round every side once (the order reversed every other round: the machine is shared)."""
+    each round every side once (the order reversed every other round: the machine is shared). Around every
+    timed step the GEMM rate at the peak's shape is measured again (the machine's load moves): a side's
+    fraction of peak is taken against the mean of those probes."""
     learner = make_learner(model_dir, dtype, args.threads)
     timer = PhaseTimer(learner)
     times: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
@@ -335,19 +344,24 @@ def run_dtype(dtype: str, sides: tuple[str, ...], args: argparse.Namespace, mode
     for k in range(args.warmup + args.steps):
         for side in (sides if k % 2 == 0 else tuple(reversed(sides))):
             with side_patches(learner, side):
+                before = gemm_rate(peak_shape, DTYPES[dtype], args.gemm_min_s) if k >= args.warmup else 0.0
                 timer.take()
                 t0 = time.perf_counter()
                 learner.step(batches[k % len(batches)])
                 dt = time.perf_counter() - t0
-            fwd, opt = timer.take()
+                fwd, opt = timer.take()
+                after = gemm_rate(peak_shape, DTYPES[dtype], args.gemm_min_s) if k >= args.warmup else 0.0
             if k >= args.warmup:
-                times[side].append({"step_s": dt, "forward_s": fwd, "optimiser_s": opt})
+                times[side].append({"step_s": dt, "forward_s": fwd, "optimiser_s": opt,
+                                    "peak_gflops": (before + after) / 2})
             log.info("%s/%s round %d: %.2f s (forward %.2f, optimiser %.2f)", dtype, side, k, dt, fwd, opt)
     prompts = [len(t.rollout.prompt_ids) for t in batches[0]]
     completions = [sum(len(turn.token_ids) for turn in t.rollout.turns) for t in batches[0]]
     out = {}
     for side in sides:
+        peak = statistics.mean(t["peak_gflops"] for t in times[side])
         out[side] = side_figures(side, times[side], dims, prompts, completions, peak)
+        out[side]["peak_gflops_around_steps"] = float(f"{peak:.4g}")
         if side in diff:
             out[side]["max_abs_logprob_diff"] = diff[side]
         if dtype == "bfloat16" and side in PROFILED and not args.no_profile:
@@ -376,7 +390,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [len(t.rollout.prompt_ids) for t in batches[0]]
     tokens = sum(prompts) + sum(shape["lengths"])
     log.info("model %s, %s; completions %s", args.model, dims, shape["lengths"])
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    dtypes = DTYPES
     peaks = {name: gemm_peak(dims, tokens, sum(shape["lengths"]), dt, args.gemm_repeats, args.gemm_min_s)
              for name, dt in dtypes.items()}
     log.info("peak GEMM: %s", {k: v["peak_gflops"] for k, v in peaks.items()})
@@ -386,7 +400,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         if dtype == "float32" and args.no_fp32:
             continue
         for side, figures in run_dtype(dtype, names, args, model_dir, dims, batches,
-                                       peaks[dtype]["peak_gflops"]).items():
+                                       tuple(peaks[dtype]["peak_shape"])).items():
             sides[f"{dtype}/{side}"] = figures
     bf = {k.split("/", 1)[1]: v for k, v in sides.items() if k.startswith("bfloat16/")}
     best = max(bf, key=lambda k: bf[k]["fraction_of_peak"])
