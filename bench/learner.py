@@ -34,9 +34,11 @@ GEMM FLOP/s of the same cores, bf16 and fp32, with the profile of the rest and t
 
    bf16 runs every side, fp32 ``packed`` (its fraction of the fp32 peak; each SmolLM2 step costs minutes
    on two shared cores, so the levers are measured in bf16 only), each dtype's sides on one Learner,
-   interleaved round by round. Before bf16's rounds, ``packed``'s logprobs of the first batch (no gradient)
-   are compared with ``padded``'s: the layouts compute the same thing, so ``max_abs_logprob_diff`` is rounding
-   only (fp32's exactness: ``tests/trainer/test_packing.py``).
+   interleaved round by round. Before bf16's rounds, ``padded``'s and ``packed``'s bf16 logprobs of the first
+   batch (no gradient) are compared with the float32 model's (``logprob_error_vs_fp32``): the layouts compute
+   the same thing, so their errors are bf16's own (fp32's exactness: ``tests/trainer/test_packing.py``).
+   Ratios: step time over step time, and ``*_load_normalised``: fraction of peak over fraction of peak (every
+   side does the same useful FLOPs, and each fraction is against the GEMM rate probed around its own steps).
 5. **Profile.** Phases of every step (model forward, optimiser, the rest: log-softmax, loss, backward), and
    one more step of bf16 ``packed`` under ``torch.profiler``: self CPU time by
    kind of op (GEMMs, attention, log-softmax family, dtype casts, optimiser, the rest) and the top ops; and
@@ -312,22 +314,28 @@ def side_figures(side: str, times: list[dict[str, float]], dims: dict[str, int],
             "executed_fraction_of_peak": float(f"{executed['total'] / step_s / 1e9 / peak:.4g}")}
 
 
-def logprob_agreement(learner: Any, sides: tuple[str, ...], batch: list[ScoredTrajectory]) -> dict[str, float]:
-    """Per side, the largest |logprob - padded's logprob| over the batch's completion tokens (no gradient)."""
+def logprob_agreement(learner: Any, sides: tuple[str, ...], batch: list[ScoredTrajectory]) -> dict[str, Any]:
+    """``padded`` and ``packed``'s logprobs of the batch's completion tokens (no gradient) against the same model
+    in float32 (padded, no autocast): the largest and the mean absolute difference of each. Packing changes
+    the layout, not the maths, so its error is of the size of the dtype's own."""
     from services.trainer.step_input import StepInput
 
-    inp = StepInput.of(batch, learner.cfg)
-    got = {}
     if not {"padded", "packed"} <= set(sides):
         return {}
-    sides = ("padded", "packed")
-    with torch.no_grad(), learner._autocast():
-        for side in sides:
-            with side_patches(learner, side):
-                got[side], mask = learner.logprobs(learner.model, inp.prompts, inp.completions, completion_masks=inp.masks,
-                                                   pad_token_id=learner.pad_id,
+    inp = StepInput.of(batch, learner.cfg)
+    got = {}
+    with torch.no_grad():
+        for side in ("fp32", "padded", "packed"):
+            with side_patches(learner, "padded" if side == "fp32" else side), \
+                    (contextlib.nullcontext() if side == "fp32" else learner._autocast()):
+                got[side], mask = learner.logprobs(learner.model, inp.prompts, inp.completions,
+                                                   completion_masks=inp.masks, pad_token_id=learner.pad_id,
                                                    temperature=learner.cfg.sampling.temperature)
-    return {side: round(float(((got[side] - got["padded"]).abs() * mask).max()), 5) for side in sides}
+    out = {}
+    for side in ("padded", "packed"):
+        diff = (got[side].float() - got["fp32"]).abs() * mask
+        out[side] = {"max": round(float(diff.max()), 5), "mean": round(float(diff.sum() / mask.sum()), 5)}
+    return out
 
 
 def run_dtype(dtype: str, sides: tuple[str, ...], args: argparse.Namespace, model_dir: Path,
@@ -363,7 +371,7 @@ def run_dtype(dtype: str, sides: tuple[str, ...], args: argparse.Namespace, mode
         out[side] = side_figures(side, times[side], dims, prompts, completions, peak)
         out[side]["peak_gflops_around_steps"] = float(f"{peak:.4g}")
         if side in diff:
-            out[side]["max_abs_logprob_diff"] = diff[side]
+            out[side]["logprob_error_vs_fp32"] = diff[side]
         if dtype == "bfloat16" and side in PROFILED and not args.no_profile:
             executed = flops(dims, out[side]["layout"]["tokens"], out[side]["layout"]["logits"], 0)
             with side_patches(learner, side):
@@ -414,6 +422,16 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
               "bf16_completion_logits_speedup": speedup("bfloat16/packed-all-logits", "bfloat16/packed"),
               "bf16_chunked_logsoftmax_speedup": speedup("bfloat16/packed-plain-logsoftmax", "bfloat16/packed"),
               "bf16_over_fp32_step_packed": speedup("float32/packed", "bfloat16/packed")}
+
+    def normalised(a: str, b: str) -> float | None:  # the same useful FLOPs: the ratio of the fractions of peak
+        if a not in sides or b not in sides:
+            return None
+        return round(sides[b]["fraction_of_peak"] / sides[a]["fraction_of_peak"], 3)
+
+    ratios.update({f"{k}_load_normalised": normalised(*pair) for k, pair in (
+        ("bf16_packed_speedup_over_padded", ("bfloat16/padded", "bfloat16/packed")),
+        ("bf16_completion_logits_speedup", ("bfloat16/packed-all-logits", "bfloat16/packed")),
+        ("bf16_chunked_logsoftmax_speedup", ("bfloat16/packed-plain-logsoftmax", "bfloat16/packed")))})
     lengths = shape["lengths"]
     return {"bench": "learner", "model": args.model, "threads": args.threads, "dims": dims,
             "batch": {"sequences": len(lengths), "prompt_tokens": prompts, "completion_tokens": lengths,
