@@ -180,14 +180,7 @@ def sequence_logprobs(
     )
     batch, width = input_ids.shape
     max_completion = int(completion_lens.max()) if batch else 0
-    loss_mask = (torch.arange(max_completion).unsqueeze(0) < completion_lens.unsqueeze(1)).float()
-    if completion_masks is not None:
-        for i, row_mask in enumerate(completion_masks):
-            if len(row_mask) != int(completion_lens[i]):
-                raise ValueError(
-                    f"completion_masks[{i}] has {len(row_mask)} entries for {int(completion_lens[i])} tokens"
-                )
-            loss_mask[i, : len(row_mask)] *= torch.tensor(row_mask, dtype=torch.float32)
+    loss_mask = completion_loss_mask(completion_lens.tolist(), completion_masks)
     if max_completion == 0:
         return torch.zeros((batch, 0), device=device), loss_mask.to(device)
 
@@ -208,6 +201,18 @@ def sequence_logprobs(
                               chunk_positions=chunk_positions)
     loss_mask = loss_mask.to(device)
     return logprobs * loss_mask, loss_mask
+
+
+def completion_loss_mask(completion_lens: Sequence[int], completion_masks: Sequence[Sequence[int]] | None) -> Tensor:
+    """``[B, T]`` float32: 1 on each completion's tokens (times ``completion_masks`` where given), 0 on padding."""
+    lens = torch.tensor(list(completion_lens), dtype=torch.long)
+    loss_mask = (torch.arange(int(lens.max()) if len(lens) else 0).unsqueeze(0) < lens.unsqueeze(1)).float()
+    if completion_masks is not None:
+        for i, row_mask in enumerate(completion_masks):
+            if len(row_mask) != int(lens[i]):
+                raise ValueError(f"completion_masks[{i}] has {len(row_mask)} entries for {int(lens[i])} tokens")
+            loss_mask[i, : len(row_mask)] *= torch.tensor(row_mask, dtype=torch.float32)
+    return loss_mask
 
 
 #: float32 elements of vocabulary-wide scratch one chunk of :func:`token_logprobs` may use (256 MiB)

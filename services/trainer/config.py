@@ -137,6 +137,10 @@ class OptimConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: padded tokens (rows x longest prompt+completion) per forward/backward pass; 0: only
     #: ``micro_batch_size`` bounds a micro-batch. A sequence longer than the budget runs alone
     max_tokens_per_micro_batch: NonNeg = 0
+    #: pack a pass's sequences into rows as wide as its longest one (first-fit decreasing, attention kept
+    #: within each sequence) and compute logits only where a completion token is predicted, instead of
+    #: right-padding every sequence to the longest (``bench/learner.py`` measures the difference)
+    packing: bool = True
     #: recompute activations in the backward pass (less memory, ~30% more compute)
     gradient_checkpointing: bool = False
     #: on CUDA, AdamW's fused kernel (one launch per step instead of several per tensor); CPU keeps the

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from proto.trajectories import ScoredTrajectory
 from services.lib.model_io import load_policy, sequence_logprobs
+from services.lib.packing import packed_sequence_logprobs
 from services.runtime.config import DistillSection
 from services.trainer import batching, checkpoint
 from services.trainer.config import TrainerConfig
@@ -104,6 +105,8 @@ class Learner:
             model, self.tokenizer = load_policy(model_dir, dtype="float32", device=device)
             self.model = self._prepare(model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        #: the sequences of a pass packed into rows (:mod:`services.lib.packing`) or right-padded
+        self.logprobs = packed_sequence_logprobs if cfg.optim.packing else sequence_logprobs
         self.optimizer = build_optimizer(self.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                                          fused=self.placement.fused_optim)
         self.scheduler = build_lr_schedule(self.optimizer, cfg.optim.lr_schedule, cfg.optim.lr_warmup_steps,
@@ -229,7 +232,7 @@ class Learner:
                             self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
                         continue
                     with self._autocast():
-                        lp, _ = sequence_logprobs(
+                        lp, _ = self.logprobs(
                             self.model, [inp.prompts[i] for i in p], [inp.completions[i] for i in p],
                             completion_masks=[inp.masks[i] for i in p], pad_token_id=self.pad_id,
                             temperature=self.cfg.sampling.temperature)
@@ -275,7 +278,7 @@ class Learner:
         completions = [inp.completions[i] for i in rows]
         masks = [inp.masks[i] for i in rows]
         with self._autocast():
-            logprobs, loss_mask = sequence_logprobs(
+            logprobs, loss_mask = self.logprobs(
                 self.model, prompts, completions, completion_masks=masks, pad_token_id=self.pad_id,
                 temperature=cfg.sampling.temperature)
         width = logprobs.shape[1]
@@ -290,7 +293,7 @@ class Learner:
             ref_model = self.ref_model if self.ref_model is not None else self.model
             base = self.model.disable_adapter() if self.ref_model is None else contextlib.nullcontext()
             with torch.no_grad(), base:
-                ref_lp, _ = sequence_logprobs(ref_model, prompts, completions, completion_masks=masks,
+                ref_lp, _ = self.logprobs(ref_model, prompts, completions, completion_masks=masks,
                                               pad_token_id=self.pad_id, temperature=cfg.sampling.temperature)
             ref_lp = ref_lp.to(logprobs.device)
         if inp.token_advantages:  # on-policy distillation: one advantage per token

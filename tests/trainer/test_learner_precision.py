@@ -42,6 +42,29 @@ def test_token_budget_micro_batches_give_the_gradient_of_one_big_batch(loop_mode
     _close(whole, budget, 1e-5)
 
 
+@pytest.mark.parametrize("groups", [{}, {"loss": {"kl_coef": 0.1}}, {"optim": {"minibatches": 2}}])
+def test_packed_sequences_give_the_padded_gradient(loop_model_dir, groups):
+    """optim.packing (the default) against right-padded rows: the same gradient, with a KL reference and with
+    proximal logprobs (two minibatches) too."""
+    from services.lib.model_io import sequence_logprobs
+    from services.lib.packing import packed_sequence_logprobs
+
+    optim = {"micro_batch_size": 64, **groups.get("optim", {})}
+    rest = {k: v for k, v in groups.items() if k != "optim"}
+    padded = _learner(loop_model_dir, optim={**optim, "packing": False}, **rest)
+    packed = _learner(loop_model_dir, optim=optim, **rest)
+    assert padded.logprobs is sequence_logprobs and packed.logprobs is packed_sequence_logprobs
+    if "minibatches" in optim:  # a whole step: proximal logprobs, two updates; the same weights after it
+        inp = StepInput.of(batch(7, groups=4), padded.cfg)
+        a, b = padded.step_input(inp), packed.step_input(inp)
+        assert a["optim/updates"] == b["optim/updates"] == 2.0
+        assert a["losses/total"] == pytest.approx(b["losses/total"], rel=1e-4, abs=1e-6)
+        after = packed.model.state_dict()
+        assert all(torch.allclose(v, after[k], atol=1e-5) for k, v in padded.model.state_dict().items())
+        return
+    _close(_grads(padded)[0], _grads(packed)[0], 1e-5)
+
+
 def test_gradient_checkpointing_gives_the_same_gradient(loop_model_dir):
     plain, _ = _grads(_learner(loop_model_dir, optim={"micro_batch_size": 5}))
     recomputed = _learner(loop_model_dir, optim={"micro_batch_size": 5, "gradient_checkpointing": True})

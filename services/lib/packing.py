@@ -1,0 +1,126 @@
+"""Per-token logprobs of completions with the sequences *packed* into rows instead of padded.
+
+:func:`~services.lib.model_io.sequence_logprobs` right-pads every ``prompt + completion`` to the longest one:
+with heavy-tailed completion lengths (a few near the token limit, most short) most of what a pass computes is
+padding. :func:`packed_sequence_logprobs` gives the same result from less work:
+
+1. **Pack.** The sequences go first-fit-decreasing into rows as wide as the longest of them (:func:`pack_rows`),
+   each sequence's ``position_ids`` restarting at 0. With no attention mask, transformers reads the restarts as
+   packed sequences and builds a block-diagonal causal mask: no token attends across a sequence boundary, and
+   every sequence sees exactly the positions it would alone. A row's unused tail is one more (ignored) sequence.
+2. **Logits only where a completion token is predicted.** ``logits_to_keep`` is a boolean ``[rows, width]`` mask
+   of the positions that predict a completion token, so the language-model head and the log-softmax skip the
+   prompts and the row tails (transformers answers with ``[predictions, vocab]`` logits).
+3. **Chunked float32 log-softmax** (:func:`~services.lib.model_io.token_logprobs`) on those columns, then the
+   values go back to the padded ``[B, T]`` layout the loss takes.
+
+The result equals the padded path's (same model, same tokens; floating-point order aside) with gradients
+through the same parameters; ``bench/learner.py`` measures what it saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from services.lib.model_io import completion_loss_mask, token_logprobs
+
+
+class PackingError(RuntimeError):
+    """The model cannot take packed rows (an older transformers)."""
+
+
+def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """Indices of ``lengths`` packed first-fit-decreasing into rows of at most ``width`` tokens (a longer
+    sequence gets a row of its own). Deterministic: ties keep index order."""
+    if width < 1:
+        raise ValueError(f"the packed row width must be >= 1, got {width}")
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r, room in enumerate(free):
+            if lengths[i] <= room:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(max(width - lengths[i], 0))
+    return rows
+
+
+def packed_sequence_logprobs(
+    model: nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    *,
+    completion_masks: Sequence[Sequence[int]] | None = None,
+    pad_token_id: int = 0,
+    temperature: float = 1.0,
+    chunk_positions: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`~services.lib.model_io.sequence_logprobs`'s result (``(logprobs [B, T], loss_mask [B, T])``, same
+    arguments) computed on packed rows; see the module docstring."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token (e.g. BOS) to condition the first completion token")
+    device = next(model.parameters()).device
+    batch = len(prompt_ids)
+    completion_lens = [len(c) for c in completion_ids]
+    loss_mask = completion_loss_mask(completion_lens, completion_masks)
+    max_completion = max(completion_lens, default=0)
+    if max_completion == 0:
+        return torch.zeros((batch, 0), device=device), loss_mask.to(device)
+
+    # 1. pack: token ids and restarting positions per row; where each sequence landed
+    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    width = max(lengths)
+    rows = pack_rows(lengths, width)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    # per row: (sequence, column predicting each of its completion tokens, that token)
+    predictions: list[list[tuple[int, int, int]]] = []
+    for r, members in enumerate(rows):
+        offset, row_predictions = 0, []
+        for i in members:
+            seq = list(prompt_ids[i]) + list(completion_ids[i])
+            input_ids[r, offset : offset + len(seq)] = torch.tensor(seq, dtype=torch.long)
+            position_ids[r, offset : offset + len(seq)] = torch.arange(len(seq))
+            first = offset + len(prompt_ids[i]) - 1  # the column predicting completion token 0
+            row_predictions += [(i, first + j, tok) for j, tok in enumerate(completion_ids[i])]
+            offset += len(seq)
+        position_ids[r, offset:] = torch.arange(width - offset)  # the tail: one more (ignored) sequence
+        predictions.append(row_predictions)
+
+    # 2. logits only at the positions that predict a completion token: a boolean [rows, width] mask, which
+    # transformers' heads take as logits_to_keep and answer with [predictions, V] in row-major order
+    keep = torch.zeros((len(rows), width), dtype=torch.bool)
+    for r, row in enumerate(predictions):
+        keep[r, [col for _, col, _ in row]] = True
+    out = model(input_ids=input_ids.to(device), position_ids=position_ids.to(device), logits_to_keep=keep.to(device),
+                use_cache=False)
+    n = int(keep.sum())
+    if out.logits.dim() != 2 or out.logits.shape[0] != n:
+        raise PackingError(f"the model answered a boolean logits_to_keep with logits of shape {tuple(out.logits.shape)}, "
+                           f"not ({n}, vocab): this transformers cannot take it; set optim.packing = false or "
+                           "use transformers >= 5.24")
+
+    # 3. float32 log-softmax, chunked, on the predictions; then back to [B, T]
+    order = [(i, col, tok) for row in predictions for i, col, tok in sorted(row, key=lambda x: x[1])]
+    targets = torch.tensor([[tok for _, _, tok in order]], dtype=torch.long, device=device)
+    flat = token_logprobs(out.logits.unsqueeze(0), torch.arange(n, device=device).unsqueeze(0), targets, temperature,
+                          chunk_positions=chunk_positions)[0]
+    dst_seq, dst_pos, counts = [], [], [0] * batch
+    for i, _, _ in order:  # a sequence's predictions are in column order: its j-th is completion token j
+        dst_seq.append(i)
+        dst_pos.append(counts[i])
+        counts[i] += 1
+    logprobs = torch.zeros((batch, max_completion), dtype=flat.dtype, device=device)
+    logprobs = logprobs.index_put((torch.tensor(dst_seq, device=device), torch.tensor(dst_pos, device=device)), flat)
+    loss_mask = loss_mask.to(device)
+    return logprobs * loss_mask, loss_mask

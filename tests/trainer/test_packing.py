@@ -1,0 +1,87 @@
+"""Packed sequences (services/lib/packing.py): the rows they pack into, and logprobs and gradients equal to the
+right-padded path's and to each sequence's own unpadded forward, on a real tiny Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.lib.model_io import sequence_logprobs
+from services.lib.packing import pack_rows, packed_sequence_logprobs
+from services.tasks.tiny_model import build_char_tokenizer, build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = build_char_tokenizer()
+    return build_tiny_model(tokenizer, seed=0, hidden_size=32, num_layers=2)
+
+
+def test_rows_are_first_fit_decreasing_and_never_wider_than_the_width():
+    lengths = [5, 9, 3, 4, 2, 6]
+    rows = pack_rows(lengths, 9)
+    assert rows == [[1], [5, 2], [0, 3], [4]]
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in r) <= 9 for r in rows)
+    assert pack_rows([12, 3], 10) == [[0], [1]]  # longer than the width: a row of its own
+    assert pack_rows([], 4) == []
+    with pytest.raises(ValueError, match="width must be >= 1"):
+        pack_rows([1], 0)
+
+
+def solo_logprobs(model, prompt, completion, temperature):
+    """log p(completion[j] | prompt + completion[:j]) from the sequence's own unpadded forward."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return [logp[len(prompt) + j - 1, tok].item() for j, tok in enumerate(completion)]
+
+
+PROMPTS = [[1, 9, 10, 6], [1, 11, 6, 12, 13, 18], [1], [1, 5, 6], [1, 7]]
+COMPLETIONS = [[9, 10, 2], [14], [15, 16, 17, 2, 5, 6, 7, 8, 9, 10, 11], [12, 13], []]
+MASKS = [[1, 0, 1], [1], [1] * 11, [0, 1], []]
+
+
+def test_packed_logprobs_equal_each_sequence_alone(tiny):
+    with torch.no_grad():
+        lp, mask = packed_sequence_logprobs(tiny, PROMPTS, COMPLETIONS, completion_masks=MASKS, temperature=0.7)
+    assert len(pack_rows([len(p) + len(c) for p, c in zip(PROMPTS, COMPLETIONS, strict=True)], 12)) < len(PROMPTS)
+    assert lp.shape == mask.shape == (5, 11)
+    assert mask[0].tolist()[:4] == [1, 0, 1, 0] and mask[4].sum() == 0
+    for i, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS, strict=True)):
+        want = solo_logprobs(tiny, p, c, 0.7)
+        got = [v if m else want[j] for j, (v, m) in enumerate(zip(lp[i, : len(c)].tolist(), mask[i].tolist(), strict=False))]
+        assert got == pytest.approx(want, abs=1e-5)  # no token attended across a sequence boundary
+        assert lp[i, len(c) :].abs().sum().item() == 0.0
+
+
+def test_packed_values_and_gradients_equal_the_padded_path(tiny):
+    weights = torch.arange(1, 12, dtype=torch.float32)
+
+    def grads(fn):
+        tiny.zero_grad(set_to_none=True)
+        lp, mask = fn(tiny, PROMPTS, COMPLETIONS, completion_masks=MASKS, temperature=0.9, pad_token_id=0)
+        (lp * weights).sum().backward()
+        return lp.detach(), mask, {n: p.grad.clone() for n, p in tiny.named_parameters()}
+
+    padded, padded_mask, padded_grads = grads(sequence_logprobs)
+    packed, packed_mask, packed_grads = grads(packed_sequence_logprobs)
+    tiny.zero_grad(set_to_none=True)
+    assert torch.equal(padded_mask, packed_mask)
+    assert torch.allclose(padded, packed, atol=1e-5)
+    assert padded_grads.keys() == packed_grads.keys()
+    for name, g in padded_grads.items():
+        assert torch.allclose(g, packed_grads[name], atol=1e-5), name
+
+
+def test_bad_input_is_refused_with_the_problem(tiny):
+    with pytest.raises(ValueError, match="at least one token"):
+        packed_sequence_logprobs(tiny, [[]], [[1]])
+    with pytest.raises(ValueError, match="2 prompts but 1 completions"):
+        packed_sequence_logprobs(tiny, [[1], [1]], [[2]])
+    with pytest.raises(ValueError, match="completion_masks\\[0\\] has 1 entries for 2 tokens"):
+        packed_sequence_logprobs(tiny, [[1]], [[2, 3]], completion_masks=[[1]])
+    with pytest.raises(ValueError, match="temperature"):
+        packed_sequence_logprobs(tiny, [[1]], [[2]], temperature=0)
+    lp, mask = packed_sequence_logprobs(tiny, [[1], [1, 2]], [[], []])
+    assert lp.shape == mask.shape == (2, 0)
