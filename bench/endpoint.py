@@ -1,8 +1,9 @@
 """The OpenAI-compatible endpoint against native episodes: the same turns, the same engine, side by side.
 
 **What runs.** One process holds what a rollout worker holds: the torch engine (continuous batching) over a
-tiny random Llama built here (the endpoint tests' character-level tokenizer with a Qwen-style chat template,
-``tests/rollout/endpoint_harness.py``; ``--hidden``/``--layers`` set its shape) and the endpoint
+tiny random Llama built here (the shape of the runs' tiny model, ``services/tasks/tiny_model.py``, ~1 M
+parameters, ``--hidden``/``--layers`` change it; over the endpoint tests' character-level tokenizer with a
+Qwen-style chat template, ``tests/rollout/endpoint_harness.py``) and the endpoint
 (``services/rollout/endpoint.py``) on a free port of 127.0.0.1. Per concurrency level (``--sessions``,
 default 64 and 256), each session runs ``--turns`` model calls (default 5) two ways:
 
@@ -23,10 +24,13 @@ then ``--rounds`` timed rounds, the sides' order alternating (the machine is sha
 engine's ``generate``, as the episode loop waits for it), generated tokens/s (all calls' tokens over the
 round's wall time, summed over rounds), and ``rows_per_step`` (the mean running batch size over the engine's
 decode steps: when the endpoint batches concurrent calls as native episodes are, the two are alike).
-``endpoint_over_native`` is the endpoint's tokens/s over native's (the goal: >= 0.9 at 64 sessions) and its
-p50 latency over native's. ``--profile`` runs cProfile on the worker's event loop thread during the timed
-endpoint rounds and reports the shares of its CPU time by part (HTTP, JSON, chat template rendering, the
-session's prefix checks, tokenizer) and its top functions.
+``worker_cpu_us_per_token`` is the worker process's CPU time (event loop and engine threads) per generated
+token, a figure less exposed than wall time to the other loads of a shared machine; the endpoint side's
+``client_cpu_ms_per_call`` is the agents' (the child's). ``endpoint_over_native`` is the endpoint's tokens/s
+over native's (the goal: >= 0.9 at 64 sessions), its p50 latency and its worker CPU per token over native's.
+``--profile`` runs one more endpoint round per level (untimed: cProfile slows the loop it profiles) with
+cProfile on the worker's event loop thread and reports the shares of its busy time by part (HTTP, JSON,
+chat template rendering, the session's prefix checks, tokenizer) and its top functions.
 
     .venv/bin/python bench/endpoint.py [--sessions 64 256] [--turns 5] [--max-tokens 32] [--rounds 2]
     .venv/bin/python bench/endpoint.py --quick      # 4 sessions, 2 turns, a smaller model: seconds
@@ -107,19 +111,23 @@ async def _agents(base_url: str, sessions: list[str], turns: int, max_tokens: in
         return latencies, tokens
 
     try:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         done = await asyncio.gather(*(agent(i, sid) for i, sid in enumerate(sessions)))
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
         await http.aclose()
-    return {"wall_s": wall, "latencies": [x for lat, _ in done for x in lat], "tokens": sum(t for _, t in done)}
+    return {"wall_s": wall, "latencies": [x for lat, _ in done for x in lat], "tokens": sum(t for _, t in done),
+            "client_cpu_s": cpu}
 
 
 def client_main(conn: Any) -> None:
     """The child: runs each round of agents it is sent, answers with their figures (or the error)."""
     os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
     while True:
-        job = conn.recv()
+        try:
+            job = conn.recv()
+        except EOFError:  # the parent is gone
+            return
         if job is None:
             return
         try:
@@ -186,7 +194,8 @@ def chat_env() -> Any:
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The tokenizer and the tiny random model (``--hidden``, ``--layers``; context 1024)."""
+    """The tokenizer and the tiny random model (``--hidden``, ``--layers``: by default the shape of the runs'
+    tiny model, ~1 M parameters; 4 heads, context 1024)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -194,10 +203,9 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
 
     tok = tokenizer()
     torch.manual_seed(0)
-    heads = max(1, args.hidden // 64)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
+    model = LlamaForCausalLM(LlamaConfig(  # the shape of services/tasks/tiny_model.py, a context of 1024
+        vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
         max_position_embeddings=CONTEXT, pad_token_id=0, eos_token_id=tok.eos_token_id, initializer_range=0.1,
         tie_word_embeddings=False)).eval()
     return tok, model
@@ -245,7 +253,7 @@ class Bench:
         return {"wall_s": wall, "latencies": list(self.timed.latencies), "tokens": sum(k for _, k in done)}, \
             [seq for seq, _ in done]
 
-    async def via_endpoint(self, n: int, profile: bool) -> tuple[dict[str, Any], list[list[int]]]:
+    async def via_endpoint(self, n: int, profile: bool = False) -> tuple[dict[str, Any], list[list[int]]]:
         sessions = [self.endpoint.sessions.open(session_id=f"bench-{n}-{i}-{time.monotonic_ns()}") for i in range(n)]
         job = {"base_url": self.endpoint.base_url, "sessions": [s.id for s in sessions], "turns": self.args.turns,
                "max_tokens": self.args.max_tokens}
@@ -271,18 +279,20 @@ class Bench:
     async def level(self, n: int) -> dict[str, Any]:
         """One concurrency level: an untimed round per side, then ``--rounds`` timed rounds, order alternating."""
         sides = ("native", "endpoint")
-        figures: dict[str, dict[str, Any]] = {s: {"wall_s": 0.0, "latencies": [], "tokens": 0, "steps": 0, "rows": 0}
-                                              for s in sides}
+        figures: dict[str, dict[str, Any]] = {s: {"wall_s": 0.0, "latencies": [], "tokens": 0, "steps": 0, "rows": 0,
+                                                  "cpu_s": 0.0, "client_cpu_s": 0.0} for s in sides}
         same = compared = 0
         for r in range(self.args.rounds + 1):
             seqs: dict[str, list[list[int]]] = {}
             for side in sides if r % 2 == 0 else sides[::-1]:
                 self.probe.take()
+                c0 = time.process_time()  # the worker process: event loop and engine threads
                 if side == "native":
                     got, seqs[side] = await self.native(n)
                 else:
-                    got, seqs[side] = await self.via_endpoint(n, profile=r > 0)
+                    got, seqs[side] = await self.via_endpoint(n)
                 steps, rows = self.probe.take()
+                cpu = time.process_time() - c0
                 if r == 0:
                     continue  # untimed: templates compile, connections open, the allocator warms
                 f = figures[side]
@@ -291,11 +301,15 @@ class Bench:
                 f["tokens"] += got["tokens"]
                 f["steps"] += steps
                 f["rows"] += rows
+                f["cpu_s"] += cpu
+                f["client_cpu_s"] += got.get("client_cpu_s", 0.0)
                 print(f"{n} sessions, round {r}: {side}: {got['tokens'] / got['wall_s']:.0f} tok/s, "
                       f"{rows / max(steps, 1):.1f} rows/step", file=sys.stderr, flush=True)
             if r:
                 compared += n
                 same += sum(a == b for a, b in zip(seqs["native"], seqs["endpoint"], strict=True))
+        if self.profile is not None:  # one more endpoint round, profiled, untimed (cProfile slows the loop)
+            await self.via_endpoint(n, profile=True)
         out: dict[str, Any] = {}
         for side, f in figures.items():
             calls = len(f["latencies"])
@@ -306,10 +320,16 @@ class Bench:
                          "latency_ms_p50": round(1e3 * percentile(f["latencies"], 50), 3),
                          "latency_ms_p99": round(1e3 * percentile(f["latencies"], 99), 3),
                          "latency_ms_mean": round(1e3 * statistics.fmean(f["latencies"]), 3),
-                         "rows_per_step": round(f["rows"] / max(f["steps"], 1), 2), "decode_steps": f["steps"]}
+                         "rows_per_step": round(f["rows"] / max(f["steps"], 1), 2), "decode_steps": f["steps"],
+                         "worker_cpu_ms_per_call": round(1e3 * f["cpu_s"] / calls, 3),
+                         "worker_cpu_us_per_token": round(1e6 * f["cpu_s"] / max(f["tokens"], 1), 2)}
+            if side == "endpoint":
+                out[side]["client_cpu_ms_per_call"] = round(1e3 * f["client_cpu_s"] / calls, 3)
         out["endpoint_over_native"] = {
             "tokens_per_s": round(out["endpoint"]["tokens_per_s"] / out["native"]["tokens_per_s"], 4),
-            "latency_p50": round(out["endpoint"]["latency_ms_p50"] / out["native"]["latency_ms_p50"], 4)}
+            "latency_p50": round(out["endpoint"]["latency_ms_p50"] / out["native"]["latency_ms_p50"], 4),
+            "worker_cpu_per_token": round(out["endpoint"]["worker_cpu_us_per_token"]
+                                          / out["native"]["worker_cpu_us_per_token"], 4)}
         out["same_sequences"] = round(same / compared, 4)
         return out
 
@@ -396,7 +416,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--turns", type=int, default=5, help="model calls per session (>= 2)")
     ap.add_argument("--max-tokens", type=int, default=32, help="max_tokens of every call")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds per side and level (after one untimed)")
-    ap.add_argument("--hidden", type=int, default=384, help="the model's hidden size (heads of 64)")
+    ap.add_argument("--hidden", type=int, default=128, help="the model's hidden size (4 heads)")
     ap.add_argument("--layers", type=int, default=4, help="the model's layers")
     ap.add_argument("--max-batch-size", type=int, default=128, help="the torch engine's max_batch_size")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: best on a shared 2-core machine)")
