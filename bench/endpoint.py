@@ -378,7 +378,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                            "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 3),
                            "max_batch_size": args.max_batch_size, "threads": args.threads, "cpus": os.cpu_count()}
     try:
-        out["levels"] = {str(n): await bench.level(n) for n in args.sessions}
+        out["levels"] = {}
+        for n in args.sessions:
+            out["levels"][str(n)] = await bench.level(n)
+            print(f"{n} sessions: {json.dumps(out['levels'][str(n)])}", file=sys.stderr, flush=True)
         out["endpoint_errors"] = endpoint.counters["errors"]
     finally:
         parent.send(None)
