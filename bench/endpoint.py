@@ -22,12 +22,13 @@ then ``--rounds`` timed rounds, the sides' order alternating (the machine is sha
 
 **Figures** per level and side: per-call latency p50/p99 (endpoint: the client's, HTTP included; native: the
 engine's ``generate``, as the episode loop waits for it), generated tokens/s (all calls' tokens over the
-round's wall time, summed over rounds), and ``rows_per_step`` (the mean running batch size over the engine's
+round's wall time, summed over rounds; ``rounds_tokens_per_s`` per round), and ``rows_per_step`` (the mean running batch size over the engine's
 decode steps: when the endpoint batches concurrent calls as native episodes are, the two are alike).
 ``worker_cpu_us_per_token`` is the worker process's CPU time (event loop and engine threads) per generated
 token, a figure less exposed than wall time to the other loads of a shared machine; the endpoint side's
 ``client_cpu_ms_per_call`` is the agents' (the child's). ``endpoint_over_native`` is the endpoint's tokens/s
-over native's (the goal: >= 0.9 at 64 sessions), its p50 latency and its worker CPU per token over native's.
+over native's (the goal: >= 0.9 at 64 sessions; ``tokens_per_s_median_of_rounds``: the median of the rounds'
+ratios, each round's two sides run back to back), its p50 latency and its worker CPU per token over native's.
 ``--profile`` runs one more endpoint round per level (untimed: cProfile slows the loop it profiles) with
 cProfile on the worker's event loop thread and reports the shares of its busy time by part (HTTP, JSON,
 chat template rendering, the session's prefix checks, tokenizer) and its top functions.
@@ -280,7 +281,8 @@ class Bench:
         """One concurrency level: an untimed round per side, then ``--rounds`` timed rounds, order alternating."""
         sides = ("native", "endpoint")
         figures: dict[str, dict[str, Any]] = {s: {"wall_s": 0.0, "latencies": [], "tokens": 0, "steps": 0, "rows": 0,
-                                                  "cpu_s": 0.0, "client_cpu_s": 0.0} for s in sides}
+                                                  "cpu_s": 0.0, "client_cpu_s": 0.0, "round_rates": []}
+                                              for s in sides}
         same = compared = 0
         for r in range(self.args.rounds + 1):
             seqs: dict[str, list[list[int]]] = {}
@@ -303,6 +305,7 @@ class Bench:
                 f["rows"] += rows
                 f["cpu_s"] += cpu
                 f["client_cpu_s"] += got.get("client_cpu_s", 0.0)
+                f["round_rates"].append(got["tokens"] / got["wall_s"])
                 print(f"{n} sessions, round {r}: {side}: {got['tokens'] / got['wall_s']:.0f} tok/s, "
                       f"{rows / max(steps, 1):.1f} rows/step", file=sys.stderr, flush=True)
             if r:
@@ -322,12 +325,16 @@ class Bench:
                          "latency_ms_mean": round(1e3 * statistics.fmean(f["latencies"]), 3),
                          "rows_per_step": round(f["rows"] / max(f["steps"], 1), 2), "decode_steps": f["steps"],
                          "worker_cpu_ms_per_call": round(1e3 * f["cpu_s"] / calls, 3),
-                         "worker_cpu_us_per_token": round(1e6 * f["cpu_s"] / max(f["tokens"], 1), 2)}
+                         "worker_cpu_us_per_token": round(1e6 * f["cpu_s"] / max(f["tokens"], 1), 2),
+                         "rounds_tokens_per_s": [round(x, 2) for x in f["round_rates"]]}
             if side == "endpoint":
                 out[side]["client_cpu_ms_per_call"] = round(1e3 * f["client_cpu_s"] / calls, 3)
         out["endpoint_over_native"] = {
             "tokens_per_s": round(out["endpoint"]["tokens_per_s"] / out["native"]["tokens_per_s"], 4),
             "latency_p50": round(out["endpoint"]["latency_ms_p50"] / out["native"]["latency_ms_p50"], 4),
+            "tokens_per_s_median_of_rounds": round(statistics.median(
+                e / n_ for e, n_ in zip(figures["endpoint"]["round_rates"], figures["native"]["round_rates"],
+                                        strict=True)), 4),
             "worker_cpu_per_token": round(out["endpoint"]["worker_cpu_us_per_token"]
                                           / out["native"]["worker_cpu_us_per_token"], 4)}
         out["same_sequences"] = round(same / compared, 4)
@@ -405,8 +412,9 @@ def table(figures: dict[str, Any]) -> str:
             lines.append(f"{n:>8} {side:>9} {f['tokens_per_s']:>9.0f} {f['latency_ms_p50']:>9.1f} "
                          f"{f['latency_ms_p99']:>9.1f} {f['rows_per_step']:>9.1f}")
         r = level["endpoint_over_native"]
-        lines.append(f"{n:>8} endpoint/native: tokens/s x{r['tokens_per_s']:.3f}, p50 latency x{r['latency_p50']:.3f}, "
-                     f"same sequences {level['same_sequences']:.0%}")
+        lines.append(f"{n:>8} endpoint/native: tokens/s x{r['tokens_per_s']:.3f} (median of rounds "
+                     f"x{r['tokens_per_s_median_of_rounds']:.3f}), p50 latency x{r['latency_p50']:.3f}, worker CPU "
+                     f"per token x{r['worker_cpu_per_token']:.3f}, same sequences {level['same_sequences']:.0%}")
     if figures.get("profile"):
         lines.append("endpoint profile (event loop, busy time): " + ", ".join(
             f"{p} {s:.0%}" for p, s in figures["profile"]["parts"].items()))

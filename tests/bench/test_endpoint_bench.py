@@ -31,11 +31,15 @@ def test_quick_run_reports_both_sides_and_their_ratios():
             assert math.isfinite(f[key]) and f[key] > 0, (side, key)
         assert f["latency_ms_p99"] >= f["latency_ms_p50"]
         assert 1 <= f["rows_per_step"] <= 4
+        assert len(f["rounds_tokens_per_s"]) == 1 and f["worker_cpu_us_per_token"] > 0
+    assert level["endpoint"]["client_cpu_ms_per_call"] > 0
     ratio = level["endpoint_over_native"]
     assert ratio["tokens_per_s"] == pytest.approx(level["endpoint"]["tokens_per_s"] / level["native"]["tokens_per_s"],
                                                   rel=1e-3)
     assert ratio["latency_p50"] == pytest.approx(
         level["endpoint"]["latency_ms_p50"] / level["native"]["latency_ms_p50"], rel=1e-3)
+    assert ratio["tokens_per_s_median_of_rounds"] == pytest.approx(ratio["tokens_per_s"], rel=1e-2)
+    assert ratio["worker_cpu_per_token"] > 0
     assert 0 <= level["same_sequences"] <= 1 and figures["endpoint_errors"] == 0
     profile = figures["profile"]
     assert profile["busy_s"] > 0 and sum(profile["parts"].values()) == pytest.approx(1, abs=0.02)
