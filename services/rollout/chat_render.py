@@ -64,22 +64,28 @@ class ChatRenderer:
     def decode(self, ids: list[int], special: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=not special)
 
-    def prompt(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> list[int]:
-        """The ids of ``messages`` rendered whole, ending with the assistant's generation prompt."""
-        return self.encode(self.render(messages, tools, True))
+    def prompt(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> tuple[list[int], str]:
+        """The ids of ``messages`` rendered whole, ending with the assistant's generation prompt, and that text
+        (a continuing call's ``before``)."""
+        text = self.render(messages, tools, True)
+        return self.encode(text), text
 
     def continuation(self, previous: list[Message], messages: list[Message], tools: list[dict[str, Any]] | None,
-                     generated: list[int]) -> list[int] | None:
+                     generated: list[int], before: str | None = None) -> tuple[list[int], str] | None:
         """The ids that follow ``generated`` when ``messages`` = ``previous`` + the assistant message the
-        model generated as ``generated`` + new messages; None when the template renders the history
-        differently (then the caller renders ``messages`` whole)."""
+        model generated as ``generated`` + new messages, and ``messages`` rendered with the generation prompt
+        (the next continuation's ``before``); None when the template renders the history differently (then
+        the caller renders ``messages`` whole). ``before``: ``previous`` so rendered, when the caller kept it
+        from the previous call (each render costs as much as the whole history: an agent loop then pays two
+        per call, not three)."""
         k = len(previous)
-        before = self.render(previous, tools, True)
+        if before is None:
+            before = self.render(previous, tools, True)
         with_assistant = self.render(messages[:k + 1], tools, False)
         full = self.render(messages, tools, True)
         if not with_assistant.startswith(before) or not full.startswith(with_assistant):
             return None
-        return self.encode(self._tail(with_assistant[len(before):], generated) + full[len(with_assistant):])
+        return self.encode(self._tail(with_assistant[len(before):], generated) + full[len(with_assistant):]), full
 
     def _tail(self, assistant: str, generated: list[int]) -> str:
         """What the template renders after the model's own tokens of its message."""

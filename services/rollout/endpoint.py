@@ -85,13 +85,15 @@ def advertised_host(host: str) -> str:
 
 
 class ChatContext:
-    """What a chat call's continuation must start with: its messages and its tools."""
+    """What a chat call's continuation must start with: its messages and its tools (and the messages as the
+    template rendered them, with the generation prompt, so that a continuation need not render them again)."""
 
     def __init__(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> None:
         self.messages = messages
         self.keys = [message_key(m) for m in messages]
         self.tools = tools
         self.tools_key = tools_key(tools)
+        self.rendered: str | None = None
 
 
 class Endpoint:
@@ -338,16 +340,18 @@ class Endpoint:
                 if context.keys[k] != choice.key:
                     continue
                 try:
-                    suffix = self.renderer.continuation(before.messages, req.messages, req.tools or None,
-                                                        choice.token_ids)
+                    cont = self.renderer.continuation(before.messages, req.messages, req.tools or None,
+                                                      choice.token_ids, before.rendered)
                 except RenderError as e:
                     raise ApiError(400, str(e), param="messages") from e
-                if suffix is not None:
+                if cont is not None:
+                    suffix, context.rendered = cont
                     return prev.prompt_ids + choice.token_ids + suffix, context, (prev, j)
         try:
-            return self.renderer.prompt(req.messages, req.tools or None), context, None
+            ids, context.rendered = self.renderer.prompt(req.messages, req.tools or None)
         except RenderError as e:
             raise ApiError(400, str(e), param="messages") from e
+        return ids, context, None
 
     def _completion_prompt(self, session: Session, prompt: str | list[int] | None
                            ) -> tuple[list[int], Any, tuple[Call, int] | None]:

@@ -303,3 +303,22 @@ async def test_concurrent_sessions_batch_in_one_engine_and_keep_their_own_sequen
             head = session.calls[0].prompt_ids + first
             assert segment.token_ids[:len(head)] == head and segment.generated[len(head) - 1]
         assert len(ep.sessions) == 0
+
+
+async def test_concurrent_calls_reach_the_engine_together_not_one_after_another(engine):
+    """The endpoint hands every concurrent call to the engine at once (no lock, no per-request engine): with
+    the engine asleep, all 8 calls are pending in it together; woken, it admits them into its batch and
+    every agent gets its answer."""
+    async with serving(engine, TOK) as ep:
+        sessions = [ep.sessions.open() for _ in range(8)]
+        await engine.sleep()
+        calls = [asyncio.create_task(client(ep, s.id).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=6))
+            for i, s in enumerate(sessions)]
+        await wait_for_async(lambda: engine.stats().pending == 8, 30, "8 calls pending in the sleeping engine")
+        assert not any(c.done() for c in calls)
+        await engine.wake_up()
+        answers = await asyncio.gather(*calls)
+        assert all(a.usage.completion_tokens == len(s.calls[0].choices[0].token_ids) > 0
+                   for a, s in zip(answers, sessions, strict=True))
+        assert engine.stats().pending == 0
