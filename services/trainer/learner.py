@@ -203,6 +203,9 @@ class Learner:
             metrics["time/proximal_s"] = t_prox
         metrics["train/reward_mean"] = sum(inp.rewards) / max(len(inp.rewards), 1)
         metrics["train/completion_tokens_mean"] = sum(len(c) for c in inp.completions) / max(len(inp.completions), 1)
+        # rows are sequences: an episode of several segments (a black-box agent that rewrote its history) has several
+        metrics["train/sequences"] = float(len(inp.completions))
+        metrics["train/episodes"] = float(len(inp.rewards))
         metrics.update(inp.figures)
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
