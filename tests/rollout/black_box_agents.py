@@ -1,10 +1,14 @@
-"""A black-box agent task for the tests (the judge's worker processes import it by name): its ``solve`` talks
-to the endpoint with the real ``openai`` client; the prompt's ``mode`` says how the agent behaves."""
+"""Black-box agent tasks for the tests (the judge's worker processes, and ``rollout_worker.py``, import them by
+name): each ``solve`` talks to the endpoint with the real ``openai`` client. :class:`AskTwice` behaves as its
+prompt's ``mode`` says; :class:`TruncatesItsHistory` makes two segments; :class:`TwoCalls` runs test hooks
+between its calls; :class:`HeldOnce` holds its first attempt open until its worker is killed."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from services.tasks.base import Prompt, Reward, register_task
@@ -105,6 +109,44 @@ class TwoCalls(BlackBoxAgentTask):
         messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "Sure?"}]
         r = await client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=6,
                                                      temperature=0)
+        return r.choices[0].message.content
+
+    def reward(self, prompt: Prompt, completion: str) -> Reward:
+        return Reward(1.0 if "5" in completion else 0.0, "5 anywhere")
+
+
+#: environment variable naming the directory where :class:`HeldOnce` leaves a marker per attempt
+MARKERS_ENV = "RLBUS_TEST_AGENT_MARKERS"
+
+
+@register_task("black-box-held-once")
+class HeldOnce(BlackBoxAgentTask):
+    """Two calls, as :class:`TwoCalls`. On a training prompt, the first attempt (no marker yet in
+    ``$MARKERS_ENV``) leaves a marker named by its process id after its first call and then holds its episode
+    open (session open, ticket in progress) until its worker is killed; a later attempt leaves its marker and
+    goes on. Evaluation prompts leave no marker and never hold."""
+
+    name = "black-box-held-once"
+
+    def train_prompts(self, seed: int, start: int = 0) -> Iterator[Prompt]:
+        while True:
+            yield Prompt(id="held/train", text="What is 2 + 3?", metadata={"answer": "5"})
+
+    def eval_prompts(self) -> list[Prompt]:
+        return [Prompt(id="held/eval", text="What is 2 + 3?", metadata={"answer": "5"})]
+
+    async def solve(self, endpoint: AgentEndpoint, prompt: Prompt) -> Any:
+        client = endpoint.openai(max_retries=0)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": prompt.text}]
+        r = await client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=6)
+        markers = Path(os.environ[MARKERS_ENV])
+        first_attempt = prompt.id == "held/train" and not any(markers.iterdir())
+        if prompt.id == "held/train":
+            (markers / str(os.getpid())).write_text(prompt.id)
+        if first_attempt:
+            await asyncio.Event().wait()  # mid-episode until this worker dies
+        messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "Sure?"}]
+        r = await client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=6)
         return r.choices[0].message.content
 
     def reward(self, prompt: Prompt, completion: str) -> Reward:
