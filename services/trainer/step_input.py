@@ -1,6 +1,7 @@
 """One optimiser step's batch as the learner takes it: scored trajectories turned into plain lists (prompts,
 completions, loss masks, behaviour logprobs) with their group-normalised advantages, loss weights and the
-batch's loss normaliser.
+batch's loss normaliser. Plain lists, because rank 0 sends the step input to the other ranks of a trainer
+(:mod:`services.trainer.ranks`) and :mod:`services.launcher.replay` rebuilds it from a run's stream.
 
 **Rows and episodes.** A row is one sequence. An episode is one row, except an episode of several segments (a
 black-box agent that rewrote its history: ``Rollout.extra_segments``), which is one row per segment, each with
@@ -8,8 +9,7 @@ its own prompt and mask. Everything per episode is computed per episode and copi
 group advantage (the group is still the prompt group of episodes; a segment is never a group member), the
 overlong penalty (on all its generated tokens), ``mask_truncated`` and the staleness decay (on its oldest token
 over every segment). ``episode_tokens`` tells the loss how many loss tokens each row's episode has, so that the
-``seq_mean`` aggregations count an episode once however many segments it has (:mod:`services.trainer.loss`). Plain lists, because rank 0 sends the step input to the other ranks of a trainer
-(:mod:`services.trainer.ranks`) and :mod:`services.launcher.replay` rebuilds it from a run's stream.
+``seq_mean`` aggregations count an episode once however many segments it has (:mod:`services.trainer.loss`).
 """
 
 from __future__ import annotations
