@@ -46,6 +46,15 @@ class Turn(msgspec.Struct, kw_only=True):
     reward: float | None = None
 
 
+class EpisodeSegment(msgspec.Struct, kw_only=True):
+    """One more sequence of an episode whose context was rewritten on the way (a black-box agent that truncated
+    or rewrote its history): its own prompt (masked) and turns (``assistant`` trained, ``tool`` masked), trained
+    as its own sequence with the episode's reward and advantage."""
+
+    prompt_ids: list[int]
+    turns: list[Turn]
+
+
 class RolloutSample(msgspec.Struct, kw_only=True):
     """What is per sample of a group's completions (the group carries its ticket once)."""
 
@@ -63,6 +72,9 @@ class RolloutSample(msgspec.Struct, kw_only=True):
     #: the prompt this sample's turns follow, when it is not the ticket's: a black-box agent's episode starts
     #: from the prompt its own first call rendered (None: the ticket's ``prompt_ids``)
     prompt_ids: list[int] | None = None
+    #: the episode's segments after the first (``prompt_ids`` + ``turns`` are the first), in the order they
+    #: started; empty: the episode is one sequence
+    extra_segments: list[EpisodeSegment] = []
 
 
 class Rollout(Envelope, kw_only=True, tag="rollout"):
@@ -87,16 +99,27 @@ class Rollout(Envelope, kw_only=True, tag="rollout"):
     worker: str = ""
     #: the prompt as text (the ticket's ``prompt_text``), for judges that read it (LLM-as-judge)
     prompt_text: str = ""
+    #: the episode's segments after the first (see :class:`RolloutSample`)
+    extra_segments: list[EpisodeSegment] = []
+
+    def sequences(self) -> list[tuple[list[int], list[Turn]]]:
+        """``(prompt_ids, turns)`` of each sequence the episode trains as: the first, then its extra segments."""
+        return [(self.prompt_ids, self.turns), *((s.prompt_ids, s.turns) for s in self.extra_segments)]
+
+    def all_turns(self) -> list[Turn]:
+        """The turns of every segment, in order."""
+        return [turn for _, turns in self.sequences() for turn in turns]
 
     def completion_ids(self) -> list[int]:
         return [t for turn in self.turns for t in turn.token_ids]
 
     def text(self) -> str:
-        return "".join(turn.text for turn in self.turns)
+        """The turns' text, every segment's in order."""
+        return "".join(turn.text for turn in self.all_turns())
 
     def min_version(self) -> int:
-        """Weight version of the oldest policy token, or policy_version if none."""
-        versions = [v for turn in self.turns for v in turn.versions]
+        """Weight version of the oldest policy token over every segment, or policy_version if none."""
+        versions = [v for turn in self.all_turns() for v in turn.versions]
         return min(versions) if versions else self.policy_version
 
 
@@ -109,7 +132,7 @@ def joined(group: Envelope, ticket: PromptTicket, s: RolloutSample) -> Rollout:
                    finish_reason=s.finish_reason, policy_version=ticket.policy_version,
                    metadata={**ticket.metadata, **s.metadata},
                    is_eval=ticket.is_eval, sandbox_id=s.sandbox_id, error=s.error, worker=s.worker,
-                   prompt_text=ticket.prompt_text)
+                   prompt_text=ticket.prompt_text, extra_segments=s.extra_segments)
 
 
 def split(r: Rollout, ticket: PromptTicket) -> RolloutSample:
@@ -117,7 +140,8 @@ def split(r: Rollout, ticket: PromptTicket) -> RolloutSample:
     extra = {k: v for k, v in r.metadata.items() if ticket.metadata.get(k) != v}
     return RolloutSample(id=r.msg_id, sample_index=r.sample_index, turns=r.turns, finish_reason=r.finish_reason,
                          error=r.error, sandbox_id=r.sandbox_id, worker=r.worker, metadata=extra,
-                        prompt_ids=None if r.prompt_ids == ticket.prompt_ids else r.prompt_ids)
+                         prompt_ids=None if r.prompt_ids == ticket.prompt_ids else r.prompt_ids,
+                         extra_segments=r.extra_segments)
 
 
 def ticket_of(r: Rollout, msg_id: str) -> PromptTicket:

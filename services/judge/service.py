@@ -58,7 +58,7 @@ class TaskUnavailable(Exception):
 
 def with_turn_rewards(grading: Grading, rollout: Rollout) -> Grading:
     """``grading`` with the rollout's turn rewards added to its reward (a failed grading stays as it is)."""
-    rewards = [t.reward for t in rollout.turns if t.reward is not None]
+    rewards = [t.reward for t in rollout.all_turns() if t.reward is not None]
     if not rewards or grading.failure is not None:
         return grading
     total = math.fsum(rewards)

@@ -7,9 +7,12 @@ session, and assemble the trajectory from what the session recorded (``services/
 * **one segment** (every call continued the previous one, or a single call): the sample's prompt is the
   segment's prompt (what the agent's first call rendered; the sample carries it, ``RolloutSample.prompt_ids``)
   and its turns the segment's runs of generated (``assistant``, trained) and other (``tool``, masked) tokens;
-* **several segments** (the agent rewrote or truncated its history): the trainer takes one sequence per
-  sample today, so the episode ends with ``finish_reason = "error"`` and the reason (the judge scores it 0
-  and the accounting sees it) rather than train tokens on a context the model never saw;
+* **several segments** (the agent rewrote or truncated its history): the first segment is the sample's prompt
+  and turns as above, the others its ``extra_segments`` (each its own prompt, what that call rendered, and
+  turns), in the order they started. The trainer trains each as its own sequence with the episode's reward and
+  advantage, counting the episode once (``services/trainer/step_input.py``), and the staleness filter reads
+  the oldest version over all of them (``Rollout.min_version``); no token is trained on a context the model
+  did not see;
 * **no model call**: an error with the reason.
 
 The finish reason is the last generated choice's (``eos``/``stop``/``length``), or the budget the agent ran
@@ -32,6 +35,7 @@ import logging
 import time
 from typing import Any
 
+from proto.rollouts import EpisodeSegment
 from services.lib.sandbox_client import SandboxClientError
 from services.rollout.command_agent import CommandAgentError, CommandAgents, egress_entry
 from services.rollout.config import AgentSection
@@ -54,7 +58,7 @@ class BlackBoxLoop:
         self.cfg = cfg
         #: runs command agents in sandboxes (None: a rollout without a sandbox client refuses them)
         self.commands = commands
-        self.counters = {"episodes": 0, "errors": 0, "segments_refused": 0, "wall_time": 0, "calls": 0,
+        self.counters = {"episodes": 0, "errors": 0, "segmented": 0, "wall_time": 0, "calls": 0,
                          "tokens": 0, "prompt_tokens": 0, "seconds": 0.0}
 
     async def run(self, task: Any, prompt: Prompt, labels: dict[str, str] | None = None) -> EpisodeOutcome:
@@ -117,13 +121,19 @@ class BlackBoxLoop:
         segments = session.close()
         if out.error is None and not segments:
             out.error = "agent: the agent returned without a model call that finished"
-        elif out.error is None and len(segments) > 1:
-            self.counters["segments_refused"] += 1
-            out.error = (f"agent: its calls make {len(segments)} segments (it rewrote or truncated its history); "
-                         "an episode trains as one sequence")
         if out.error is not None:
             out.finish_reason = "error"
             return
-        out.prompt_ids, out.turns = segments[0].sequence(lambda ids: ep.renderer.decode(ids))
+
+        def decode(ids: list[int]) -> str:
+            return ep.renderer.decode(ids)
+
+        out.prompt_ids, out.turns = segments[0].sequence(decode)
+        for seg in segments[1:]:
+            prompt_ids, turns = seg.sequence(decode)
+            out.extra_segments.append(EpisodeSegment(prompt_ids=prompt_ids, turns=turns))
+        if len(segments) > 1:
+            self.counters["segmented"] += 1
+            out.metadata["agent_segments"] = str(len(segments))
         last = next(c for c in reversed(session.calls) if c.choices and c.continued_by is not None)
         out.finish_reason = finish or session.exhausted or last.choices[last.continued_by].finish_reason

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from proto.rollouts import FinishReason, Turn
+from proto.rollouts import EpisodeSegment, FinishReason, Turn
 from services.lib.engine.base import (
     Engine,
     EngineOverloadedError,
@@ -73,6 +73,8 @@ class EpisodeOutcome:
     prompt_ids: list[int] | None = None
     #: what the episode adds to the sample's metadata (e.g. a black-box agent's ``agent_answer``)
     metadata: dict[str, str] = field(default_factory=dict)
+    #: the episode's segments after the first (a black-box agent that rewrote its history)
+    extra_segments: list[EpisodeSegment] = field(default_factory=list)
 
 
 class EnvironmentFailed(Exception):

@@ -78,7 +78,8 @@ def rollout_sample(ctx: ServiceContext, ticket: PromptTicket, index: int,
     # started again on a new sandbox after losing its instance: said in the sample's metadata
     extra = {"sandbox_retries": str(out.sandbox_retries)} if out.sandbox_retries else {}
     return RolloutSample(**common, turns=out.turns, finish_reason=out.finish_reason, sandbox_id=out.sandbox_id,
-                         error=out.error, metadata={**out.metadata, **extra}, prompt_ids=out.prompt_ids)
+                         error=out.error, metadata={**out.metadata, **extra}, prompt_ids=out.prompt_ids,
+                         extra_segments=out.extra_segments)
 
 
 def generated_tokens(out: AgentOutcome) -> int:

@@ -16,8 +16,9 @@ call, or raced two calls on one tip, the call starts a new segment holding its w
 generated) and turns in the rollout's own shape (``proto.rollouts.Turn``): ``assistant`` turns are generated
 tokens with their logprobs and versions (trained), ``tool`` turns are everything else the model was
 conditioned on (tool results, user turns, template framing: masked out of the loss). Each segment is one
-sequence with its own prompt and mask, exactly like one rollout; a segment's oldest token version is what
-the staleness filter reads (``Rollout.min_version``). Choices of ``n > 1`` that the next call did not
+sequence with its own prompt and mask, exactly like one rollout; the first is the sample's prompt and turns,
+the others its ``extra_segments``, all trained with the episode's reward and advantage; the staleness filter
+reads the oldest token version over every segment (``Rollout.min_version``). Choices of ``n > 1`` that the next call did not
 continue, and calls cut off (a client gone mid-generation), are recorded in :attr:`Session.calls` but are in
 no segment.
 

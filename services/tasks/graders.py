@@ -99,8 +99,9 @@ def prompt_of(rollout: Rollout) -> Prompt:
 
 
 def assistant_text(rollout: Rollout) -> str:
-    """The policy's own words: assistant turns joined by newlines (a single-turn rollout's completion)."""
-    return "\n".join(t.text for t in rollout.turns if t.role == "assistant")
+    """The policy's own words: assistant turns joined by newlines (a single-turn rollout's completion), every
+    segment's in order for an episode of several."""
+    return "\n".join(t.text for t in rollout.all_turns() if t.role == "assistant")
 
 
 class Grader(Protocol):

@@ -91,6 +91,9 @@ def pad_token_advantages(rows: Sequence[Sequence[float]], width: int, device: to
 def missing_teacher(trajectory: ScoredTrajectory) -> str:
     """Why ``trajectory`` cannot be trained with distillation (its teacher logprobs are missing or do not fit its
     tokens), or ``""`` when it can."""
+    if trajectory.rollout.extra_segments:
+        return (f"an episode of {1 + len(trajectory.rollout.extra_segments)} segments: on-policy distillation "
+                "trains episodes of one sequence only (the teacher scores one sequence per sample)")
     tokens = sum(len(turn.token_ids) for turn in trajectory.rollout.turns)
     teacher = trajectory.teacher_logprobs
     if teacher is None:

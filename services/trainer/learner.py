@@ -206,6 +206,9 @@ class Learner:
             metrics["time/proximal_s"] = t_prox
         metrics["train/reward_mean"] = sum(inp.rewards) / max(len(inp.rewards), 1)
         metrics["train/completion_tokens_mean"] = sum(len(c) for c in inp.completions) / max(len(inp.completions), 1)
+        # rows are sequences: an episode of several segments (a black-box agent that rewrote its history) has several
+        metrics["train/sequences"] = float(len(inp.completions))
+        metrics["train/episodes"] = float(len(inp.rewards))
         metrics.update(inp.figures)
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics
@@ -225,7 +228,8 @@ class Learner:
         prox: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for rows in parts:
-                for p in self._passes(inp, rows, loss_total(inp.masks, rows, str(self.cfg.loss.aggregation))):
+                total = loss_total(inp.masks, rows, str(self.cfg.loss.aggregation), inp.episode_tokens)
+                for p in self._passes(inp, rows, total):
                     if not p:  # join the other ranks' collectives
                         with self._autocast():
                             ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.placement.device)
@@ -249,7 +253,7 @@ class Learner:
         if rows is None:
             rows, total = list(range(len(inp.completions))), inp.total
         else:
-            total = loss_total(inp.masks, rows, str(self.cfg.loss.aggregation))
+            total = loss_total(inp.masks, rows, str(self.cfg.loss.aggregation), inp.episode_tokens)
         passes = self._passes(inp, rows, total)
         sums: dict[str, float] = {}
         n_mb = 0
@@ -302,12 +306,15 @@ class Learner:
             advantages = torch.tensor([inp.advantages[i] for i in rows], dtype=torch.float32, device=logprobs.device)
         weights = torch.tensor([inp.weights[i] for i in rows], dtype=torch.float32,
                                device=logprobs.device) if inp.weights else None
+        episode_tokens = torch.tensor([inp.episode_tokens[i] for i in rows], dtype=torch.float32,
+                                      device=logprobs.device) if inp.episode_tokens else None
         loss, m = grpo_loss(  # loss_mask: the step's own masks (loss.mask_truncated) on the model's padding
             logprobs, behaviour_lp, advantages, loss_mask.to(logprobs.dtype), old_logprobs=old_lp, ref_logprobs=ref_lp,
             sample_weights=weights, loss_type=lc.type, clip_low=lc.clip_low, clip_high=lc.clip_high,
             kl_coef=lc.kl_coef, is_mode=lc.is_mode, is_cap=lc.is_cap, is_floor=lc.is_floor,
             mismatch_mask=lc.mismatch.mask, mismatch_low=lc.mismatch.low, mismatch_high=lc.mismatch.high,
-            aggregation=lc.aggregation or "seq_mean_token_mean", norm_tokens=float(lc.norm_tokens), total=total)
+            aggregation=lc.aggregation or "seq_mean_token_mean", norm_tokens=float(lc.norm_tokens), total=total,
+            episode_tokens=episode_tokens)
         # FSDP averages gradients over ranks; every rank's loss is already a share of the whole batch's
         (loss * self.world_size).backward()
         return m

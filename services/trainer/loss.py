@@ -77,6 +77,16 @@ Aggregation of ``l(t)`` over the batch (``aggregation``):
   weigh more).
 * ``"seq_mean_token_sum_norm"``: each completion's token *sum* divided by the constant ``norm_tokens`` (e.g.
   the completion budget), then mean over completions (Dr. GRPO's normaliser).
+
+**Segments.** An episode whose context was rewritten on the way (a black-box agent that truncated its history)
+trains as several rows, one per segment, each with its own prompt and mask; all of them carry the episode's
+advantage ``A_i`` (the episode is the group member). The aggregations treat the segments as the episode's
+tokens, so splitting an episode never changes its weight in the batch: ``token_mean`` counts each of the
+episode's loss tokens once, as always; the ``seq_mean`` aggregations count the *episode* once: its rows' token
+sums are divided by the episode's loss tokens ``N_i`` (``episode_tokens``; ``seq_mean_token_mean``) or by
+``norm_tokens``, and the batch's denominator counts each row as its share ``n_row / N_i`` of an episode, so an
+episode of segments with ``n_1 + n_2 = N_i`` loss tokens contributes exactly what one sequence of those ``N_i``
+tokens would. ``gspo``'s ratio and the ``sequence``/``geometric`` mismatch masks are per row (per segment).
 """
 
 from __future__ import annotations
@@ -154,24 +164,27 @@ def group_advantages(
 
 
 def _aggregate(per_token: Tensor, mask: Tensor, aggregation: Aggregation, total: float | None,
-               norm_tokens: float = 0.0) -> Tensor:
-    """Reduce a ``[B, T]`` per-token quantity to a scalar (see module docstring)."""
+               norm_tokens: float = 0.0, episode_tokens: Tensor | None = None) -> Tensor:
+    """Reduce a ``[B, T]`` per-token quantity to a scalar (see module docstring); ``episode_tokens``: per row,
+    the loss tokens of the episode it is a segment of (None: every row is a whole episode)."""
     if aggregation == "token_mean":
         denominator = total if total is not None else mask.sum().clamp(min=1.0)
         return (per_token * mask).sum() / denominator
     if aggregation in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):
         tokens_per_seq = mask.sum(dim=1)
         per_seq = (per_token * mask).sum(dim=1)
+        # an episode of several segments counts once: each segment's share of it is its part of the tokens
+        episode = tokens_per_seq if episode_tokens is None else episode_tokens.to(per_token.dtype)
         if aggregation == "seq_mean_token_mean":
-            per_seq = per_seq / tokens_per_seq.clamp(min=1.0)
+            per_seq = per_seq / episode.clamp(min=1.0)
         else:
             if norm_tokens <= 0:
                 raise LossInputError(f"aggregation 'seq_mean_token_sum_norm' needs norm_tokens > 0, got {norm_tokens}")
             per_seq = per_seq / norm_tokens
         # Completions without a single loss token (e.g. all tool output) do not count.
-        has_tokens = (tokens_per_seq > 0).to(per_token.dtype)
-        denominator = total if total is not None else has_tokens.sum().clamp(min=1.0)
-        return (per_seq * has_tokens).sum() / denominator
+        share = torch.where(episode > 0, tokens_per_seq / episode.clamp(min=1.0), torch.zeros_like(episode))
+        denominator = total if total is not None else share.sum().clamp(min=1.0)
+        return (per_seq * (tokens_per_seq > 0).to(per_token.dtype)).sum() / denominator
     raise LossInputError(f"unknown aggregation {aggregation!r}; use 'seq_mean_token_mean', 'token_mean' or "
                          "'seq_mean_token_sum_norm'")
 
@@ -198,6 +211,7 @@ def grpo_loss(
     aggregation: Aggregation = "seq_mean_token_mean",
     norm_tokens: float = 0.0,
     total: float | None = None,
+    episode_tokens: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO-family loss with clip-higher, optional k3 KL, off-policy and mismatch correction.
 
@@ -227,7 +241,10 @@ def grpo_loss(
         norm_tokens: the constant normaliser of ``"seq_mean_token_sum_norm"``.
         total: denominator for the whole batch when this call sees only a micro-batch
             of it (gradient accumulation): the number of completions with loss tokens
-            (the seq_mean aggregations) or of loss tokens (token_mean) in the full batch.
+            (the seq_mean aggregations; an episode of several segments counts once) or of loss tokens
+            (token_mean) in the full batch.
+        episode_tokens: ``[B]``, per row the loss tokens of its whole episode, when rows are segments of
+            episodes (see "Segments" above); None: every row is an episode of its own.
 
     Returns:
         ``(loss, metrics)``: a scalar tensor to call ``backward()`` on, and floats named
@@ -251,6 +268,8 @@ def grpo_loss(
         raise LossInputError(
             f"expected logprobs [B, T] and advantages [B] or [B, T]; got {tuple(shape)} and {tuple(advantages.shape)}"
         )
+    if episode_tokens is not None and episode_tokens.shape != shape[:1]:
+        raise LossInputError(f"episode_tokens has shape {tuple(episode_tokens.shape)}, expected [B] = {shape[:1]}")
     if sample_weights is not None and sample_weights.shape != shape[:1]:
         raise LossInputError(f"sample_weights has shape {tuple(sample_weights.shape)}, expected [B] = {shape[:1]}")
     if kl_coef > 0 and ref_logprobs is None:
@@ -317,8 +336,8 @@ def grpo_loss(
         kl_per_token = torch.zeros_like(logprobs)
 
     # 5. Aggregate over tokens and completions.
-    policy_loss = _aggregate(pg_per_token, mask, aggregation, total, norm_tokens)
-    kl_loss = _aggregate(kl_per_token, mask, aggregation, total, norm_tokens)
+    policy_loss = _aggregate(pg_per_token, mask, aggregation, total, norm_tokens, episode_tokens)
+    kl_loss = _aggregate(kl_per_token, mask, aggregation, total, norm_tokens, episode_tokens)
     loss = policy_loss + kl_coef * kl_loss
 
     # Diagnostics: token means over loss tokens of this call.

@@ -322,6 +322,35 @@ async def test_cancelled_request_leaves_the_batch(engine, tokenizer):
     assert engine.stats().pending == 0 and engine.stats().running == 0
 
 
+async def test_a_request_cancelled_beside_running_ones_leaves_them_running(tiny_model_dir, tokenizer):
+    """A client gone mid-call (a black-box agent's, a killed harness's) cancels its row while another row runs
+    after it in the batch: the row is removed (the cache rows behind it move up) and the other finishes."""
+    engine = SteppedEngine(TorchEngineConfig(max_batch_size=8), tiny_model_dir)
+    await engine.start()
+    go = threading.Event()
+    try:
+        loop = asyncio.get_running_loop()
+        reached = asyncio.Event()
+        engine.hooks[3] = lambda: (signal(loop, reached), go.wait(60))
+        params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+        prompts = {text: tokenizer.encode(text) for text in ("first", "second")}
+        tasks = {text: asyncio.create_task(engine.generate(ids, params)) for text, ids in prompts.items()}
+        await reached.wait()
+        assert engine.stats().running == 2  # the engine holds after step 3, both rows running
+        # cancel the request in row 0, so that the other row moves into its slot
+        front = next(t for t, ids in prompts.items() if list(engine._batch.rows[0].seq.prompt_ids) == ids)
+        tasks[front].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[front]
+        go.set()
+        out = await next(task for t, task in tasks.items() if t != front)
+        assert len(out.token_ids) == 12 and len(out.versions) == 12
+        assert engine.stats().pending == 0 and engine.stats().running == 0
+    finally:
+        go.set()
+        await engine.stop()
+
+
 async def test_errors_say_what_went_wrong(tiny_model_dir, tokenizer):
     engine = SteppedEngine(TorchEngineConfig(max_queued=1, dtype="bfloat16"), tiny_model_dir)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)

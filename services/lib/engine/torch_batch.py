@@ -71,8 +71,10 @@ class RunningBatch:
         self.next_tokens = self.next_tokens[:0]
         self.positions = self.positions[:0]
 
+    @torch.inference_mode()
     def drop_cancelled(self) -> int:
-        """Remove the rows whose request was cancelled; how many."""
+        """Remove the rows whose request was cancelled; how many. Under inference mode like every other change
+        of the cache: moving the rows behind a removed one is an in-place update of inference tensors."""
         cancelled = [i for i, r in enumerate(self.rows) if r.cancelled]
         if cancelled:
             self._remove_rows(cancelled)
