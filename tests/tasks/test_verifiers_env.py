@@ -188,23 +188,23 @@ async def test_a_tool_episode_calls_the_tools_and_trains_on_the_generated_tokens
     assert verdict["errors"] == [] and verdict["rewards"]["contains_answer"] == [1.0, 1.0]
 
 
-async def test_a_bad_tool_call_comes_back_to_the_model_as_a_tool_error(monkeypatch):
-    script = [call("calc_subtract", {"a": 1, "b": 2}), call("calc_divide", {"a": 1, "b": 0}),
-              call("calc_add", {"a": "one", "b": 2}), "The answer is 3."]
+async def test_a_tool_that_raises_or_rejects_its_arguments_answers_the_model_with_the_error(monkeypatch):
+    script = [call("calc_divide", {"a": 1, "b": 0}), call("calc_add", {"a": "one", "b": 2}), "The answer is 3."]
     out, _ = await _scripted_episode(script, monkeypatch)
     assert out.error is None, out.error
-    assert [t.role for t in out.turns] == ["assistant", "tool"] * 3 + ["assistant"]
-    unknown, raised, rejected = (out.turns[k].text for k in (1, 3, 5))
-    assert "error: unknown tool 'calc_subtract'; the tools are: calc_add, calc_divide, calc_multiply" in unknown
-    assert "cannot divide by zero" in raised
-    assert "validation error" in rejected.lower(), rejected
+    assert [t.role for t in out.turns] == ["assistant", "tool"] * 2 + ["assistant"]
+    raised, rejected = out.turns[1].text, out.turns[3].text
+    assert "cannot divide by zero" in raised, raised
+    assert "validation error" in rejected.lower() and "calc_add" not in rejected, rejected
     assert json.loads(out.metadata["agent_answer"])["rewards"]["contains_answer"] == [1.0, 1.0]
 
 
-async def test_arguments_that_are_not_a_json_object_are_a_tool_error_without_calling_the_tool():
-    """The endpoint always sends arguments as JSON, but a client's harness reads them as any string."""
+async def test_an_unknown_tool_or_arguments_that_are_not_a_json_object_are_a_tool_error_without_a_call():
+    """rlbus's endpoint never hands these over (its parser returns a call to an undeclared tool, or with
+    arguments that are not an object, as text), but the harness reads any OpenAI endpoint's tool calls."""
     from services.tasks.verifiers_harness import Tools
 
     tools = Tools({"calc_add": ("calc", "add")}, {})  # no connection: a call that reached it would fail
+    assert await tools.call("calc_sub", "{}") == "error: unknown tool 'calc_sub'; the tools are: calc_add"
     assert (await tools.call("calc_add", "{a: 1")).startswith("error: the arguments of calc_add are not valid JSON")
     assert await tools.call("calc_add", "[1, 2]") == "error: the arguments of calc_add must be a JSON object, got list"
