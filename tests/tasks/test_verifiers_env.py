@@ -156,7 +156,7 @@ def call(name: str, arguments: object) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
-async def _scripted_episode(script: list[str], monkeypatch) -> tuple:
+async def _scripted_episode(script: list[str], monkeypatch, max_turns: int = 8) -> tuple:
     from tests.agentic.agentic_harness import ScriptedEngine
 
     # verifiers starts the tool server as `python -m tests.tasks.verifiers_tools`: the repository must import
@@ -164,7 +164,7 @@ async def _scripted_episode(script: list[str], monkeypatch) -> tuple:
     task = get_task("verifiers", env=TOOLS_ENV, eval_size=2, max_new_tokens=64)
     engine = ScriptedEngine(TOK, script)
     async with serving(engine, TOK) as endpoint:
-        loop = BlackBoxLoop(endpoint, AgentSection(max_turns=8, wall_time_s=120.0))
+        loop = BlackBoxLoop(endpoint, AgentSection(max_turns=max_turns, wall_time_s=120.0))
         try:
             out = await loop.run(task, task.eval_prompts()[0])
         finally:
@@ -197,6 +197,14 @@ async def test_a_tool_that_raises_or_rejects_its_arguments_answers_the_model_wit
     assert "cannot divide by zero" in raised, raised
     assert "validation error" in rejected.lower() and "calc_add" not in rejected, rejected
     assert json.loads(out.metadata["agent_answer"])["rewards"]["contains_answer"] == [1.0, 1.0]
+
+
+async def test_a_model_that_keeps_calling_tools_ends_at_the_turn_budget(monkeypatch):
+    """The harness loops while the model calls tools; the rollout's agent.max_turns refuses the third call:
+    the episode ends with turn_limit (no error), its two calls and the tool result between them kept."""
+    out, engine = await _scripted_episode([call("calc_add", {"a": 1, "b": 1})] * 5, monkeypatch, max_turns=2)
+    assert out.error is None and out.finish_reason == "turn_limit", (out.error, out.finish_reason)
+    assert engine.calls == [0, 1] and [t.role for t in out.turns] == ["assistant", "tool", "assistant"]
 
 
 async def test_an_unknown_tool_or_arguments_that_are_not_a_json_object_are_a_tool_error_without_a_call():
