@@ -19,8 +19,8 @@ a reply is run through its server and its result appended as a ``tool`` message;
 until it answers without a call, or a turn budget refuses the call (verifiers' ``max_turns`` or the rollout's
 ``agent.max_turns``: the refusal ends the launch as it does for verifiers' own harnesses). A call the tool
 cannot serve (an unknown tool, arguments that are not a JSON object, a tool that raises or rejects its
-arguments, a server that fails) comes back to the model as a ``tool`` message saying ``error: ...``; the
-episode goes on. The endpoint's session records the calls: generated tokens are trained, tool results (the
+arguments, a server that fails or does not answer within the harness's ``tool_timeout``) comes back to the
+model as a ``tool`` message saying ``error: ...``; the episode goes on. The endpoint's session records the calls: generated tokens are trained, tool results (the
 template's rendering of the ``tool`` messages) are masked.
 
 verifiers finds a harness by id, importing ``verifiers.v1.harnesses.<id>`` or the bare module ``<id>``; a
@@ -29,6 +29,7 @@ dotted id cannot be imported that way, so :func:`harness_id` registers this modu
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import sys
@@ -47,7 +48,8 @@ class RlbusChatConfig(vf.HarnessConfig):
 
 
 class RlbusChatHarness(vf.Harness[RlbusChatConfig]):
-    """One model call per launch, in-process, through the interception endpoint (see the module docstring)."""
+    """One assistant turn per launch (model calls until a reply without a tool call), in-process, through the
+    interception endpoint (see the module docstring)."""
 
     APPENDS_SYSTEM_PROMPT = True
     SUPPORTS_MCP = True
@@ -78,7 +80,7 @@ class RlbusChatHarness(vf.Harness[RlbusChatConfig]):
                 except Exception as e:  # a server that does not list its tools: the launch fails, naming it
                     raise HarnessError(f"listing the tools of {', '.join(sorted(mcp_urls))} failed: "
                                        f"{type(e).__name__}: {e}") from e
-                tools, tool_servers = schemas, Tools(dispatch, connections)
+                tools, tool_servers = schemas, Tools(dispatch, connections, self.config.tool_timeout)
             while True:
                 reply = await client.chat.completions.create(model=ctx.model, messages=messages,  # type: ignore[arg-type]
                                                              tools=tools)
@@ -99,8 +101,9 @@ class RlbusChatHarness(vf.Harness[RlbusChatConfig]):
 class Tools:
     """The episode's MCP tools by the name the model calls them (``<server>_<tool>``), and their connections."""
 
-    def __init__(self, dispatch: dict[str, tuple[str, str]], connections: dict[str, Any]) -> None:
-        self.dispatch, self.connections = dispatch, connections
+    def __init__(self, dispatch: dict[str, tuple[str, str]], connections: dict[str, Any],
+                 timeout_s: float = 600.0) -> None:
+        self.dispatch, self.connections, self.timeout_s = dispatch, connections, timeout_s
 
     async def call(self, name: str, arguments: str) -> Any:
         """The tool's result as a ``tool`` message's content; ``error: ...`` when it cannot be served."""
@@ -116,7 +119,10 @@ class Tools:
         if not isinstance(args, dict):
             return f"error: the arguments of {name} must be a JSON object, got {type(args).__name__}"
         try:
-            return await call_mcp(self.connections, self.dispatch, name, args)
+            async with asyncio.timeout(self.timeout_s):
+                return await call_mcp(self.connections, self.dispatch, name, args)
+        except TimeoutError:
+            return f"error: {name} did not answer within {self.timeout_s:g} s"
         except Exception as e:  # the tool server failed: the model reads why, the episode goes on
             return f"error: calling {name} failed: {type(e).__name__}: {e}"
 
