@@ -14,8 +14,9 @@ SPECIALS = ["<pad>", "<s>", "</s>"]
 CHARS = list(string.ascii_lowercase + string.ascii_uppercase + string.digits + " .,:;!?+-*/=()[]<>'\"#_\n")
 
 
-def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
-    """Save a 2-layer, hidden-64 Llama model and a char-level tokenizer (vocab = specials + chars) to ``path``."""
+def build_tiny_model(path: Path, *, seed: int = 0, max_positions: int = 512) -> Path:
+    """Save a 2-layer, hidden-64 Llama model (``max_positions`` of context) and a char-level tokenizer
+    (vocab = specials + chars) to ``path``."""
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     backend.add_special_tokens(SPECIALS)
@@ -25,7 +26,7 @@ def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
     )
     config = LlamaConfig(
         vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.1, tie_word_embeddings=False,
     )
     torch.manual_seed(seed)

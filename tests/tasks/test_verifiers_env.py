@@ -142,3 +142,77 @@ async def test_an_environment_whose_run_fails_ends_its_episode_with_the_reason()
     _, (out,) = await _episodes({"env": f"{ENVS}:load_dialogue", "env_args": {"fail": True}})
     assert out.finish_reason == "error" and "the environment broke" in out.error, out.error
     assert "VerifiersEpisodeError" in out.error
+
+
+# --- a ToolEnv: MCP tools served by verifiers per episode, called by rlbus's harness ----------------------
+# The tiny random model does not write tool calls: the policy is the agentic tests' ScriptedEngine (fixed
+# replies, hermes-style calls) behind the same real endpoint, session and parser.
+
+TOOLS_ENV = f"{ENVS}:load_tools"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def call(name: str, arguments: object) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+async def _scripted_episode(script: list[str], monkeypatch, max_turns: int = 8) -> tuple:
+    from tests.agentic.agentic_harness import ScriptedEngine
+
+    # verifiers starts the tool server as `python -m tests.tasks.verifiers_tools`: the repository must import
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    task = get_task("verifiers", env=TOOLS_ENV, eval_size=2, max_new_tokens=64)
+    engine = ScriptedEngine(TOK, script)
+    async with serving(engine, TOK) as endpoint:
+        loop = BlackBoxLoop(endpoint, AgentSection(max_turns=max_turns, wall_time_s=120.0))
+        try:
+            out = await loop.run(task, task.eval_prompts()[0])
+        finally:
+            await task.aclose()
+    return out, engine
+
+
+async def test_a_tool_episode_calls_the_tools_and_trains_on_the_generated_tokens_only(monkeypatch):
+    script = [call("calc_add", {"a": 1, "b": 2}), call("calc_multiply", {"a": 3, "b": 4}), "The answer is 3."]
+    out, engine = await _scripted_episode(script, monkeypatch)
+    assert out.error is None, out.error
+    assert out.metadata["agent_calls"] == "3" and engine.calls == [0, 1, 2]
+    assert [t.role for t in out.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    # the tools ran in verifiers' MCP server; their results are the masked turns (the template's rendering)
+    assert "\n3\n" in out.turns[1].text and "\n12\n" in out.turns[3].text
+    assert '"name": "calc_add"' in out.turns[0].text and out.turns[4].text.startswith("The answer is 3.")
+    # the model saw the tools as OpenAI tools, named <server>_<tool>, in its first prompt
+    first = TOK.decode(out.prompt_ids, skip_special_tokens=False)
+    assert all(f'"name": "calc_{t}"' in first for t in ("add", "multiply", "divide"))
+    verdict = json.loads(out.metadata["agent_answer"])
+    assert verdict["errors"] == [] and verdict["rewards"]["contains_answer"] == [1.0, 1.0]
+
+
+async def test_a_tool_that_raises_or_rejects_its_arguments_answers_the_model_with_the_error(monkeypatch):
+    script = [call("calc_divide", {"a": 1, "b": 0}), call("calc_add", {"a": "one", "b": 2}), "The answer is 3."]
+    out, _ = await _scripted_episode(script, monkeypatch)
+    assert out.error is None, out.error
+    assert [t.role for t in out.turns] == ["assistant", "tool"] * 2 + ["assistant"]
+    raised, rejected = out.turns[1].text, out.turns[3].text
+    assert "cannot divide by zero" in raised, raised
+    assert "validation error" in rejected.lower() and "calc_add" not in rejected, rejected
+    assert json.loads(out.metadata["agent_answer"])["rewards"]["contains_answer"] == [1.0, 1.0]
+
+
+async def test_a_model_that_keeps_calling_tools_ends_at_the_turn_budget(monkeypatch):
+    """The harness loops while the model calls tools; the rollout's agent.max_turns refuses the third call:
+    the episode ends with turn_limit (no error), its two calls and the tool result between them kept."""
+    out, engine = await _scripted_episode([call("calc_add", {"a": 1, "b": 1})] * 5, monkeypatch, max_turns=2)
+    assert out.error is None and out.finish_reason == "turn_limit", (out.error, out.finish_reason)
+    assert engine.calls == [0, 1] and [t.role for t in out.turns] == ["assistant", "tool", "assistant"]
+
+
+async def test_an_unknown_tool_or_arguments_that_are_not_a_json_object_are_a_tool_error_without_a_call():
+    """rlbus's endpoint never hands these over (its parser returns a call to an undeclared tool, or with
+    arguments that are not an object, as text), but the harness reads any OpenAI endpoint's tool calls."""
+    from services.tasks.verifiers_harness import Tools
+
+    tools = Tools({"calc_add": ("calc", "add")}, {})  # no connection: a call that reached it would fail
+    assert await tools.call("calc_sub", "{}") == "error: unknown tool 'calc_sub'; the tools are: calc_add"
+    assert (await tools.call("calc_add", "{a: 1")).startswith("error: the arguments of calc_add are not valid JSON")
+    assert await tools.call("calc_add", "[1, 2]") == "error: the arguments of calc_add must be a JSON object, got list"

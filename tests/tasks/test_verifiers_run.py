@@ -1,7 +1,10 @@
 """A short run of verifiers environments trains: a real ``rlbus run`` (trainer, rollout with its endpoint,
 judge, weightsync on a real nats-server, the tiny model with the ChatML template), ``[task] name =
 "verifiers"`` naming an environment written with verifiers' own classes (tests/tasks/verifiers_envs.py):
-single-turn (a taskset with two reward functions) and multi-turn (an environment answering each turn).
+single-turn (a taskset with two reward functions), multi-turn (an environment answering each turn) and tools
+(a taskset serving MCP tools: verifiers starts the tool server per episode, rlbus's harness sends the tools
+to the endpoint; the random model writes no call, the tool path itself is tested with scripted calls in
+test_verifiers_env.py).
 Every episode's model calls go through its session; the judge scores them with the environment's reward
 functions; the trainer takes at least one step on them."""
 
@@ -31,12 +34,14 @@ TEMPLATE = REPO / "examples" / "chat_templates" / "chatml_tools.jinja"
 @pytest.mark.parametrize(("env", "rewards"), [
     ("tests.tasks.verifiers_envs", {"contains_answer", "brief"}),
     ("tests.tasks.verifiers_envs:load_dialogue", {"replied_every_turn", "contains_answer", "brief"}),
+    ("tests.tasks.verifiers_envs:load_tools", {"contains_answer", "brief"}),
 ])
 def test_a_short_run_of_a_verifiers_environment_trains(tmp_path, env, rewards):
     run_dir = tmp_path / "run"
     # a chat needs more context than the addition model's 64 positions: the character-level model of the
-    # rollout tests (512 positions, random weights; the pipeline is what is under test, not learning)
-    model = build_tiny_model(tmp_path / "model")
+    # rollout tests (random weights; the pipeline is what is under test, not learning), with room for the
+    # tools' schemas in the prompt (about 900 characters)
+    model = build_tiny_model(tmp_path / "model", max_positions=2048)
     cfg = run_file(tmp_path, model, run_id="vf", model_keys={"chat_template": str(TEMPLATE)},
                    services={"trainer": 1, "rollout": 1, "judge": 1, "weightsync": 1},
                    task="verifiers", task_options={"env": env, "eval_size": 2, "max_new_tokens": 8},
@@ -58,6 +63,11 @@ def test_a_short_run_of_a_verifiers_environment_trains(tmp_path, env, rewards):
         assert grader.error is None and "weighted mean" in grader.explanation, grader
         assert all(f"{name}=" in grader.explanation for name in rewards), grader.explanation
         assert 0.0 <= t.reward <= 1.0
+    if env.endswith(":load_tools"):  # the tools verifiers served reached the model as OpenAI tools
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model)
+        assert all('"name": "calc_add"' in tok.decode(t.rollout.prompt_ids) for t in train)
 
 
 def _trajectories(run_dir: Path, run_id: str) -> list:

@@ -9,11 +9,13 @@ task's tests: local data, nothing from the Hub.
   the exchange is done (two turns), rewarded on the turns it saw;
 * :func:`load_broken` — a reward function that raises, and :func:`load_garbage` one that returns NaN
   (``rubric`` of the taskset's config);
-* :func:`load_not_env` returns something that is not an environment.
+* :func:`load_not_env` returns something that is not an environment;
+* :func:`load_tools` — a ToolEnv: each task serves two Python tools (tests/tasks/verifiers_tools.py).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import verifiers.v1 as vf
@@ -123,3 +125,17 @@ def load_garbage() -> vf.Env:
 
 def load_not_env() -> dict:
     return {"not": "an environment"}
+
+
+
+# --- tools (the taskset lives in tests/tasks/verifiers_tools.py: a taskset module exports one Taskset) -------
+
+
+def load_tools(size: int = 8) -> vf.Env:
+    """A ToolEnv: the tasks of :class:`SumTaskset`, each serving two Python tools (``add``, ``multiply``) and one
+    that raises (``divide`` by zero) over MCP; see tests/tasks/verifiers_tools.py."""
+    from tests.tasks import verifiers_tools
+
+    sys.modules.setdefault("rlbus_test_verifiers_tools", verifiers_tools)
+    return vf.load_environment(vf.resolve_env_config({"taskset": {"id": "rlbus_test_verifiers_tools",
+                                                                  "size": size}}))
