@@ -100,10 +100,20 @@ def python_package_dirs(cfg: SandboxConfig) -> list[str]:
     return sorted({paths["purelib"], paths["platlib"]})
 
 
+#: where sandboxes see this Python's site-packages (``python_packages``): a top-level directory of its own, so
+#: the sandbox's /tmp, /dev/shm and work directory never hide them (a virtual environment under /tmp would be)
+SANDBOX_PACKAGES = "/.rlbus-python"
+
+
+def python_package_mounts(cfg: SandboxConfig) -> list[tuple[str, str]]:
+    """``(host directory, path inside the sandbox)`` of each ``python_packages`` directory."""
+    return [(d, f"{SANDBOX_PACKAGES}/{i}") for i, d in enumerate(python_package_dirs(cfg))]
+
+
 def python_env(cfg: SandboxConfig) -> dict[str, str]:
     """What every exec's environment gets for ``python_packages`` (nothing when it is off)."""
-    dirs = python_package_dirs(cfg)
-    return {"PYTHONPATH": ":".join(dirs)} if dirs else {}
+    inside = [path for _, path in python_package_mounts(cfg)]
+    return {"PYTHONPATH": ":".join(inside)} if inside else {}
 
 
 def check_sandbox_python(cfg: SandboxConfig) -> None:
@@ -131,7 +141,7 @@ def base_args(cfg: SandboxConfig, base: str, etc_dir: str, image_root: str = "")
     ``etc_dir`` unless ``host_paths`` names "/etc".
     """
     if base == "host":
-        paths = [(p, p) for p in [*cfg.host_paths, *python_package_dirs(cfg)]]
+        paths = [*((p, p) for p in cfg.host_paths), *python_package_mounts(cfg)]
     else:
         image = image_root or cfg.images[base]
         skip = {"dev", "proc", "tmp", cfg.workdir.strip("/").split("/")[0]}

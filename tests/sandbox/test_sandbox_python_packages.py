@@ -18,10 +18,13 @@ def test_off_by_default_and_on_it_binds_this_pythons_site_packages_read_only():
     cfg = SandboxConfig(python_packages=True)
     dirs = host.python_package_dirs(cfg)
     assert sysconfig.get_paths()["purelib"] in dirs
-    assert host.python_env(cfg) == {"PYTHONPATH": ":".join(dirs)}
+    # each is bound read-only at a top-level path of its own, which the sandbox's /tmp, /dev/shm and work
+    # directory cannot hide (a checkout, and its .venv, under /tmp)
+    inside = [f"{host.SANDBOX_PACKAGES}/{i}" for i in range(len(dirs))]
+    assert host.python_env(cfg) == {"PYTHONPATH": ":".join(inside)}
     args = host.base_args(cfg, "host", "/nonexistent-etc")
-    for d in dirs:
-        assert ["--ro-bind", d, d] == args[args.index(d) - 1: args.index(d) + 2]
+    for d, path in zip(dirs, inside, strict=True):
+        assert ["--ro-bind", d, path] == args[args.index(d) - 1: args.index(d) + 2]
 
 
 def test_a_sandbox_python_of_another_version_is_refused_naming_both(monkeypatch):
