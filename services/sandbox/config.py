@@ -91,7 +91,7 @@ class SandboxConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: synthesized /etc (users, hosts, resolver, CA certificates; see ``etc.py``), not the host's
     host_paths: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_HOST_PATHS))
     #: base ``"host"`` also shows the site-packages of the Python environment this service runs in (read-only,
-    #: at their own paths) and every exec gets them on ``PYTHONPATH``: sandboxed agent commands import the
+    #: at /.rlbus-python/N) and every exec gets them on ``PYTHONPATH``: sandboxed agent commands import the
     #: packages installed beside rlbus (mini-swe-agent, litellm, openai) with the sandbox's ``python3``, which
     #: must be the same minor version as the service's Python (checked at start)
     python_packages: bool = False
