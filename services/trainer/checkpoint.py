@@ -75,8 +75,14 @@ def commit(learner: RankState, tmp: Path, trainer_state: dict[str, Any]) -> Path
     torch.save({"scheduler": learner.scheduler.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}, tmp / "extra.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
-    shutil.rmtree(final, ignore_errors=True)
+    # a step written again (the final checkpoint after a periodic one of the same step): the old one is moved
+    # aside, not deleted first, so a crash leaves one whole directory under the name, never a half-deleted one
+    old_copy = root / f".old-{final.name}"
+    shutil.rmtree(old_copy, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old_copy)
     os.replace(tmp, final)
+    shutil.rmtree(old_copy, ignore_errors=True)
     latest_tmp = root / ".latest.tmp"
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, root / "latest")

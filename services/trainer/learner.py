@@ -402,6 +402,8 @@ class Learner:
         if not pointer.is_file():
             return None
         path = root / pointer.read_text().strip()
+        if not path.exists() and (root / f".old-{path.name}").is_dir():  # stopped between commit's two renames
+            path = root / f".old-{path.name}"
         if not (path / "trainer_state.json").is_file():
             raise CheckpointError(f"checkpoint pointer {pointer} names {path}, which is incomplete")
         return path
