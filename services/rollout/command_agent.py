@@ -23,6 +23,9 @@ Per episode (:class:`CommandAgents`, called by :class:`services.rollout.black_bo
    the judge (its lease extended: hidden tests run in a fork), or destroyed (``agent.handoff = false``); an
    episode that failed destroys it.
 
+Steps 1 and 4 (:meth:`CommandAgents.create`, :meth:`CommandAgents.settle`) also serve a Python agent whose
+``solve`` takes the episode's sandbox (``services/rollout/black_box.py``).
+
 Not done here: starting the episode again when the sandbox's instance is lost (sandbox agents do; a command
 agent's episode ends with the sandbox error).
 """
