@@ -20,6 +20,13 @@ into (``turn_limit``/``token_budget``; the agent saw the refusal and returned or
 An agent that raises (for a reason other than a spent budget) ends its episode with ``error`` and the
 exception. ``solve``'s return value is kept as the sample's ``agent_answer`` metadata (cut to 2,000 chars).
 
+A ``solve`` that declares a ``sandbox`` parameter gets the episode's own sandbox: created before ``solve``
+exactly as a command agent's (:meth:`CommandAgents.create`: the task's files, the prompt file, egress to the
+endpoint only), handed to ``solve`` as ``sandbox=`` an :class:`services.rollout.sandbox_env.EpisodeSandbox`
+(``exec``/``write``/``read``; paused between them), and settled like a command agent's at the end: handed to
+the judge when the episode is scored, destroyed when it failed (the agent raised, a sandbox error) and also
+when the episode is cancelled. The plain two-argument ``solve`` runs without a sandbox, as before.
+
 A **command agent** (:class:`services.tasks.black_box.CommandAgentTask`) runs as a command in the episode's
 sandbox instead of ``solve`` (``services/rollout/command_agent.py``): the same session, budgets and trajectory;
 its exit is read as said there, and its sandbox is handed to the judge when the episode is scored.
@@ -41,8 +48,9 @@ from services.rollout.command_agent import CommandAgentError, CommandAgents, egr
 from services.rollout.config import AgentSection
 from services.rollout.endpoint import Endpoint
 from services.rollout.episode import EpisodeOutcome
+from services.rollout.sandbox_env import EpisodeSandbox
 from services.tasks.base import Prompt
-from services.tasks.black_box import AgentEndpoint, is_command_agent
+from services.tasks.black_box import AgentEndpoint, is_command_agent, solve_takes_sandbox
 
 log = logging.getLogger("rlbus.rollout.black_box")
 
@@ -56,7 +64,8 @@ class BlackBoxLoop:
     def __init__(self, endpoint: Endpoint, cfg: AgentSection, commands: CommandAgents | None = None) -> None:
         self.endpoint = endpoint
         self.cfg = cfg
-        #: runs command agents in sandboxes (None: a rollout without a sandbox client refuses them)
+        #: creates and settles agents' sandboxes, runs command agents in them (None: a rollout without a sandbox
+        #: client refuses agents that need one)
         self.commands = commands
         self.counters = {"episodes": 0, "errors": 0, "segmented": 0, "wall_time": 0, "calls": 0,
                          "tokens": 0, "prompt_tokens": 0, "seconds": 0.0}
@@ -65,7 +74,10 @@ class BlackBoxLoop:
         out = EpisodeOutcome(turns=[], finish_reason="error")
         try:
             await self._run(task, prompt, labels or {}, out)
-        finally:  # also when cancelled: a command agent's sandbox is never left behind
+        except asyncio.CancelledError:  # nothing to grade: its sandbox is destroyed, not handed over
+            out.finish_reason, out.error = "error", "cancelled"
+            raise
+        finally:  # also when cancelled: an agent's sandbox is never left behind
             if self.commands is not None and out.sandbox_id is not None:
                 await self.commands.settle(out)
         if out.error is not None:
@@ -80,17 +92,23 @@ class BlackBoxLoop:
         finish: str | None = None
         agent = AgentEndpoint(ep.base_url, session.id, ep.model_name)
         command = is_command_agent(task)
+        boxed = solve_takes_sandbox(task)
         commands = self.commands
+        egress = egress_entry(ep.agent_host, ep.port)
         exit_error: str | None = None
         started = time.monotonic()
         try:
-            if command and commands is None:
-                raise RuntimeError("a command agent needs the rollout's sandbox client")
+            if (command or boxed) and commands is None:
+                raise RuntimeError("an agent with a sandbox needs the rollout's sandbox client")
             # a command's own exec limit is the wall time: its reply (timed out) comes before this bound
             async with asyncio.timeout(self.cfg.wall_time_s + (self.cfg.sandbox_timeout_s if command else 0.0)):
                 if commands is not None and command:
-                    answer, exit_error = await commands.run(task, agent, egress_entry(ep.agent_host, ep.port),
-                                                            prompt, out, labels)
+                    answer, exit_error = await commands.run(task, agent, egress, prompt, out, labels)
+                elif commands is not None and boxed:
+                    sandbox_id = await commands.create(task, egress, prompt, out, labels)
+                    await commands.sandboxes.pause(sandbox_id)  # resumed only while the agent works in it
+                    answer = await task.solve(agent, prompt, sandbox=EpisodeSandbox(commands.sandboxes, sandbox_id,
+                                                                                    self.cfg))
                 else:
                     answer = await task.solve(agent, prompt)
             if answer is not None:

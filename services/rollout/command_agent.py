@@ -23,6 +23,9 @@ Per episode (:class:`CommandAgents`, called by :class:`services.rollout.black_bo
    the judge (its lease extended: hidden tests run in a fork), or destroyed (``agent.handoff = false``); an
    episode that failed destroys it.
 
+Steps 1 and 4 (:meth:`CommandAgents.create`, :meth:`CommandAgents.settle`) also serve a Python agent whose
+``solve`` takes the episode's sandbox (``services/rollout/black_box.py``).
+
 Not done here: starting the episode again when the sandbox's instance is lost (sandbox agents do; a command
 agent's episode ends with the sandbox error).
 """
@@ -67,14 +70,15 @@ class CommandAgents:
         self.sandboxes = sandboxes
         self.cfg = cfg
 
-    async def run(self, task: Any, endpoint: AgentEndpoint, egress: str, prompt: Prompt, out: EpisodeOutcome,
-                  labels: dict[str, str]) -> tuple[str | None, str | None]:
-        """Create the sandbox (its id in ``out.sandbox_id``), run the command, note its exit in ``out``.
-        Returns the end of its stdout (the episode's ``agent_answer``) and, for a non-zero exit, the reason
-        (the caller ends the episode with it unless the session's budget was spent). Sandbox failures raise
-        SandboxClientError (the caller ends the episode with them)."""
+    async def create(self, task: Any, egress: str, prompt: Prompt, out: EpisodeOutcome,
+                     labels: dict[str, str]) -> str:
+        """Create the episode's sandbox (step 1 of the module docstring; a Python agent's that takes one too):
+        the task's ``sandbox_files(prompt)`` plus the prompt file, the rollout's limits, egress to the endpoint
+        only. Its id goes to ``out.sandbox_id`` (so :meth:`settle` finds it) and is returned. Sandbox failures
+        raise SandboxClientError; an endpoint the sandbox cannot reach raises CommandAgentError."""
         cfg = self.cfg
-        files = {**task.sandbox_files(prompt), PROMPT_FILE: (prompt.text or "").encode()}
+        files_of = getattr(task, "sandbox_files", None)
+        files = {**(files_of(prompt) if files_of is not None else {}), PROMPT_FILE: (prompt.text or "").encode()}
         limits = api.Limits(memory_mb=cfg.sandbox.memory_mb, pids=cfg.sandbox.pids, cpus=cfg.sandbox.cpus,
                             disk_mb=cfg.sandbox.disk_mb, inodes=cfg.sandbox.inodes)
         try:
@@ -88,6 +92,16 @@ class CommandAgents:
                     'host = "0.0.0.0" (or agent_host to an address of this host that is not loopback)') from None
             raise
         out.sandbox_id = created.sandbox_id
+        return created.sandbox_id
+
+    async def run(self, task: Any, endpoint: AgentEndpoint, egress: str, prompt: Prompt, out: EpisodeOutcome,
+                  labels: dict[str, str]) -> tuple[str | None, str | None]:
+        """Create the sandbox (its id in ``out.sandbox_id``), run the command, note its exit in ``out``.
+        Returns the end of its stdout (the episode's ``agent_answer``) and, for a non-zero exit, the reason
+        (the caller ends the episode with it unless the session's budget was spent). Sandbox failures raise
+        SandboxClientError (the caller ends the episode with them)."""
+        cfg = self.cfg
+        await self.create(task, egress, prompt, out, labels)
         env = {**task.agent_env(prompt), **endpoint.env(), "RLBUS_MODEL": endpoint.model,
                "RLBUS_PROMPT_FILE": PROMPT_FILE}
         started = time.monotonic()

@@ -45,7 +45,7 @@ from services.runtime.service import ServiceContext, colocated_names
 from services.runtime.weights_config import ConfigError, VllmTransferConfig
 from services.tasks import TaskRegistrationError, UnknownTaskError, get_task
 from services.tasks.base import Prompt, Task
-from services.tasks.black_box import is_black_box_agent, is_command_agent
+from services.tasks.black_box import is_black_box_agent, is_command_agent, needs_sandbox
 from services.tasks.env import SingleTurn, environment_of, is_environment
 from services.tasks.models import resolve_model
 from services.tasks.sandbox_tools import uses_sandbox
@@ -396,9 +396,9 @@ class RolloutService:
             if self.black_box is None:
                 raise Poison(f"task {name!r} runs black-box agents against the endpoint, which is off: set "
                              "[services.rollout] endpoint.enabled = true")
-            if is_command_agent(task) and self.black_box.commands is None:
-                raise Poison(f"task {name!r} runs its agent as a command in a sandbox; this rollout has no sandbox "
-                             "client")
+            if needs_sandbox(task) and self.black_box.commands is None:
+                what = "as a command in a sandbox" if is_command_agent(task) else "with a sandbox (solve takes one)"
+                raise Poison(f"task {name!r} runs its agent {what}; this rollout has no sandbox client")
             return task
         if task is not None and is_agent_task(task):
             if self.agents is None:

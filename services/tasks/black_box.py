@@ -15,6 +15,13 @@ new prompt tokens after the first call), ``wall_time_s`` for the whole ``solve``
 answered with an error (the agent sees it); an agent that raises ends its episode with the error, one that
 does not return within the wall time is cancelled (its pending calls with it).
 
+A ``solve`` that declares a ``sandbox`` parameter (``async def solve(self, endpoint, prompt, sandbox)``) gets the
+episode's own sandbox, created as a command agent's is (below: the task's ``sandbox_files(prompt)``, the
+prompt in ``PROMPT_FILE``, egress to the endpoint only): a handle with ``exec``/``write``/``read``
+(:class:`services.tasks.sandbox_tools.Sandbox`; the sandbox is paused between them). The agent code itself
+runs on the rollout's host; what it execs runs in the sandbox, which the judge may then grade with hidden
+tests in a fork (the sandbox is handed over when the episode is scored, destroyed when it fails).
+
 A :class:`CommandAgentTask` is a black-box agent that is a *command* run in the episode's own sandbox (any
 harness, any language): ``agent_command`` runs there with :meth:`AgentEndpoint.env` (``OPENAI_BASE_URL``,
 ``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``), the prompt in the file ``PROMPT_FILE`` (its
@@ -27,6 +34,7 @@ verifiers environments run as black-box agent tasks too (:mod:`services.tasks.ve
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,8 +78,14 @@ class BlackBoxAgentTask:
     stop: list[str] = []
 
     async def solve(self, endpoint: AgentEndpoint, prompt: Prompt) -> Any:
-        """The agent: talk to the model through ``endpoint``; the return value is kept as ``agent_answer``."""
+        """The agent: talk to the model through ``endpoint``; the return value is kept as ``agent_answer``.
+        Declare a third parameter ``sandbox`` to get the episode's sandbox (see the module docstring)."""
         raise NotImplementedError
+
+    def sandbox_files(self, prompt: Prompt) -> dict[str, bytes]:
+        """Files the episode's sandbox starts with (paths relative to its work directory), for an agent that
+        has one (a command agent, or a ``solve`` taking ``sandbox``); the prompt file is added."""
+        return {}
 
     def format_prompt(self, tokenizer: Any, prompt: Prompt) -> list[int]:
         """The ticket's prompt ids (the trainer's): the prompt's text. The trajectory's own prompt is what the
@@ -97,10 +111,6 @@ class CommandAgentTask(BlackBoxAgentTask):
     #: the shell script the episode runs in its sandbox
     agent_command: str = ""
 
-    def sandbox_files(self, prompt: Prompt) -> dict[str, bytes]:
-        """Files the sandbox starts with (paths relative to its work directory); the prompt file is added."""
-        return {}
-
     def agent_env(self, prompt: Prompt) -> dict[str, str]:
         """Environment variables of the command beside the endpoint's (its budgets, its model name...)."""
         return {}
@@ -113,3 +123,18 @@ class CommandAgentTask(BlackBoxAgentTask):
 def is_command_agent(task: object) -> bool:
     """True for black-box agent tasks whose agent is a command in the episode's sandbox."""
     return is_black_box_agent(task) and bool(getattr(task, "agent_command", ""))
+
+
+def solve_takes_sandbox(task: object) -> bool:
+    """True for black-box agent tasks whose Python ``solve`` declares a ``sandbox`` parameter."""
+    if not is_black_box_agent(task) or is_command_agent(task):
+        return False
+    try:
+        return "sandbox" in inspect.signature(task.solve).parameters  # type: ignore[attr-defined]
+    except (TypeError, ValueError):  # a callable without a readable signature: the plain form
+        return False
+
+
+def needs_sandbox(task: object) -> bool:
+    """True for black-box agent tasks whose episodes run with their own sandbox (command or Python agent)."""
+    return is_command_agent(task) or solve_takes_sandbox(task)
