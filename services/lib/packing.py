@@ -102,18 +102,16 @@ def packed_sequence_logprobs(
     keep = torch.zeros((len(rows), width), dtype=torch.bool)
     for r, row in enumerate(predictions):
         keep[r, [col for _, col, _ in row]] = True
-    out = model(input_ids=input_ids.to(device), position_ids=position_ids.to(device), logits_to_keep=keep.to(device),
-                use_cache=False)
     n = int(keep.sum())
-    if out.logits.dim() != 2 or out.logits.shape[0] != n:
-        raise PackingError(f"the model answered a boolean logits_to_keep with logits of shape {tuple(out.logits.shape)}, "
-                           f"not ({n}, vocab): this transformers cannot take it; set optim.packing = false or "
-                           "use transformers >= 5.24")
+    logits = _kept_logits(model, input_ids.to(device), position_ids.to(device), keep.to(device))
+    if logits.dim() != 2 or logits.shape[0] != n:
+        raise PackingError(f"the model answered a boolean logits_to_keep with logits of shape {tuple(logits.shape)}, "
+                           f"not ({n}, vocab): set optim.packing = false")
 
     # 3. float32 log-softmax, chunked, on the predictions; then back to [B, T]
     order = [(i, col, tok) for row in predictions for i, col, tok in sorted(row, key=lambda x: x[1])]
     targets = torch.tensor([[tok for _, _, tok in order]], dtype=torch.long, device=device)
-    flat = token_logprobs(out.logits.unsqueeze(0), torch.arange(n, device=device).unsqueeze(0), targets, temperature,
+    flat = token_logprobs(logits.unsqueeze(0), torch.arange(n, device=device).unsqueeze(0), targets, temperature,
                           chunk_positions=chunk_positions)[0]
     dst_seq, dst_pos, counts = [], [], [0] * batch
     for i, _, _ in order:  # a sequence's predictions are in column order: its j-th is completion token j
@@ -124,3 +122,26 @@ def packed_sequence_logprobs(
     logprobs = logprobs.index_put((torch.tensor(dst_seq, device=device), torch.tensor(dst_pos, device=device)), flat)
     loss_mask = loss_mask.to(device)
     return logprobs * loss_mask, loss_mask
+
+
+#: whether this transformers' causal-LM heads take a boolean ``logits_to_keep`` (5.24 does; the older one vLLM
+#: pins, 5.19, indexes with it and fails); None until the first packed pass finds out
+_BOOLEAN_KEEP: bool | None = None
+
+
+def _kept_logits(model: nn.Module, input_ids: Tensor, position_ids: Tensor, keep: Tensor) -> Tensor:
+    """``[kept positions, V]`` logits in row-major order: the head computes only those where transformers takes a
+    boolean ``logits_to_keep``; elsewhere every position's logits are computed and the kept ones taken (the same
+    numbers, more memory)."""
+    global _BOOLEAN_KEEP
+    if _BOOLEAN_KEEP is not False:
+        try:
+            logits = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False).logits
+            _BOOLEAN_KEEP = True
+            return logits
+        except IndexError:  # "too many indices": this head slices hidden states with it
+            if _BOOLEAN_KEEP:
+                raise
+            _BOOLEAN_KEEP = False
+    return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[keep]
+

@@ -85,3 +85,25 @@ def test_bad_input_is_refused_with_the_problem(tiny):
         packed_sequence_logprobs(tiny, [[1]], [[2]], temperature=0)
     lp, mask = packed_sequence_logprobs(tiny, [[1], [1, 2]], [[], []])
     assert lp.shape == mask.shape == (2, 0)
+
+
+def test_a_transformers_whose_heads_refuse_a_boolean_keep_gets_every_logit_then_the_kept_ones(tiny, monkeypatch):
+    # transformers 5.19 (the one vLLM pins; the trainer runs in vLLM's environment on one-GPU runs) slices hidden
+    # states with logits_to_keep and fails on a boolean mask: the pass computes every logit and keeps the same ones
+    from services.lib import packing
+
+    with torch.no_grad():
+        want, _ = packed_sequence_logprobs(tiny, PROMPTS, COMPLETIONS, completion_masks=MASKS)
+    real_forward = type(tiny).forward
+
+    def old_head(self, *args, logits_to_keep=0, **kwargs):
+        if isinstance(logits_to_keep, torch.Tensor):
+            raise IndexError("too many indices for tensor of dimension 3")
+        return real_forward(self, *args, logits_to_keep=logits_to_keep, **kwargs)
+
+    monkeypatch.setattr(type(tiny), "forward", old_head)
+    monkeypatch.setattr(packing, "_BOOLEAN_KEEP", None)
+    with torch.no_grad():
+        got, _ = packed_sequence_logprobs(tiny, PROMPTS, COMPLETIONS, completion_masks=MASKS)
+    assert packing._BOOLEAN_KEEP is False
+    assert torch.allclose(got, want, atol=1e-6)
