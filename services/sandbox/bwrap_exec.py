@@ -21,14 +21,13 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from services.sandbox.backend import BackendUnavailable, SandboxFailure
 from services.sandbox.config import SandboxConfig
-from services.sandbox.host import read_to_eof, wait_exited
+from services.sandbox.host import kill_pidfd, read_to_eof, wait_exited
 
 log = logging.getLogger("rlbus.sandbox.bwrap")
 
@@ -74,10 +73,7 @@ class Exec:
     def kill(self) -> None:
         """SIGKILL the exec's pid 1: its whole pid namespace dies, then the bwrap monitor exits."""
         if self.pidfd is not None:
-            try:
-                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_pidfd(self.pidfd)
             return
         if self.proc.returncode is None:
             self.proc.kill()  # pid 1 unknown: --die-with-parent takes it down with the monitor

@@ -32,7 +32,6 @@ import json
 import logging
 import marshal
 import os
-import signal
 import socket
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from pathlib import Path
 from services.sandbox.backend import SandboxFailure
 from services.sandbox.bwrap_exec import Listen
 from services.sandbox.config import SandboxConfig
-from services.sandbox.host import read_to_eof
+from services.sandbox.host import kill_pidfd, read_to_eof
 
 log = logging.getLogger("rlbus.sandbox.exec_server")
 
@@ -256,10 +255,7 @@ class ExecServer:
     def kill(self) -> None:
         """SIGKILL the server's pid 1: every process of its pid namespace dies with it."""
         if self.pidfd is not None:
-            try:
-                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_pidfd(self.pidfd)
 
     async def close(self) -> None:
         """Kill the server and everything it runs; fail its running execs; release its resources."""

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import stat
 import sys
 import sysconfig
@@ -155,6 +156,15 @@ def base_args(cfg: SandboxConfig, base: str, etc_dir: str, image_root: str = "")
     if base == "host" and "/etc" not in cfg.host_paths:
         args += etc_args(etc_dir)
     return args
+
+
+def kill_pidfd(pidfd: int) -> None:
+    """SIGKILL the process behind ``pidfd`` (a pid namespace's pid 1: the whole namespace dies); gone already is
+    fine."""
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 async def read_to_eof(fd: int) -> bytes:

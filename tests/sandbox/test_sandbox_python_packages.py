@@ -28,6 +28,7 @@ def test_off_by_default_and_on_it_binds_this_pythons_site_packages_read_only():
 
 
 def test_a_sandbox_python_of_another_version_is_refused_naming_both(monkeypatch):
+    # a patch, not a real host: a python3 of another minor version cannot be installed beside this one here
     real = host.os.path.realpath
     monkeypatch.setattr(host.os.path, "realpath", lambda p: "/usr/bin/python3.9" if p.endswith("python3") else real(p))
     with pytest.raises(BackendUnavailable, match=r"sandboxes run /usr/bin/python3\.9, but this service's packages are for python3\.\d+"):
