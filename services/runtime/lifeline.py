@@ -33,6 +33,9 @@ STOP_BOUND_ENV = "RLBUS_STOP_BOUND_S"
 #: how often a service checks that its launcher is alive
 WATCH_PERIOD_S = 0.2
 
+_followed: dict[str, float] = {}  # the launcher this process follows: {"pid": ..., "bound": ...}
+_told = threading.Lock()  # taken once by whoever says first that the launcher is gone
+
 
 def launcher_env(stop_bound_s: float) -> dict[str, str]:
     """The environment entries the launcher gives a service it starts."""
@@ -47,15 +50,28 @@ def watch_launcher() -> threading.Thread | None:
     if not raw.isdigit():
         return None
     launcher = int(raw)
+    _followed.update(pid=launcher, bound=bound)
     thread = threading.Thread(target=_watch, args=(launcher, bound), name="rlbus-lifeline", daemon=True)
     thread.start()
     return thread
 
 
+def say_if_launcher_gone() -> bool:
+    """Log (once) that the launcher this process follows is gone, if it is: a service's SIGTERM handler
+    calls it, because the parent-death signal usually arrives, and the service may stop, before the
+    watch thread's next look. True when the launcher is gone."""
+    launcher = int(_followed.get("pid", 0))
+    if not launcher or os.getppid() == launcher:
+        return False
+    if _told.acquire(blocking=False):
+        log.error("the launcher (pid %d) is gone; stopping, and exiting within %.0fs", launcher, _followed["bound"])
+    return True
+
+
 def _watch(launcher: int, bound: float) -> None:
     while os.getppid() == launcher:
         time.sleep(WATCH_PERIOD_S)
-    log.error("the launcher (pid %d) is gone; stopping, and exiting within %.0fs", launcher, bound)
+    say_if_launcher_gone()
     os.kill(os.getpid(), signal.SIGTERM)  # the graceful stop (the parent-death signal may have said it already)
     time.sleep(bound)
     log.error("still running %.0fs after the launcher died; killing this service and its process group", bound)

@@ -25,7 +25,7 @@ from nats.js import api
 from proto import catalog, codec, membership, subjects
 from proto.membership import Heartbeat
 from proto.metrics import MetricsReport
-from services.runtime import bus, gang, lag, metrics, tracing
+from services.runtime import bus, gang, lag, lifeline, metrics, tracing
 from services.runtime.config import ConfigError, Loaded
 from services.runtime.consume import Consumer, DeadLetterSink, Handler
 
@@ -206,6 +206,7 @@ async def serve(name: str, service_factory: Callable[[Loaded], Service], loaded:
 
     def on_signal(sig: signal.Signals) -> None:
         if not ctx.stop.is_set():
+            lifeline.say_if_launcher_gone()  # the parent-death signal: say why before the (fast) stop
             log.info("%s: %s received; stopping (drain bound %.1fs)", name, sig.name, loaded.common.drain_timeout_s)
             ctx.state = "draining"
             ctx.stop.set()
