@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -67,16 +66,14 @@ from bench._rlbus_runs import (  # noqa: E402
     run_rlbus,
     toml_value,
 )
+from bench._sides import LAYOUTS, MODES, choice_list, layout_overrides, mode_overrides, pool_cpus  # noqa: E402
 from bench._time_split import completion_lengths, ideal_speedup, length_figures, read_spans, step_split  # noqa: E402
-from services.lib.engine.config import TorchEngineConfig  # noqa: E402
 from services.runtime.config import ConfigError  # noqa: E402
 
 log = logging.getLogger("rlbus.bench.longtail")
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = {"longtail": REPO / "examples" / "longtail.toml", "agentic": REPO / "examples" / "tool_use.toml"}
-MODES = ("sync", "async")
-LAYOUTS = ("shared", "pooled")
 #: every span of every group and step: the time split and the length distribution need them all
 TRACE_ALL = {"OTEL_TRACES_SAMPLER": "always_on"}
 
@@ -100,8 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=7200.0, help="most seconds one side's run may take")
     p.add_argument("--work-dir", type=Path, default=None, help="where the run directories go (default: a temp dir)")
     args = p.parse_args(argv)
-    args.modes = _choice_list(p, "--modes", args.modes, MODES)
-    args.layouts = _choice_list(p, "--layouts", args.layouts, LAYOUTS)
+    args.modes = choice_list(p, "--modes", args.modes, MODES)
+    args.layouts = choice_list(p, "--layouts", args.layouts, LAYOUTS)
     args.example = args.example or (EXAMPLE if args.quick else WORKLOADS[args.workload])
     if args.steps is None:
         args.steps = 6 if args.quick else 40
@@ -115,44 +112,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _choice_list(p: argparse.ArgumentParser, flag: str, text: str, allowed: tuple[str, ...]) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in items if x not in allowed]
-    if bad or not items:
-        p.error(f"{flag}: {', '.join(bad) or 'empty'}; choose from {', '.join(allowed)}")
-    return [x for x in allowed if x in items]
-
-
-def pool_cpus() -> tuple[int, int]:
-    """The trainer's core and the rollout side's core: the first two CPUs this process may use.
-
-    Raises:
-        BenchRunError: fewer than two CPUs (a pooled layout needs two).
-    """
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        raise BenchRunError(f"the pooled layout needs two CPUs; this process may use {cpus}")
-    return cpus[0], cpus[1]
-
-
 def side_overrides(args: argparse.Namespace, runfile: Any, mode: str, layout: str) -> dict[str, object]:
     """Config keys of one side: the budget, offline evaluation, the mode's staleness and the layout."""
-    keys: dict[str, object] = {
+    return {
         "run.seed": args.seed,
         "services.trainer.total_steps": args.steps,
         "services.trainer.max_wall_s": 0.0,  # the sample budget, not a clock, ends every side
-        "services.trainer.max_staleness": 0 if mode == "sync" else args.async_staleness,
         "common.drain_timeout_s": 2.0,
         **offline_overrides(args.eval_every),
+        **mode_overrides(mode, args.async_staleness),
+        **layout_overrides(layout, runfile),
     }
-    if layout == "pooled":
-        trainer_cpu, rollout_cpu = pool_cpus()
-        for name in runfile.launcher.services:
-            keys[f"placement.{name}.cpus"] = str(trainer_cpu if name == "trainer" else rollout_cpu)
-        keys["services.trainer.devices.num_threads"] = 0  # torch follows the placement (one core)
-        if isinstance(runfile.services.rollout.engine, TorchEngineConfig):  # vLLM on CPU follows the affinity
-            keys["services.rollout.engine.num_threads"] = 0
-    return keys
 
 
 def check_keys(example: Path, keys: dict[str, object]) -> None:

@@ -134,6 +134,7 @@ from bench._rlbus_runs import (  # noqa: E402
     run_rlbus,
     smooth_curve,
 )
+from bench._sides import LAYOUTS, MODES, choice_list, layout_overrides, mode_overrides  # noqa: E402
 
 log = logging.getLogger("rlbus.bench.vs_trl")
 
@@ -161,6 +162,11 @@ class Comparison:
     eval_prompts: int
     quick_eval_prompts: int
     trl_threads: int
+    #: the rlbus runs, one after the other: () is one run of the example as shipped; ("sync", "async")
+    #: splits the gain into the part that is not overlap (TRL against rlbus synchronous) and overlap's
+    rlbus_modes: tuple[str, ...] = ()
+    #: where rlbus's processes run: shared (every core, as shipped) or pooled (bench/_sides.py)
+    rlbus_layout: str = "shared"
 
 
 COMPARISONS = {
@@ -169,6 +175,12 @@ COMPARISONS = {
     "smollm2": Comparison(example=REPO / "examples" / "smollm2_math.toml", task="word_problems", model="smollm2",
                           steps=30, quick_steps=3, eval_every=10, quick_eval_every=3, eval_prompts=0,
                           quick_eval_prompts=20, trl_threads=2),
+    # issue 30's long-tail workload: reasoning up to 512 tokens; rlbus synchronous and asynchronous on disjoint
+    # pools, so the bench says how much of the gain is overlap (and hiding the tail) and how much is the rest
+    "longtail": Comparison(example=REPO / "examples" / "longtail.toml", task="word_problems", model="smollm2",
+                           steps=40, quick_steps=2, eval_every=5, quick_eval_every=2, eval_prompts=0,
+                           quick_eval_prompts=10, trl_threads=2, rlbus_modes=("sync", "async"),
+                           rlbus_layout="pooled"),
 }
 
 
@@ -176,7 +188,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(COMPARISONS), default="tiny",
                    help="tiny: the addition example (default); smollm2: SmolLM2-135M-Instruct on word problems "
-                   "(examples/smollm2_math.toml)")
+                   "(examples/smollm2_math.toml); longtail: the same model reasoning step by step up to 512 "
+                   "tokens (examples/longtail.toml), rlbus sync and async on disjoint pools")
+    p.add_argument("--rlbus-modes", default=None,
+                   help="comma-separated rlbus runs: sync, async (max_staleness 0 / the example's, at least 1); "
+                   "default: the example as shipped (longtail: sync,async, which splits the gain into overlap's "
+                   "part and the rest)")
+    p.add_argument("--rlbus-layout", choices=LAYOUTS, default=None,
+                   help="shared: every rlbus process on every core (default); pooled: the trainer on one core, "
+                   "the rollout side on another (longtail's default)")
     p.add_argument("--quick", action="store_true",
                    help="a few steps and fewer eval prompts: a smoke run whose throughput (budget_time_ratio) is "
                    "real, but too short to learn, so no time-to-reward ratio")
@@ -209,7 +229,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, default=None, help="where outputs go (default: a temp dir)")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="model cache (default: the one rlbus uses, $RLBUS_CACHE or ~/.cache/rlbus)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rlbus_modes is not None:
+        args.rlbus_modes = tuple(choice_list(p, "--rlbus-modes", args.rlbus_modes, MODES))
+    return args
 
 
 def apply_defaults(args: argparse.Namespace) -> Comparison:
@@ -223,6 +246,10 @@ def apply_defaults(args: argparse.Namespace) -> Comparison:
         args.eval_prompts = comp.quick_eval_prompts if args.quick else comp.eval_prompts
     if args.trl_threads is None:
         args.trl_threads = comp.trl_threads
+    if args.rlbus_modes is None:
+        args.rlbus_modes = comp.rlbus_modes
+    if args.rlbus_layout is None:
+        args.rlbus_layout = comp.rlbus_layout
     if args.steps < 1 or args.eval_every < 1 or args.eval_prompts < 0 or args.trl_threads < 1 or args.max_wall_s < 0:
         raise ValueError("--steps, --eval-every and --trl-threads must be >= 1, --eval-prompts and --max-wall-s >= 0")
     return comp
@@ -437,6 +464,33 @@ def rlbus_overrides(args: argparse.Namespace, cfg: Any | None = None) -> dict[st
     }
 
 
+def rlbus_runs(args: argparse.Namespace, runfile: Any) -> dict[str, dict[str, object]]:
+    """The rlbus runs by name with their own keys (on top of :func:`rlbus_overrides`): ``rlbus`` (the example as
+    shipped) or, with ``--rlbus-modes``, ``rlbus_sync`` / ``rlbus_async``; each in ``--rlbus-layout``."""
+    layout = layout_overrides(args.rlbus_layout, runfile)
+    if not args.rlbus_modes:
+        return {"rlbus": layout}
+    staleness = max(1, runfile.services.trainer.max_staleness)
+    return {f"rlbus_{mode}": {**mode_overrides(mode, staleness), **layout} for mode in args.rlbus_modes}
+
+
+def attribution(figures: dict[str, Any], sides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Which part of TRL / rlbus-async came from overlap: TRL against rlbus synchronous (the engine, the
+    learner, the loop: everything but overlap) times rlbus synchronous against asynchronous (overlap and
+    hiding the tail) is the whole; both to the same reward and over the whole sample budget."""
+    def budget(name: str) -> float | None:
+        return sides.get(name, {}).get("last_step_s")
+
+    return {
+        "to_reward": {"not_overlap": ratio(figures.get("trl_s"), figures.get("rlbus_sync_s")),
+                      "overlap": ratio(figures.get("rlbus_sync_s"), figures.get("rlbus_async_s")),
+                      "whole": ratio(figures.get("trl_s"), figures.get("rlbus_async_s"))},
+        "budget": {"not_overlap": ratio(budget("trl"), budget("rlbus_sync")),
+                   "overlap": ratio(budget("rlbus_sync"), budget("rlbus_async")),
+                   "whole": ratio(budget("trl"), budget("rlbus_async"))},
+    }
+
+
 def rlbus_eval_overrides(args: argparse.Namespace) -> dict[str, object]:
     """On top of :func:`rlbus_overrides`, what ``--rlbus-eval`` changes. ``inloop``: nothing (the trainer
     evaluates every ``eval_every`` steps through its rollout engine). ``offline``: see
@@ -471,18 +525,22 @@ def main(argv: list[str] | None = None) -> int:
     def rlbus_side() -> None:
         extra = {"model.cache_dir": str(args.cache_dir)} if args.cache_dir else {}
         timeout = 1800.0 if args.max_wall_s <= 0 else max(1800.0, args.max_wall_s + 900.0)
+        if args.model == "longtail":
+            timeout = max(timeout, 7200.0)  # reasoning up to 512 tokens: minutes a step here
         offline = args.rlbus_eval == "offline"
-        r = run_rlbus("rlbus", work / "rlbus", {**rlbus_overrides(args, cfg), **rlbus_eval_overrides(args), **extra},
-                      example=comp.example, timeout_s=timeout, profile="trainer" if args.profile else None,
-                      keep_versions=offline)
-        more: dict[str, Any] = {}
-        if offline:
-            r.curve, more = rlbus_offline_curve(args, runfile, model_dir, r)
-        curves["rlbus"] = r.curve
-        sides["rlbus"] = {"final_reward": r.final_reward, "curve": curve_json(r.curve),
-                          "launch_s": round(r.launch_s, 1), **r.stats, **more}
-        if r.profile:
-            sides["rlbus_profile"] = r.profile
+        for name, keys in rlbus_runs(args, runfile).items():
+            r = run_rlbus(name, work / name, {**rlbus_overrides(args, cfg), **rlbus_eval_overrides(args), **keys,
+                                              **extra},
+                          example=comp.example, timeout_s=timeout, profile="trainer" if args.profile else None,
+                          keep_versions=offline)
+            more: dict[str, Any] = {}
+            if offline:
+                r.curve, more = rlbus_offline_curve(args, runfile, model_dir, r)
+            curves[name] = r.curve
+            sides[name] = {"final_reward": r.final_reward, "curve": curve_json(r.curve),
+                           "launch_s": round(r.launch_s, 1), **r.stats, **more}
+            if r.profile:
+                sides[f"{name}_profile"] = r.profile
 
     order = [trl_side, rlbus_side] if args.order == "trl-first" else [rlbus_side, trl_side]
     try:
@@ -495,6 +553,11 @@ def main(argv: list[str] | None = None) -> int:
     curves = {name: smooth_curve(c, args.smooth) for name, c in curves.items()}
     target = args.target if args.target is not None else default_target(*curves.values())
     figures = compare(curves, target)
+    # the rlbus run the headline figures are about: the one as shipped, or the last mode (async where run)
+    head = "rlbus" if not args.rlbus_modes else f"rlbus_{args.rlbus_modes[-1]}"
+    if head != "rlbus":
+        figures.update({k.replace(head, "rlbus", 1): v for k, v in figures.items() if k.startswith(head)})
+        sides["rlbus"] = sides.get(head, {})
     out: dict[str, Any] = {
         "bench": "vs_trl",
         "quick": args.quick,
@@ -522,7 +585,9 @@ def main(argv: list[str] | None = None) -> int:
         "eval_every": args.eval_every,
         "eval_prompts": args.eval_prompts,
         "seed": args.seed,
-        **sides,
+        "rlbus_modes": list(args.rlbus_modes), "rlbus_layout": args.rlbus_layout,
+        **({"rlbus_headline": head, "attribution": attribution(figures, sides)} if len(args.rlbus_modes) == 2 else {}),
+        **{k: v for k, v in sides.items() if k != "rlbus" or head == "rlbus"},
     }
     if args.model != "tiny":  # the tiny model's line stays as it was
         trl_sps, rlbus_sps = sides.get("trl", {}).get("s_per_step"), sides.get("rlbus", {}).get("s_per_step")
