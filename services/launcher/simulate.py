@@ -24,7 +24,17 @@ What it models (one prompt group = ``group_size`` sequences; times in seconds):
 Where everything shares a machine (``cores > 0``: the ``rlbus run`` default on one host) the busy parts
 share its cores fairly (processor sharing: a part that wants ``d`` cores gets ``d * min(1, cores /
 demand)``); that is what makes an asynchronous run's learner slower than a synchronous one's on two
-cores. ``cores = 0`` gives each part its own device (the cluster case).
+cores. Disjoint pools (``trainer_cores > 0``: the run file's ``[placement]`` pins the trainer to CPUs no
+other service has) split the machine in two: the trainer process shares its ``trainer_cores`` with no
+other part, every other part shares the rest (``cores - trainer_cores``); other tenants' ``background``
+demand spreads over both pools in proportion to their cores. ``cores = 0`` gives each part its own
+device (the cluster case).
+
+**Completion lengths.** A sequence's length is drawn with the seeded rng: from ``length_quantiles`` (the
+run's measured distribution, taken from its traces by the fit) where the shape has them, else from a
+Gaussian around ``completion_tokens``; always within 1..``max_new_tokens``. A group is done when its
+longest sequence is, and a synchronous step when its last group is: the tail sets a synchronous period,
+while an asynchronous run keeps the engine's batch full with the next version's groups.
 
 The model is deterministic for a seed. :mod:`services.launcher.simulate_fit` takes its rates from a
 run directory; :func:`plan_table` sweeps a plan file's grid.
@@ -33,6 +43,7 @@ run directory; :func:`plan_table` sweeps a plan file's grid.
 from __future__ import annotations
 
 import random
+import statistics
 from collections import Counter, deque
 from collections.abc import Callable
 
@@ -109,13 +120,12 @@ class Simulation:
         want: dict[str, float] = {}
         for j in heads:
             want[j.proc] = max(want.get(j.proc, 0.0), j.demand)
-        total = sum(want.values()) + self.s.background
-        machine = min(1.0, self.s.cores / total) if self.s.cores and total > 0 else 1.0
-        rates = [machine / threads[j.proc] for j in heads]
+        share, background = self._shares(want)
+        rates = [share[j.proc] / threads[j.proc] for j in heads]
         dt = min([j.left / r for j, r in zip(heads, rates, strict=True)] + [j.left for j in self.delays])
         for proc in threads:
             self.busy[proc] += dt  # a process is busy while any of its threads works
-        self.busy["background"] += dt * self.s.background * machine
+        self.busy["background"] += dt * background
         self.busy["sandbox"] += dt * sum(j.demand < 0 for j in self.delays)  # sandbox-seconds in use
         self.t += dt
         eps = _EPS * max(1.0, self.t)
@@ -134,6 +144,23 @@ class Simulation:
             j.done()
         return True
 
+    def _shares(self, want: dict[str, float]) -> tuple[dict[str, float], float]:
+        """What each busy process gets of the cores it wants (1 = all of them) and the cores the other tenants
+        get: each pool's cores shared fairly among its processes and its part of ``background`` (the tenants
+        spread over the pools in proportion to their cores)."""
+        s = self.s
+        if not s.cores:
+            return dict.fromkeys(want, 1.0), s.background
+        own = s.trainer_cores  # 0: one pool
+        sizes = (own, s.cores - own)
+        tenants = [s.background * size / s.cores for size in sizes]
+        demand = list(tenants)
+        for proc, d in want.items():
+            demand[0 if own and proc == "trainer" else 1] += d
+        got = [min(1.0, size / d) if d > 0 else 1.0 for size, d in zip(sizes, demand, strict=True)]
+        share = {proc: got[0 if own and proc == "trainer" else 1] for proc in want}
+        return share, sum(t * g for t, g in zip(tenants, got, strict=True))
+
     def run(self, steps: int, max_sim_s: float = 1e7) -> Result:
         self._admit()
         while self.step < steps and self.t < max_sim_s and self._advance():
@@ -149,7 +176,7 @@ class Simulation:
             steps=self.step, sim_s=self.t, steps_per_s=self.step / total, staleness=dict(sorted(self.staleness.items())),
             staleness_mean=sum(k * v for k, v in self.staleness.items()) / groups if groups else 0.0,
             dropped_groups=self.dropped, idle={k: round(max(v, 0.0), 4) for k, v in idle.items()},
-            learner_s=_mean(self.learner_times), generate_group_s=_mean(self.group_times),
+            learner_s=_mean(self.learner_times), generate_group_s=_median(self.group_times),
             tokens_per_s=self.tokens / total, background_cores=self.busy["background"] / total)
 
     # --- the trainer ----------------------------------------------------------------------------
@@ -270,10 +297,23 @@ class Simulation:
             self.start(None, 0.0, self.r.transfer_s, lambda e=e, v=self.version: e.offer(v))
 
     def seq_length(self) -> int:
-        """A completion length around the mean, within 1..max_new_tokens."""
-        mean, top = self.s.completion_tokens, self.s.max_new_tokens
-        return max(1, min(top, round(self.rng.gauss(mean, mean / 2))))
+        """A completion length within 1..max_new_tokens: from the shape's ``length_quantiles`` where it has
+        them (inverse transform: a uniform draw placed between the two neighbouring quantiles), else around
+        the mean (a Gaussian, sd half the mean)."""
+        q, top = self.s.length_quantiles, self.s.max_new_tokens
+        if q:
+            pos = self.rng.random() * (len(q) - 1)
+            i = min(int(pos), len(q) - 1)
+            x = q[i] + (q[min(i + 1, len(q) - 1)] - q[i]) * (pos - i)
+        else:
+            mean = self.s.completion_tokens
+            x = self.rng.gauss(mean, mean / 2)
+        return max(1, min(top, round(x)))
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
