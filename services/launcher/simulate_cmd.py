@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from services.launcher.simulate import Simulation
-from services.launcher.simulate_fit import FitError, fit, measure, predict, shape_of
+from services.launcher.simulate_fit import FitError, changed_shape, fit, measure, predict, shape_of
 from services.launcher.simulate_model import Rates, Result, Shape
 from services.runtime.config import ConfigError
 
@@ -55,6 +55,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         run_dir = Path(args.run_dir)
         shape, measured = shape_of(run_dir, args.cores), measure(run_dir)
+        changed_shape(shape, changes)  # a bad --set fails before the fit
         shape, rates, reproduced = fit(shape, measured, steps=args.steps)
     except FitError as e:
         raise ConfigError(f"rlbus simulate: {e}") from e

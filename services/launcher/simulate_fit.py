@@ -231,13 +231,10 @@ def fit(shape: Shape, measured: Measured, iter_per_seq_s: float | None = None,
 def predict(shape: Shape, rates: Rates, changes: dict[str, Any], steps: int = 60,
             background_cores: float | None = None) -> Result:
     """The fitted run with ``changes`` (Shape fields) applied; on a shared machine whose other tenants
-    took ``background_cores`` (default: as in the fitted run) while it ran."""
-    if "max_staleness" in changes and "max_in_flight" not in changes:
-        changes = {**changes, "max_in_flight": 0}
-    try:
-        changed = msgspec.convert({**msgspec.to_builtins(shape), **changes}, Shape)
-    except msgspec.ValidationError as e:
-        raise FitError(f"--set: {e} (settable: {', '.join(Shape.__struct_fields__)})") from e
+    took ``background_cores`` (default: as in the fitted run) while it ran. A changed thread count scales
+    its part's work: :func:`rescaled`."""
+    changed = changed_shape(shape, changes)
+    rates = rescaled(rates, shape, changed)
     result = Simulation(changed, rates).run(steps)
     if background_cores is None or not changed.cores:
         return result
@@ -249,6 +246,33 @@ def predict(shape: Shape, rates: Rates, changes: dict[str, Any], steps: int = 60
         changed = msgspec.structs.replace(
             changed, background=min(changed.background * background_cores / result.background_cores, 64.0))
     return result
+
+
+def rescaled(rates: Rates, fitted: Shape, changed: Shape) -> Rates:
+    """``rates`` (uncontended seconds at ``fitted``'s thread counts) for ``changed``'s thread counts: the
+    learner's times by trainer_threads before / after, the engine's iteration and apply times by
+    engine_threads before / after. Perfect scaling: the gain of more threads is an upper bound (a learner
+    of 2 torch threads on 2 cores is rarely twice one thread's speed), so a prediction from one thread to
+    two errs fast."""
+    k_learn = fitted.trainer_threads / changed.trainer_threads
+    k_engine = fitted.engine_threads / changed.engine_threads
+    if k_learn == 1 and k_engine == 1:
+        return rates
+    return msgspec.structs.replace(
+        rates, learn_fixed_s=rates.learn_fixed_s * k_learn, learn_per_token_s=rates.learn_per_token_s * k_learn,
+        iter_fixed_s=rates.iter_fixed_s * k_engine, iter_per_seq_s=rates.iter_per_seq_s * k_engine,
+        apply_s=rates.apply_s * k_engine)
+
+
+def changed_shape(shape: Shape, changes: dict[str, Any]) -> Shape:
+    """``shape`` with ``changes`` (Shape fields; a new ``max_staleness`` brings its own admission bound);
+    FitError naming the setting when the result is not a valid shape."""
+    if "max_staleness" in changes and "max_in_flight" not in changes:
+        changes = {**changes, "max_in_flight": 0}
+    try:
+        return msgspec.convert({**msgspec.to_builtins(shape), **changes}, Shape)
+    except msgspec.ValidationError as e:
+        raise FitError(f"--set: {e} (settable: {', '.join(Shape.__struct_fields__)})") from e
 
 
 def _expected_iterations(shape: Shape, draws: int = 4000) -> float:
