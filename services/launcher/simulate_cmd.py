@@ -70,7 +70,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"model     {reproduced.steps_per_s:6.3f} steps/s  staleness {reproduced.staleness_mean:.2f}  "
           f"learner {reproduced.learner_s * 1e3:.0f} ms  (fitted)")
     print("fitted rates: " + ", ".join(f"{k}={v:.4g}" for k, v in msgspec.to_builtins(rates).items() if v))
-    variants = [changes] if changes else [{"max_staleness": 0}, {"max_staleness": 1}, {"engines": shape.engines + 1}]
+    variants = [changes] if changes else [{"max_staleness": 0}, {"max_staleness": 1}, {"engines": shape.engines + 1},
+                                          *([{"trainer_cores": 0}] if shape.trainer_cores else [])]
     rows = []
     for change in variants:
         try:

@@ -101,7 +101,7 @@ def iteration_costs(spans: list[dict[str, Any]], skip_fraction: float = 0.2,
     """A decode iteration's fixed cost and cost per running sequence ``(a, b)``, in seconds, fitted to the
     training groups' recorded durations (module docstring); the first ``skip_fraction`` of each engine's
     groups (cold start) are replayed but not fitted. None when the traces have fewer than MIN_GROUPS
-    groups with lengths, or their durations do not pin both costs."""
+    groups with lengths, or their durations do not show a cost per sequence clearly."""
     engines: dict[str, list[tuple[float, float, list[int], bool]]] = defaultdict(list)
     for s in groups(spans, evaluation=True):
         if lengths(s):
@@ -150,18 +150,39 @@ def _replay(runs: list[tuple[float, float, list[int], bool]], a: float, b: float
 
 
 def _least_squares(rows: list[tuple[int, int, float]]) -> tuple[float, float] | None:
-    """``(a, b) >= 0`` minimising the squared error of ``D = a * L + b * N`` over ``rows`` of (L, N, D)."""
+    """``(a, b) >= 0`` minimising the squared error of ``D = a * L + b * N`` over ``rows`` of (L, N, D);
+    None when ``b`` is not clearly above its noise (less than three standard errors): the group times
+    then do not show the batch's share, and the caller keeps one cost per iteration. Groups slowed by
+    something else (their time more than three robust deviations off the first fit) are left out."""
+    first = _solve(rows)
+    if first is None:
+        return None
+    misses = [abs(d - first[0] * n_l - first[1] * n_n) for n_l, n_n, d in rows]
+    spread = 1.4826 * statistics.median(misses)
+    if spread > 1e-9 * max(r[2] for r in rows):  # not an exact fit: leave the far misses out
+        rows = [r for r, miss in zip(rows, misses, strict=True) if miss <= 3 * spread]
+    solved = _solve(rows)
+    if solved is None:
+        return None
+    a, b, se_b = solved
+    if b <= 3 * se_b:
+        return None
+    if a <= 0:  # all of it per sequence
+        return 1e-6, sum(r[1] * r[2] for r in rows) / sum(r[1] * r[1] for r in rows)
+    return a, b
+
+
+def _solve(rows: list[tuple[int, int, float]]) -> tuple[float, float, float] | None:
+    """The unconstrained least squares ``(a, b)`` and the standard error of ``b``; None when the rows
+    cannot tell the two apart."""
     ll = sum(r[0] * r[0] for r in rows)
     ln = sum(r[0] * r[1] for r in rows)
     nn = sum(r[1] * r[1] for r in rows)
     ld = sum(r[0] * r[2] for r in rows)
     nd = sum(r[1] * r[2] for r in rows)
     det = ll * nn - ln * ln
-    if not rows or ll <= 0 or det <= 1e-9 * ll * nn:
-        return None  # every group alike: the two costs cannot be told apart
+    if len(rows) < 3 or ll <= 0 or det <= 1e-9 * ll * nn:
+        return None  # every group alike
     a, b = (ld * nn - nd * ln) / det, (nd * ll - ld * ln) / det
-    if b < 0:  # no growth with the batch
-        return ld / ll, 0.0
-    if a <= 0:  # all of it per sequence
-        return 1e-6, nd / nn
-    return a, b
+    residual = sum((d - a * n_l - b * n_n) ** 2 for n_l, n_n, d in rows) / (len(rows) - 2)
+    return a, b, (residual * ll / det) ** 0.5

@@ -158,6 +158,14 @@ def test_the_iteration_cost_per_sequence_is_read_from_groups_of_unequal_lengths(
              for i, (s, dur, ns) in enumerate(GROUPS)]
     a, b = iteration_costs(spans, skip_fraction=0.0)
     assert a == pytest.approx(A, rel=1e-3) and b == pytest.approx(B, rel=1e-3)
+    # a group slowed by something else (five times its time) is left out of the fit
+    slowed = [*spans[:4], {**spans[4], "end_ns": spans[4]["start_ns"] + 5 * (spans[4]["end_ns"] - spans[4]["start_ns"])},
+              *spans[5:]]
+    a, b = iteration_costs(slowed, skip_fraction=0.0)
+    assert a == pytest.approx(A, rel=1e-3) and b == pytest.approx(B, rel=1e-3)
+    # times that follow the longest completion only: no cost per sequence to see
+    longest = [{**s, "end_ns": s["start_ns"] + int(0.03 * max(s["attributes"]["completion_tokens"]) * 1e9)} for s in spans]
+    assert iteration_costs(longest, skip_fraction=0.0) is None
     # equal lengths everywhere: the batch never drains, the two costs cannot be told apart
     flat = [{**s, "attributes": {**s["attributes"], "completion_tokens": [16] * 4}} for s in spans]
     assert iteration_costs(flat) is None
