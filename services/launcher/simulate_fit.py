@@ -71,7 +71,10 @@ class Measured(msgspec.Struct, kw_only=True):
 
 
 def shape_of(run_dir: Path, cores: float | None = None) -> Shape:
-    """The run's batch, staleness and fleet, from ``config.resolved.json`` (every key, defaults included)."""
+    """The run's batch, staleness, fleet and core pools, from ``config.resolved.json`` (every key, defaults
+    included): ``trainer_cores`` is the trainer's ``[placement]`` CPU count where every other service of the
+    run is pinned to other CPUs; thread counts left at 0 follow the placement. ``cores``: the machine's
+    (default: this one's)."""
     from services.launcher.runfile import RunFile
     from services.runtime.config import ConfigError
 
