@@ -32,6 +32,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -56,10 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores", type=float, default=None,
                    help="with --runs: cores of the machine the runs had (default: this machine's)")
     p.add_argument("--sim-steps", type=int, default=60, help="with --runs: simulated steps per prediction")
+    p.add_argument("--background-yields", action="store_true",
+                   help="with --runs: the machine's other tenants ran at a lower priority than the runs (nice 19)")
     args = p.parse_args(argv)
     if args.runs is not None:
         try:
-            figures = check_runs(args.runs, args.fit, args.cores, args.sim_steps)
+            figures = check_runs(args.runs, args.fit, args.cores, args.sim_steps, args.background_yields)
         except FitError as e:
             print(f"simulate_check: {e}", file=sys.stderr)
             return 2
@@ -115,11 +119,13 @@ def changes_between(fitted: Shape, target: Shape) -> dict[str, Any]:
             if k not in FITTED and getattr(target, k) != getattr(fitted, k)}
 
 
-def check_runs(root: Path, fit_name: str | None, cores: float | None, sim_steps: int) -> dict[str, Any]:
+def check_runs(root: Path, fit_name: str | None, cores: float | None, sim_steps: int,
+               background_yields: bool = False) -> dict[str, Any]:
     """Fit the model to one run in ``root`` and predict every other from its own run file (module
     docstring); prints a table, returns the figures."""
     dirs = run_dirs(root)
-    shapes = {name: shape_of(d, cores) for name, d in dirs.items()}
+    shapes = {name: msgspec.structs.replace(shape_of(d, cores), background_yields=background_yields)
+              for name, d in dirs.items()}
     if fit_name is None:
         fit_name = next((n for n, sh in shapes.items() if sh.max_staleness == 0), next(iter(dirs)))
     if fit_name not in dirs:
@@ -127,7 +133,7 @@ def check_runs(root: Path, fit_name: str | None, cores: float | None, sim_steps:
     measured = measure(dirs[fit_name])
     fitted, rates, reproduced = fit(shapes[fit_name], measured, steps=sim_steps)
     figures: dict[str, Any] = {
-        "bench": "simulate_check", "runs": str(root), "fitted_on": fit_name,
+        "bench": "simulate_check", "runs": str(root), "fitted_on": fit_name, "background_yields": background_yields,
         "fitted": {"measured_steps_per_s": round(measured.steps_per_s, 5),
                    "reproduced_steps_per_s": round(reproduced.steps_per_s, 5),
                    "error": round(reproduced.steps_per_s / measured.steps_per_s - 1, 4),

@@ -27,8 +27,9 @@ demand)``); that is what makes an asynchronous run's learner slower than a synch
 cores. Disjoint pools (``trainer_cores > 0``: the run file's ``[placement]`` pins the trainer to CPUs no
 other service has) split the machine in two: the trainer process shares its ``trainer_cores`` with no
 other part, every other part shares the rest (``cores - trainer_cores``); other tenants' ``background``
-demand spreads over both pools in proportion to their cores. ``cores = 0`` gives each part its own
-device (the cluster case).
+demand spreads over both pools in proportion to their cores; with ``background_yields`` (the tenants run
+at a lower priority, e.g. ``nice -n 19``) they get only the cores the run leaves idle in each pool.
+``cores = 0`` gives each part its own device (the cluster case).
 
 **Completion lengths.** A sequence's length is drawn with the seeded rng: from ``length_quantiles`` (the
 run's measured distribution, taken from its traces by the fit) where the shape has them, else from a
@@ -154,11 +155,13 @@ class Simulation:
         own = s.trainer_cores  # 0: one pool
         sizes = (own, s.cores - own)
         tenants = [s.background * size / s.cores for size in sizes]
-        demand = list(tenants)
+        demand = [0.0, 0.0] if s.background_yields else list(tenants)
         for proc, d in want.items():
             demand[0 if own and proc == "trainer" else 1] += d
         got = [min(1.0, size / d) if d > 0 else 1.0 for size, d in zip(sizes, demand, strict=True)]
         share = {proc: got[0 if own and proc == "trainer" else 1] for proc in want}
+        if s.background_yields:  # the tenants take what the run leaves idle
+            return share, sum(min(t, max(size - d, 0.0)) for t, size, d in zip(tenants, sizes, demand, strict=True))
         return share, sum(t * g for t, g in zip(tenants, got, strict=True))
 
     def run(self, steps: int, max_sim_s: float = 1e7) -> Result:

@@ -43,6 +43,9 @@ def add_parser(sub: Any) -> None:
     sim.add_argument("--steps", type=int, default=60, metavar="N", help="simulated trainer steps (default 60)")
     sim.add_argument("--cores", type=float, default=None, metavar="N",
                      help="cores of the machine the run had (default: this machine's)")
+    sim.add_argument("--background-yields", action="store_true",
+                     help="the machine's other tenants ran at a lower priority than the run (nice 19): they "
+                     "took only the cores it left idle (default: they shared every core fairly with it)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -56,6 +59,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         run_dir = Path(args.run_dir)
         shape, measured = shape_of(run_dir, args.cores), measure(run_dir)
+        shape = msgspec.structs.replace(shape, background_yields=args.background_yields)
         changed_shape(shape, changes)  # a bad --set fails before the fit
         shape, rates, reproduced = fit(shape, measured, steps=args.steps)
     except FitError as e:

@@ -78,6 +78,9 @@ class Shape(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     trainer_cores: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     #: cores that other tenants of a shared machine want all along (they share it with the run)
     background: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    #: the other tenants run at a lower priority than the run (``nice -n 19``): they take only the cores it
+    #: leaves idle; false: they share every core fairly with it
+    background_yields: bool = False
     #: cores each busy part wants on a shared machine
     engine_threads: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     trainer_threads: Annotated[float, msgspec.Meta(gt=0)] = 1.0

@@ -57,6 +57,19 @@ def test_with_one_side_idle_a_pool_gives_nothing_and_an_idle_pool_is_lost():
     assert pooled.steps_per_s < shared.steps_per_s
 
 
+def test_tenants_of_lower_priority_take_only_the_idle_cores():
+    # two cores, other tenants wanting both. Sharing fairly, a one-thread learner gets 2/3 of a core (1.5 s
+    # for 1 s of work); tenants at nice 19 leave it its core and take the other (and its pool's idle time)
+    shape = Shape(groups_per_step=2, group_size=2, max_new_tokens=4, completion_tokens=2, max_staleness=0, cores=2,
+                  background=2)
+    rates = Rates(learn_fixed_s=1.0, iter_fixed_s=0.01)
+    fair, yielding = Simulation(shape, rates).run(10), Simulation(replace(shape, background_yields=True), rates).run(10)
+    assert fair.learner_s == pytest.approx(1.5) and yielding.learner_s == pytest.approx(1.0)
+    assert yielding.background_cores == pytest.approx(1.0, abs=0.01)  # one part busy at a time: one core idle
+    pooled = Simulation(replace(shape, background_yields=True, trainer_cores=1), rates).run(10)
+    assert pooled.learner_s == pytest.approx(1.0) and pooled.background_cores == pytest.approx(1.0, abs=0.01)
+
+
 def test_a_trainer_pool_must_leave_cores_for_the_rest():
     with pytest.raises(ValueError, match="trainer_cores = 2 needs cores > trainer_cores"):
         Shape(cores=2, trainer_cores=2)
