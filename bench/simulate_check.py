@@ -19,6 +19,10 @@ rates stay. Each prediction gets the cores other tenants of the machine took dur
 
     .venv/bin/python bench/simulate_check.py --runs /tmp/lt20 --cores 2       # fit sync-pooled, predict the rest
 
+``--background-yields``: the runs ran at normal priority while the machine's other tenants ran at
+``nice -n 19`` (they took only the cores the runs left idle); without it they are taken to share every
+core fairly. Which one holds decides much of a prediction on a shared machine: say which in the figures.
+
 The last stdout line is one JSON object of the figures.
 """
 
