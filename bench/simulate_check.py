@@ -9,6 +9,20 @@ staleness, and the relative error of each prediction.
 
     .venv/bin/python bench/simulate_check.py            # three runs of 60 steps: about 3 minutes
 
+``--runs DIR`` checks runs that exist instead: each run directory in DIR (as bench/longtail.py's
+``--work-dir`` leaves them: ``sync-shared``, ``async-shared``, ``sync-pooled``, ``async-pooled``). The model
+is fitted to one (``--fit NAME``; default the first synchronous one, by name) and predicts each other from
+that run's own shape: what differs between the two run files (max_staleness, the trainer's own pool
+``trainer_cores``, thread counts, fleet, batch) is the change, and the fitted run's completion lengths and
+rates stay. Each prediction gets the cores other tenants of the machine took during its target run
+(usage.jsonl), as in the default mode.
+
+    .venv/bin/python bench/simulate_check.py --runs /tmp/lt20 --cores 2       # fit sync-pooled, predict the rest
+
+``--background-yields``: the runs ran at normal priority while the machine's other tenants ran at
+``nice -n 19`` (they took only the cores the runs left idle); without it they are taken to share every
+core fairly. Which one holds decides much of a prediction on a shared machine: say which in the figures.
+
 The last stdout line is one JSON object of the figures.
 """
 
@@ -20,12 +34,16 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._rlbus_runs import run_rlbus  # noqa: E402
-from services.launcher.simulate_fit import fit, measure, predict, shape_of  # noqa: E402
+from services.launcher.simulate_fit import FitError, fit, measure, predict, shape_of  # noqa: E402
+from services.launcher.simulate_model import Shape  # noqa: E402
 
 VARIANTS = {
     "async": {"services.trainer.max_staleness": 1},
@@ -37,7 +55,26 @@ VARIANTS = {
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60, help="trainer steps per run (default 60)")
+    p.add_argument("--runs", type=Path, default=None, metavar="DIR",
+                   help="check the run directories in DIR instead of running three new ones")
+    p.add_argument("--fit", default=None, metavar="NAME",
+                   help="with --runs: the run to fit (default: the first synchronous one by name)")
+    p.add_argument("--cores", type=float, default=None,
+                   help="with --runs: cores of the machine the runs had (default: this machine's)")
+    p.add_argument("--sim-steps", type=int, default=60, help="with --runs: simulated steps per prediction")
+    p.add_argument("--background-yields", action="store_true",
+                   help="with --runs: the machine's other tenants ran at a lower priority than the runs (nice 19)")
     args = p.parse_args(argv)
+    if args.runs is not None:
+        try:
+            figures = check_runs(args.runs, args.fit, args.cores, args.sim_steps, args.background_yields)
+        except FitError as e:
+            print(f"simulate_check: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(figures))
+        return 0
+    if args.fit is not None or args.cores is not None:
+        p.error("--fit and --cores go with --runs")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     root = Path(tempfile.mkdtemp(prefix="rlbus-bench-simulate-"))
     dirs = {}
@@ -64,6 +101,78 @@ def main(argv: list[str] | None = None) -> int:
     figures["background_cores_async"] = round(measured.background_cores, 2)
     print(json.dumps(figures))
     return 0
+
+
+#: Shape fields a fit sets from what the run recorded, not from its run file: never a change between runs
+FITTED = frozenset({"completion_tokens", "length_quantiles", "background"})
+
+
+def run_dirs(root: Path) -> dict[str, Path]:
+    """The run directories in ``root`` by name (those holding a config.resolved.json), in name order."""
+    found = {d.name: d for d in sorted(root.iterdir()) if (d / "config.resolved.json").is_file()} \
+        if root.is_dir() else {}
+    if len(found) < 2:
+        raise FitError(f"{root} holds {len(found)} run director{'y' if len(found) == 1 else 'ies'} (a folder with "
+                       "config.resolved.json); the check fits one and predicts the others")
+    return found
+
+
+def changes_between(fitted: Shape, target: Shape) -> dict[str, Any]:
+    """The Shape fields whose run-file values differ between two runs (what a prediction changes)."""
+    return {k: getattr(target, k) for k in Shape.__struct_fields__
+            if k not in FITTED and getattr(target, k) != getattr(fitted, k)}
+
+
+def check_runs(root: Path, fit_name: str | None, cores: float | None, sim_steps: int,
+               background_yields: bool = False) -> dict[str, Any]:
+    """Fit the model to one run in ``root`` and predict every other from its own run file (module
+    docstring); prints a table, returns the figures."""
+    dirs = run_dirs(root)
+    shapes = {name: msgspec.structs.replace(shape_of(d, cores), background_yields=background_yields)
+              for name, d in dirs.items()}
+    if fit_name is None:
+        fit_name = next((n for n, sh in shapes.items() if sh.max_staleness == 0), next(iter(dirs)))
+    if fit_name not in dirs:
+        raise FitError(f"--fit {fit_name}: not a run directory in {root} ({', '.join(dirs)})")
+    measured = measure(dirs[fit_name])
+    fitted, rates, reproduced = fit(shapes[fit_name], measured, steps=sim_steps)
+    figures: dict[str, Any] = {
+        "bench": "simulate_check", "runs": str(root), "fitted_on": fit_name, "background_yields": background_yields,
+        "fitted": {"measured_steps_per_s": round(measured.steps_per_s, 5),
+                   "reproduced_steps_per_s": round(reproduced.steps_per_s, 5),
+                   "error": round(reproduced.steps_per_s / measured.steps_per_s - 1, 4),
+                   "length_quantiles": fitted.length_quantiles, "trainer_cores": fitted.trainer_cores,
+                   "iter_fixed_s": round(rates.iter_fixed_s, 5), "iter_per_seq_s": round(rates.iter_per_seq_s, 6)},
+        "predicted": {}}
+    print(f"fitted on {fit_name}: measured {measured.steps_per_s:.4f} steps/s, reproduced "
+          f"{reproduced.steps_per_s:.4f} ({figures['fitted']['error']:+.1%})")
+    print(f"{'run':16s} {'measured':>9s} {'predicted':>9s} {'error':>7s} {'staleness':>9s} {'predicted':>9s}  changes")
+    errors = []
+    for name, d in dirs.items():
+        if name == fit_name:
+            continue
+        change = changes_between(shapes[fit_name], shapes[name])
+        try:
+            target = measure(d)
+        except FitError as e:  # a run still going, or one that stopped early
+            figures.setdefault("skipped", {})[name] = str(e)
+            print(f"{name:16s} skipped: {e}")
+            continue
+        got = predict(fitted, rates, change, steps=sim_steps, background_cores=target.background_cores)
+        error = got.steps_per_s / target.steps_per_s - 1
+        errors.append(abs(error))
+        figures["predicted"][name] = {
+            "changes": change, "measured_steps_per_s": round(target.steps_per_s, 5),
+            "predicted_steps_per_s": round(got.steps_per_s, 5), "error": round(error, 4),
+            "measured_staleness": round(target.staleness_mean, 3), "predicted_staleness": round(got.staleness_mean, 3),
+            "background_cores": round(target.background_cores, 2), "measured_steps": target.steps}
+        print(f"{name:16s} {target.steps_per_s:9.4f} {got.steps_per_s:9.4f} {error:+7.1%} "
+              f"{target.staleness_mean:9.2f} {got.staleness_mean:9.2f}  {change}")
+    if not errors:
+        raise FitError(f"no run in {root} besides {fit_name} could be measured: {figures['skipped']}")
+    figures["max_abs_error"] = round(max(errors), 4)
+    figures["within_15pct"] = max(errors) <= 0.15
+    return figures
 
 
 if __name__ == "__main__":

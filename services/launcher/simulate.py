@@ -24,7 +24,18 @@ What it models (one prompt group = ``group_size`` sequences; times in seconds):
 Where everything shares a machine (``cores > 0``: the ``rlbus run`` default on one host) the busy parts
 share its cores fairly (processor sharing: a part that wants ``d`` cores gets ``d * min(1, cores /
 demand)``); that is what makes an asynchronous run's learner slower than a synchronous one's on two
-cores. ``cores = 0`` gives each part its own device (the cluster case).
+cores. Disjoint pools (``trainer_cores > 0``: the run file's ``[placement]`` pins the trainer to CPUs no
+other service has) split the machine in two: the trainer process shares its ``trainer_cores`` with no
+other part, every other part shares the rest (``cores - trainer_cores``); other tenants' ``background``
+demand spreads over both pools in proportion to their cores; with ``background_yields`` (the tenants run
+at a lower priority, e.g. ``nice -n 19``) they get only the cores the run leaves idle in each pool.
+``cores = 0`` gives each part its own device (the cluster case).
+
+**Completion lengths.** A sequence's length is drawn with the seeded rng: from ``length_quantiles`` (the
+run's measured distribution, taken from its traces by the fit) where the shape has them, else from a
+Gaussian around ``completion_tokens``; always within 1..``max_new_tokens``. A group is done when its
+longest sequence is, and a synchronous step when its last group is: the tail sets a synchronous period,
+while an asynchronous run keeps the engine's batch full with the next version's groups.
 
 The model is deterministic for a seed. :mod:`services.launcher.simulate_fit` takes its rates from a
 run directory; :func:`plan_table` sweeps a plan file's grid.
@@ -32,11 +43,12 @@ run directory; :func:`plan_table` sweeps a plan file's grid.
 
 from __future__ import annotations
 
-import math
 import random
+import statistics
 from collections import Counter, deque
 from collections.abc import Callable
 
+from services.launcher.simulate_engine import Engine, Group
 from services.launcher.simulate_model import Rates, Result, Shape
 
 _EPS = 1e-12
@@ -51,21 +63,6 @@ class _Job:
     def __init__(self, lane: str | None, demand: float, left: float, done: Callable[[], None]) -> None:
         self.lane, self.demand, self.left, self.done = lane, demand, max(left, 0.0), done
         self.proc = None if lane is None else lane.split("/", 1)[0]
-
-
-class _Seq:
-    __slots__ = ("group", "length", "made", "version", "turn_end")
-
-    def __init__(self, group: _Group, length: int, turns: int) -> None:
-        self.group, self.length, self.made, self.version = group, length, 0, -1
-        self.turn_end = max(1, math.ceil(length / turns))
-
-
-class _Group:
-    __slots__ = ("gid", "version", "left", "oldest", "started")
-
-    def __init__(self, gid: int, version: int, size: int) -> None:
-        self.gid, self.version, self.left, self.oldest, self.started = gid, version, size, 1 << 60, -1.0
 
 
 class Simulation:
@@ -85,8 +82,8 @@ class Simulation:
         self.step = 0
         self.in_flight = 0
         self.next_gid = 0
-        self.tickets: deque[_Group] = deque()
-        self.ready: list[_Group] = []
+        self.tickets: deque[Group] = deque()
+        self.ready: list[Group] = []
         self.learning = False
         #: overlap_publish: a step's publish and commit are running (beside the next learner step)
         self.committing = False
@@ -96,7 +93,7 @@ class Simulation:
         self.learner_times: list[float] = []
         self.group_times: list[float] = []
         self.tokens = 0
-        self.engines = [_Engine(self, i) for i in range(shape.engines)]
+        self.engines = [Engine(self, i) for i in range(shape.engines)]
         self.judges = [f"judge{i}" for i in range(shape.judges)]
         self.bound = shape.max_in_flight or (shape.max_staleness + 1) * shape.groups_per_step
 
@@ -124,13 +121,12 @@ class Simulation:
         want: dict[str, float] = {}
         for j in heads:
             want[j.proc] = max(want.get(j.proc, 0.0), j.demand)
-        total = sum(want.values()) + self.s.background
-        machine = min(1.0, self.s.cores / total) if self.s.cores and total > 0 else 1.0
-        rates = [machine / threads[j.proc] for j in heads]
+        share, background = self._shares(want)
+        rates = [share[j.proc] / threads[j.proc] for j in heads]
         dt = min([j.left / r for j, r in zip(heads, rates, strict=True)] + [j.left for j in self.delays])
         for proc in threads:
             self.busy[proc] += dt  # a process is busy while any of its threads works
-        self.busy["background"] += dt * self.s.background * machine
+        self.busy["background"] += dt * background
         self.busy["sandbox"] += dt * sum(j.demand < 0 for j in self.delays)  # sandbox-seconds in use
         self.t += dt
         eps = _EPS * max(1.0, self.t)
@@ -149,6 +145,25 @@ class Simulation:
             j.done()
         return True
 
+    def _shares(self, want: dict[str, float]) -> tuple[dict[str, float], float]:
+        """What each busy process gets of the cores it wants (1 = all of them) and the cores the other tenants
+        get: each pool's cores shared fairly among its processes and its part of ``background`` (the tenants
+        spread over the pools in proportion to their cores)."""
+        s = self.s
+        if not s.cores:
+            return dict.fromkeys(want, 1.0), s.background
+        own = s.trainer_cores  # 0: one pool
+        sizes = (own, s.cores - own)
+        tenants = [s.background * size / s.cores for size in sizes]
+        demand = [0.0, 0.0] if s.background_yields else list(tenants)
+        for proc, d in want.items():
+            demand[0 if own and proc == "trainer" else 1] += d
+        got = [min(1.0, size / d) if d > 0 else 1.0 for size, d in zip(sizes, demand, strict=True)]
+        share = {proc: got[0 if own and proc == "trainer" else 1] for proc in want}
+        if s.background_yields:  # the tenants take what the run leaves idle
+            return share, sum(min(t, max(size - d, 0.0)) for t, size, d in zip(tenants, sizes, demand, strict=True))
+        return share, sum(t * g for t, g in zip(tenants, got, strict=True))
+
     def run(self, steps: int, max_sim_s: float = 1e7) -> Result:
         self._admit()
         while self.step < steps and self.t < max_sim_s and self._advance():
@@ -164,14 +179,14 @@ class Simulation:
             steps=self.step, sim_s=self.t, steps_per_s=self.step / total, staleness=dict(sorted(self.staleness.items())),
             staleness_mean=sum(k * v for k, v in self.staleness.items()) / groups if groups else 0.0,
             dropped_groups=self.dropped, idle={k: round(max(v, 0.0), 4) for k, v in idle.items()},
-            learner_s=_mean(self.learner_times), generate_group_s=_mean(self.group_times),
+            learner_s=_mean(self.learner_times), generate_group_s=_median(self.group_times),
             tokens_per_s=self.tokens / total, background_cores=self.busy["background"] / total)
 
     # --- the trainer ----------------------------------------------------------------------------
 
     def _admit(self) -> None:
         while self.in_flight < self.bound:
-            g = _Group(self.next_gid, self.version, self.s.group_size)
+            g = Group(self.next_gid, self.version, self.s.group_size)
             self.next_gid += 1
             self.in_flight += 1
             self.tickets.append(g)
@@ -192,7 +207,7 @@ class Simulation:
         for e in self.engines:
             e.pull()
 
-    def generated(self, g: _Group) -> None:
+    def generated(self, g: Group) -> None:
         """A group's samples are published: judged, carried, then handled by the trainer."""
         judge = self.judges[g.gid % len(self.judges)]
 
@@ -205,7 +220,7 @@ class Simulation:
 
         self.after_all(f"{judge}/loop", 1.0, self.r.judge_per_sample_s, self.s.group_size, judged)
 
-    def _arrive(self, g: _Group) -> None:
+    def _arrive(self, g: Group) -> None:
         if self.version - g.oldest > self.s.max_staleness:
             self._drop([g])
             self._admit()
@@ -213,7 +228,7 @@ class Simulation:
         self.ready.append(g)
         self._maybe_learn()
 
-    def _drop(self, groups: list[_Group]) -> None:
+    def _drop(self, groups: list[Group]) -> None:
         self.dropped += len(groups)
         self.in_flight -= len(groups)
 
@@ -272,7 +287,7 @@ class Simulation:
         self.ready = [g for g in self.ready if g not in stale]
         self._drop(stale)
 
-    def _bump(self, batch: list[_Group]) -> None:
+    def _bump(self, batch: list[Group]) -> None:
         """A step's version exists: its groups' staleness is counted, the trainer is one version on."""
         for g in batch:
             self.staleness[self.version - g.oldest] += 1
@@ -285,136 +300,23 @@ class Simulation:
             self.start(None, 0.0, self.r.transfer_s, lambda e=e, v=self.version: e.offer(v))
 
     def seq_length(self) -> int:
-        """A completion length around the mean, within 1..max_new_tokens."""
-        mean, top = self.s.completion_tokens, self.s.max_new_tokens
-        return max(1, min(top, round(self.rng.gauss(mean, mean / 2))))
+        """A completion length within 1..max_new_tokens: from the shape's ``length_quantiles`` where it has
+        them (inverse transform: a uniform draw placed between the two neighbouring quantiles), else around
+        the mean (a Gaussian, sd half the mean)."""
+        q, top = self.s.length_quantiles, self.s.max_new_tokens
+        if q:
+            pos = self.rng.random() * (len(q) - 1)
+            i = min(int(pos), len(q) - 1)
+            x = q[i] + (q[min(i + 1, len(q) - 1)] - q[i]) * (pos - i)
+        else:
+            mean = self.s.completion_tokens
+            x = self.rng.gauss(mean, mean / 2)
+        return max(1, min(top, round(x)))
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-class _Engine:
-    """One rollout process: its engine's decode loop and its sandboxes."""
-
-    def __init__(self, sim: Simulation, index: int) -> None:
-        self.sim, self.index, self.name = sim, index, f"engine{index}"
-        self.version = 0
-        self.held: list[_Group] = []  # tickets pulled, waiting for this engine's version
-        self.tickets = 0
-        self.waiting: deque[_Seq] = deque()
-        self.running: list[_Seq] = []
-        self.busy = False
-        self.pending: int | None = None
-        self.sandbox = _Pool(sim, sim.s.sandboxes_per_engine)
-
-    def take(self, g: _Group) -> None:
-        self.tickets += 1
-        self.held.append(g)
-
-    def pull(self) -> None:
-        """Start what the held tickets allow."""
-        self._release()
-        self._iterate()
-
-    def _release(self) -> None:
-        ready = [g for g in self.held if g.version <= self.version]
-        self.held = [g for g in self.held if g.version > self.version]
-        for g in ready:
-            g.started = self.sim.t
-            for _ in range(self.sim.s.group_size):
-                self.waiting.append(_Seq(g, self.sim.seq_length(), self.sim.s.turns))
-
-    def offer(self, version: int) -> None:
-        self.pending = max(version, self.pending or 0)
-        if not self.busy:
-            self._apply()
-
-    def _apply(self) -> None:
-        version, self.pending = self.pending, None
-        self.busy = True
-
-        def applied() -> None:
-            self.busy = False
-            self.version = max(self.version, version)
-            self._release()
-            self._iterate()
-
-        self.sim.start(f"{self.name}/engine", self.sim.s.engine_threads, self.sim.r.apply_s, applied)
-
-    def _iterate(self) -> None:
-        if self.busy:
-            return
-        if self.pending is not None:
-            self._apply()
-            return
-        while self.waiting and len(self.running) < self.sim.s.max_batch:
-            seq = self.waiting.popleft()
-            if seq.version < 0:
-                seq.version = self.version
-                seq.group.oldest = min(seq.group.oldest, self.version)
-            self.running.append(seq)
-        if not self.running:
-            return
-        self.busy = True
-        work = self.sim.s.decode_chunk * (self.sim.r.iter_fixed_s + self.sim.r.iter_per_seq_s * len(self.running))
-        self.sim.start(f"{self.name}/engine", self.sim.s.engine_threads, work, self._iterated)
-
-    def _iterated(self) -> None:
-        self.busy = False
-        keep = []
-        for seq in self.running:
-            step = min(self.sim.s.decode_chunk, seq.turn_end - seq.made)
-            seq.made += step
-            self.sim.tokens += step
-            if seq.made >= seq.length:
-                self._finish(seq)
-            elif seq.made >= seq.turn_end:
-                seq.turn_end = min(seq.length, seq.turn_end + max(1, math.ceil(seq.length / self.sim.s.turns)))
-                self.sandbox.submit(self.sim.r.sandbox_exec_s, lambda seq=seq: self._back(seq))
-            else:
-                keep.append(seq)
-        self.running = keep
-        self._iterate()
-
-    def _back(self, seq: _Seq) -> None:
-        self.waiting.append(seq)
-        self._iterate()
-
-    def _finish(self, seq: _Seq) -> None:
-        g = seq.group
-
-        def published() -> None:
-            g.left -= 1
-            if g.left:
-                return
-            self.sim.group_times.append(self.sim.t - g.started)
-            self.tickets -= 1
-            self.sim.dispatch()
-            self.sim.generated(g)
-
-        self.sim.start(f"{self.name}/loop", 1.0, self.sim.r.rollout_per_sample_s, published)
-
-
-class _Pool:
-    """``size`` sandboxes on their own machines: calls beyond them queue."""
-
-    def __init__(self, sim: Simulation, size: int) -> None:
-        self.sim, self.size, self.used = sim, size, 0
-        self.queue: deque[tuple[float, Callable[[], None]]] = deque()
-
-    def submit(self, work: float, done: Callable[[], None]) -> None:
-        self.queue.append((work, done))
-        self._next()
-
-    def _next(self) -> None:
-        while self.used < self.size and self.queue:
-            work, done = self.queue.popleft()
-            self.used += 1
-
-            def finished(done: Callable[[], None] = done) -> None:
-                self.used -= 1
-                done()
-                self._next()
-
-            self.sim.start(None, -1.0, work, finished)  # demand -1 marks a sandbox call (counted as use)
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from services.launcher.simulate import Simulation
-from services.launcher.simulate_fit import FitError, fit, measure, predict, shape_of
+from services.launcher.simulate_fit import FitError, changed_shape, fit, measure, predict, shape_of
 from services.launcher.simulate_model import Rates, Result, Shape
 from services.runtime.config import ConfigError
 
@@ -20,8 +20,15 @@ DESCRIPTION = (
     "trainer's step, weight sync, admission bound and staleness filter). With RUN_DIR it fits its rates to "
     "what that run recorded (metrics.jsonl, traces/, usage.jsonl), shows how well it reproduces the run, "
     "then predicts the run with other settings: by default synchronous (max_staleness=0), asynchronous "
-    "(max_staleness=1) and one more rollout worker; --set KEY=VALUE (repeatable) predicts one variant "
-    "instead (keys: the fields of the plan file's [shape]). With --plan FILE it prints a table for a "
+    "(max_staleness=1), one more rollout worker and, for a pooled run, everything shared (trainer_cores=0); "
+    "--set KEY=VALUE (repeatable) predicts one variant "
+    "instead (keys: the fields of the plan file's [shape]). The fit reads the run's layout from its run "
+    "file: where [placement] pins the trainer to CPUs no other service has, the trainer gets its own pool "
+    "(trainer_cores) and every other part shares the rest of --cores (--set trainer_cores=0 predicts the "
+    "run with everything shared; --set trainer_cores=1 on a shared run predicts disjoint pools). It draws "
+    "completion lengths from the run's own distribution (length_quantiles, from the traces' generate group "
+    "spans; a synchronous step waits for its longest completion) and takes how an engine's iteration cost "
+    "grows with its batch from the group times. With --plan FILE it prints a table for a "
     "cluster from the rates in FILE ([rates], [shape], and [sweep] lists of shape values), with each "
     "part's idle fraction. The last line is JSON.")
 
@@ -36,6 +43,9 @@ def add_parser(sub: Any) -> None:
     sim.add_argument("--steps", type=int, default=60, metavar="N", help="simulated trainer steps (default 60)")
     sim.add_argument("--cores", type=float, default=None, metavar="N",
                      help="cores of the machine the run had (default: this machine's)")
+    sim.add_argument("--background-yields", action="store_true",
+                     help="the machine's other tenants ran at a lower priority than the run (nice 19): they "
+                     "took only the cores it left idle (default: they shared every core fairly with it)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -49,18 +59,30 @@ def main(args: argparse.Namespace) -> int:
     try:
         run_dir = Path(args.run_dir)
         shape, measured = shape_of(run_dir, args.cores), measure(run_dir)
+        shape = msgspec.structs.replace(shape, background_yields=args.background_yields)
+        changed_shape(shape, changes)  # a bad --set fails before the fit
         shape, rates, reproduced = fit(shape, measured, steps=args.steps)
     except FitError as e:
         raise ConfigError(f"rlbus simulate: {e}") from e
     print(f"measured  {measured.steps_per_s:6.3f} steps/s  staleness {measured.staleness_mean:.2f}  "
           f"learner {measured.learner_s * 1e3:.0f} ms  (other tenants took {measured.background_cores:.2f} cores)")
+    q = shape.length_quantiles
+    lengths = (f"p50 {q[len(q) // 2]:.0f}, p90 {q[round(0.9 * (len(q) - 1))]:.0f}, max {q[-1]:.0f}" if q
+               else f"mean {shape.completion_tokens:.0f} (Gaussian: no lengths in the traces)")
+    pools = (f"trainer {shape.trainer_cores:g} + the rest {shape.cores - shape.trainer_cores:g} cores"
+             if shape.trainer_cores else f"one pool of {shape.cores:g} cores" if shape.cores else "a device each")
+    print(f"shape     lengths {lengths} tokens; {pools}")
     print(f"model     {reproduced.steps_per_s:6.3f} steps/s  staleness {reproduced.staleness_mean:.2f}  "
           f"learner {reproduced.learner_s * 1e3:.0f} ms  (fitted)")
     print("fitted rates: " + ", ".join(f"{k}={v:.4g}" for k, v in msgspec.to_builtins(rates).items() if v))
-    variants = [changes] if changes else [{"max_staleness": 0}, {"max_staleness": 1}, {"engines": shape.engines + 1}]
+    variants = [changes] if changes else [{"max_staleness": 0}, {"max_staleness": 1}, {"engines": shape.engines + 1},
+                                          *([{"trainer_cores": 0}] if shape.trainer_cores else [])]
     rows = []
     for change in variants:
-        result = predict(shape, rates, change, steps=args.steps)
+        try:
+            result = predict(shape, rates, change, steps=args.steps)
+        except FitError as e:
+            raise ConfigError(f"rlbus simulate: {e}") from e
         rows.append({"set": change, **_row(result)})
         print(f"predicted {_label(change):24s} {_line(result)}")
     print(json.dumps({"measured": msgspec.to_builtins(measured), "rates": msgspec.to_builtins(rates),
@@ -115,7 +137,8 @@ def _changes(items: list[str]) -> dict[str, Any]:
         try:
             out[key] = json.loads(value)
         except ValueError:
-            raise ConfigError(f"--set {item!r}: the value must be a number") from None
+            raise ConfigError(f"--set {item!r}: the value must be a number, true/false or (length_quantiles) a "
+                              "list such as [4, 30, 512]") from None
     return out
 
 

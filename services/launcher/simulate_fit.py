@@ -9,10 +9,14 @@ are scaled until the simulation shows the recorded learner time, group generatio
 The judge's CPU per sample, which no record shows directly, is the free figure that matches steps/s.
 Then the fitted rates predict other settings (``--set max_staleness=0``, ``--set engines=2``).
 
-What one run cannot show: how an engine's iteration cost grows with its batch (its batch size hardly
-varies within a run), so ``iter_per_seq_s`` is kept at the value given (0 by default) and only the
-iteration's total cost is fitted; and the learner's cost per token (one batch shape), so the learner is
-one fixed time per step. A plan file (``rlbus simulate --plan``) gives both curves explicitly.
+The completion lengths are the run's own (``Shape.length_quantiles`` from the traces' ``generate group``
+spans), so a heavy tail keeps its weight in the predictions. How an engine's iteration cost grows with its
+batch shows only where lengths differ (a group's batch drains while its longest sequence runs):
+:func:`services.launcher.simulate_traces.iteration_costs` takes the ratio of its per-sequence to its fixed
+part from the group times; where the traces cannot tell them apart (equal lengths), ``iter_per_seq_s`` is
+kept at 0 and only the iteration's total cost is fitted. What one run cannot show: the learner's cost per
+token (one batch shape), so the learner is one fixed time per step. A plan file (``rlbus simulate --plan``)
+gives both curves explicitly.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from services.launcher import simulate_traces as traces
 from services.launcher.simulate import Simulation
 from services.launcher.simulate_model import Rates, Result, Shape
 
@@ -56,10 +61,20 @@ class Measured(msgspec.Struct, kw_only=True):
     trainer_cpu_per_sample: float
     #: cores other tenants of the machine kept busy over the window (0 without usage.jsonl)
     background_cores: float
+    #: the training samples' completion lengths at FIT_QUANTILES evenly spaced quantiles (the ``generate group``
+    #: spans' ``completion_tokens``; [] when the traces have none)
+    length_quantiles: list[float] = []
+    #: a decode iteration's cost, fixed and per running sequence, from the groups' durations against their
+    #: lengths (simulate_traces.iteration_costs; 0, 0 where the traces cannot tell them apart)
+    iter_fixed_s: float = 0.0
+    iter_per_seq_s: float = 0.0
 
 
 def shape_of(run_dir: Path, cores: float | None = None) -> Shape:
-    """The run's batch, staleness and fleet, from ``config.resolved.json`` (every key, defaults included)."""
+    """The run's batch, staleness, fleet and core pools, from ``config.resolved.json`` (every key, defaults
+    included): ``trainer_cores`` is the trainer's ``[placement]`` CPU count where every other service of the
+    run is pinned to other CPUs; thread counts left at 0 follow the placement. ``cores``: the machine's
+    (default: this one's)."""
     from services.launcher.runfile import RunFile
     from services.runtime.config import ConfigError
 
@@ -72,16 +87,51 @@ def shape_of(run_dir: Path, cores: float | None = None) -> Shape:
         raise FitError(f"{path} does not load in this rlbus (written by an older one?): {e}") from None
     trainer, rollout, services = rf.services.trainer, rf.services.rollout, rf.launcher.services
     engine = rollout.engine
+    cores = float(os.cpu_count() or 1) if cores is None else cores
+    own = _trainer_pool(rf)
+    if own and cores and own >= cores:
+        raise FitError(f"the run's trainer had {own} CPUs of its own ([placement] trainer.cpus) but the machine "
+                       f"is given {cores:g} cores: pass the run's machine's cores with --cores")
     return Shape(
         groups_per_step=trainer.groups_per_step, group_size=trainer.group_size,
         max_new_tokens=trainer.sampling.max_new_tokens or _task_budget(rf), max_staleness=trainer.max_staleness,
         engines=max(1, services.get("rollout", 1)), judges=max(1, services.get("judge", 1)),
         max_tickets=rollout.max_tickets,
         max_batch=getattr(engine, "max_batch_size", None) or getattr(engine, "max_num_seqs", None) or 128,
-        engine_threads=float(getattr(engine, "num_threads", 1) or 1),
-        trainer_threads=float(trainer.devices.num_threads or 1),
-        overlap_publish=trainer.overlap_publish,
-        cores=float(os.cpu_count() or 1) if cores is None else cores)
+        engine_threads=_threads(getattr(engine, "num_threads", 1), rf, "rollout"),
+        trainer_threads=_threads(trainer.devices.num_threads, rf, "trainer"),
+        overlap_publish=trainer.overlap_publish, cores=cores, trainer_cores=float(own) if cores else 0.0)
+
+
+def _placed_cpus(rf: Any, name: str) -> list[int]:
+    """The CPUs ``[placement.<name>]`` pins service ``name``'s instances to ([]: not pinned)."""
+    entry = rf.placement.get(name)
+    return entry.cpu_list(f"placement.{name}") if entry is not None else []
+
+
+def _trainer_pool(rf: Any) -> int:
+    """How many CPUs the trainer has to itself: its placement's, when every other service of the run is
+    pinned to other CPUs (0: the trainer shares the machine; an unpinned service may run anywhere)."""
+    own = set(_placed_cpus(rf, "trainer"))
+    if not own or "trainer" not in rf.launcher.services:
+        return 0
+    for name, count in rf.launcher.services.items():
+        if name == "trainer" or (count < 1 and name not in rf.launcher.autoscale):
+            continue
+        cpus = set(_placed_cpus(rf, name))
+        if not cpus or cpus & own:
+            return 0
+    return len(own)
+
+
+def _threads(explicit: int | None, rf: Any, name: str) -> float:
+    """Cores a busy part of service ``name`` wants: its explicit torch thread count, else (0: torch follows
+    the placement) its placement's thread count or CPUs, else 1."""
+    entry = rf.placement.get(name)
+    if explicit or entry is None:
+        return float(explicit or 1)
+    per_instance = entry.cpus_per_instance or len(_placed_cpus(rf, name)) // max(1, rf.launcher.services.get(name, 1))
+    return float(entry.threads or per_instance or 1)
 
 
 def _task_budget(rf: Any) -> int:
@@ -104,8 +154,8 @@ def measure(run_dir: Path) -> Measured:
         raise FitError(f"{path} has {len(steps)} training steps; the fit needs at least 5 (run longer)")
     kept = steps[int(len(steps) * WARMUP_FRACTION):]
     span = kept[-1]["elapsed_s"] - kept[0]["elapsed_s"]
-    spans = _spans(run_dir / "traces")
-    gen = [s for s in spans if s["name"] == "generate group" and not str(s["attributes"].get("group_id", "")).startswith("eval")]
+    spans = traces.read_spans(run_dir / "traces")
+    gen = traces.groups(spans)
     if not gen:
         raise FitError(f"{run_dir / 'traces'} has no 'generate group' spans: the fit needs the run's traces "
                        "(tracing on, the default)")
@@ -115,24 +165,33 @@ def measure(run_dir: Path) -> Measured:
         commit_s=_avg(r.get("time/commit_s", 0.0) for r in kept),
         completion_tokens=_avg(r.get("train/completion_tokens_mean", 1.0) for r in kept),
         staleness_mean=_avg(r.get("trainer/staleness_mean", 0.0) for r in kept),
-        generate_group_s=statistics.median(_dur(s) for s in gen),
-        apply_s=_avg(_dur(s) for s in spans if s["name"] == "apply weights"),
-        transfer_s=_transfer(spans), pipeline_latency_s=_latency(spans),
+        generate_group_s=statistics.median(traces.duration(s) for s in gen),
+        apply_s=_avg(traces.duration(s) for s in spans if s["name"] == "apply weights"),
+        transfer_s=traces.transfer_s(spans), pipeline_latency_s=traces.latency_s(spans),
+        length_quantiles=traces.quantiles([n for s in gen for n in traces.lengths(s)]),
+        **dict(zip(("iter_fixed_s", "iter_per_seq_s"), traces.iteration_costs(spans) or (0.0, 0.0), strict=True)),
         **_cpu_per_sample(run_dir / "usage.jsonl", kept))
 
 
-def fit(shape: Shape, measured: Measured, iter_per_seq_s: float = 0.0,
+def fit(shape: Shape, measured: Measured, iter_per_seq_s: float | None = None,
         steps: int = 60) -> tuple[Shape, Rates, Result]:
     """Rates whose simulation of ``shape`` shows the recorded times; returns the run's shape as fitted
     (completion lengths, and on a shared machine, ``shape.cores``, the other tenants' demand that got them
-    the cores they took), the rates and that simulation."""
+    the cores they took), the rates and that simulation. The engine's iteration cost keeps the ratio of its
+    per-sequence to its fixed part that the traces show (``iter_per_seq_s`` None) or grows by
+    ``iter_per_seq_s`` per sequence; its level is fitted to the recorded group times either way."""
     shape = msgspec.structs.replace(shape, completion_tokens=measured.completion_tokens,
+                                    length_quantiles=measured.length_quantiles or shape.length_quantiles,
                                     background=measured.background_cores if shape.cores else 0.0)
-    iterations = _expected_iterations(shape)
     judge, bus = measured.judge_cpu_per_sample, measured.nats_cpu_per_sample
+    if iter_per_seq_s is None and measured.iter_fixed_s > 0:
+        iter_fixed_s, iter_per_seq_s = measured.iter_fixed_s, measured.iter_per_seq_s
+    else:
+        iter_per_seq_s = iter_per_seq_s or 0.0
+        iter_fixed_s = measured.generate_group_s / _expected_iterations(shape) - iter_per_seq_s * shape.group_size
     base = Rates(learn_fixed_s=measured.learner_s, publish_s=measured.publish_s, commit_s=measured.commit_s,
                  apply_s=measured.apply_s, transfer_s=measured.transfer_s, iter_per_seq_s=iter_per_seq_s,
-                 iter_fixed_s=max(measured.generate_group_s / iterations - iter_per_seq_s * shape.group_size, 1e-6),
+                 iter_fixed_s=max(iter_fixed_s, 1e-6),
                  judge_per_sample_s=judge, bus_per_sample_s=bus,
                  pipeline_latency_s=max(measured.pipeline_latency_s - shape.group_size * (judge + bus), 0.0))
 
@@ -175,13 +234,10 @@ def fit(shape: Shape, measured: Measured, iter_per_seq_s: float = 0.0,
 def predict(shape: Shape, rates: Rates, changes: dict[str, Any], steps: int = 60,
             background_cores: float | None = None) -> Result:
     """The fitted run with ``changes`` (Shape fields) applied; on a shared machine whose other tenants
-    took ``background_cores`` (default: as in the fitted run) while it ran."""
-    if "max_staleness" in changes and "max_in_flight" not in changes:
-        changes = {**changes, "max_in_flight": 0}
-    try:
-        changed = msgspec.convert({**msgspec.to_builtins(shape), **changes}, Shape)
-    except msgspec.ValidationError as e:
-        raise FitError(f"--set: {e} (settable: {', '.join(Shape.__struct_fields__)})") from e
+    took ``background_cores`` (default: as in the fitted run) while it ran. A changed thread count scales
+    its part's work: :func:`rescaled`."""
+    changed = changed_shape(shape, changes)
+    rates = rescaled(rates, shape, changed)
     result = Simulation(changed, rates).run(steps)
     if background_cores is None or not changed.cores:
         return result
@@ -195,26 +251,39 @@ def predict(shape: Shape, rates: Rates, changes: dict[str, Any], steps: int = 60
     return result
 
 
+def rescaled(rates: Rates, fitted: Shape, changed: Shape) -> Rates:
+    """``rates`` (uncontended seconds at ``fitted``'s thread counts) for ``changed``'s thread counts: the
+    learner's times by trainer_threads before / after, the engine's iteration and apply times by
+    engine_threads before / after. Perfect scaling: the gain of more threads is an upper bound (a learner
+    of 2 torch threads on 2 cores is rarely twice one thread's speed), so a prediction from one thread to
+    two errs fast."""
+    k_learn = fitted.trainer_threads / changed.trainer_threads
+    k_engine = fitted.engine_threads / changed.engine_threads
+    if k_learn == 1 and k_engine == 1:
+        return rates
+    return msgspec.structs.replace(
+        rates, learn_fixed_s=rates.learn_fixed_s * k_learn, learn_per_token_s=rates.learn_per_token_s * k_learn,
+        iter_fixed_s=rates.iter_fixed_s * k_engine, iter_per_seq_s=rates.iter_per_seq_s * k_engine,
+        apply_s=rates.apply_s * k_engine)
+
+
+def changed_shape(shape: Shape, changes: dict[str, Any]) -> Shape:
+    """``shape`` with ``changes`` (Shape fields; a new ``max_staleness`` brings its own admission bound);
+    FitError naming the setting when the result is not a valid shape."""
+    if "max_staleness" in changes and "max_in_flight" not in changes:
+        changes = {**changes, "max_in_flight": 0}
+    try:
+        return msgspec.convert({**msgspec.to_builtins(shape), **changes}, Shape)
+    except msgspec.ValidationError as e:
+        raise FitError(f"--set: {e} (settable: {', '.join(Shape.__struct_fields__)})") from e
+
+
 def _expected_iterations(shape: Shape, draws: int = 4000) -> float:
-    """Mean over groups of the longest sequence (a group is done when its longest one is)."""
+    """Median over groups of the longest sequence (a group is done when its longest one is; the median, as the
+    group times it is set against)."""
     sim = Simulation(shape, Rates())
     groups = [max(sim.seq_length() for _ in range(shape.group_size)) for _ in range(draws // shape.group_size + 1)]
-    return sum(groups) / len(groups)
-
-
-def _spans(folder: Path) -> list[dict[str, Any]]:
-    out = []
-    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut by a kill
-    return out
-
-
-def _dur(span: dict[str, Any]) -> float:
-    return (span["end_ns"] - span["start_ns"]) / 1e9
+    return statistics.median(groups)
 
 
 def _avg(xs: Any) -> float:
@@ -246,26 +315,3 @@ def _cpu_per_sample(path: Path, kept: list[dict[str, Any]]) -> dict[str, float]:
     background = max(machine - ours, 0.0) / (last["time"] - first["time"]) if machine > 0 else 0.0
     return {"judge_cpu_per_sample": cpu("judge") / samples, "nats_cpu_per_sample": cpu("nats") / samples,
             "trainer_cpu_per_sample": cpu("trainer") / samples, "background_cores": background}
-
-
-def _transfer(spans: list[dict[str, Any]]) -> float:
-    """Mean time from the trainer's publish of a version to an engine starting to apply it."""
-    published = {s["attributes"].get("version"): s["end_ns"] for s in spans if s["name"] == "publish weights"}
-    gaps = [(s["start_ns"] - published[v]) / 1e9 for s in spans if s["name"] == "apply weights"
-            and (v := s["attributes"].get("version")) in published and s["start_ns"] >= published[v]]
-    return _avg(gaps)
-
-
-def _latency(spans: list[dict[str, Any]]) -> float:
-    """Median time from the rollout publishing a sample to the trainer handling its scored trajectory."""
-    by_id = {s["span_id"]: s for s in spans}
-    gaps = []
-    for s in spans:
-        if s["service"] != "trainer" or not s["name"].startswith("handle") or not s["name"].endswith(".trajectories"):
-            continue
-        judge_pub = by_id.get(s.get("parent_id") or "")
-        judge_handle = by_id.get((judge_pub or {}).get("parent_id") or "")
-        rollout_pub = by_id.get((judge_handle or {}).get("parent_id") or "")
-        if rollout_pub is not None:
-            gaps.append((s["start_ns"] - rollout_pub["start_ns"]) / 1e9)
-    return statistics.median(gaps) if gaps else 0.0

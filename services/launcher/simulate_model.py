@@ -8,6 +8,9 @@ from typing import Annotated
 
 import msgspec
 
+#: most values a shape's length_quantiles holds (a plan file stays small)
+MAX_QUANTILES = 65
+
 
 class Rates(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How long each part takes (uncontended seconds)."""
@@ -47,8 +50,13 @@ class Shape(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     groups_per_step: Annotated[int, msgspec.Meta(ge=1)] = 16
     group_size: Annotated[int, msgspec.Meta(ge=1)] = 8
-    #: mean completion tokens per sequence (lengths are drawn around it, 1..max_new_tokens)
+    #: mean completion tokens per sequence (the learner's batch; without length_quantiles, lengths are drawn
+    #: around it from a Gaussian, 1..max_new_tokens)
     completion_tokens: Annotated[float, msgspec.Meta(gt=0)] = 32.0
+    #: the run's completion lengths at evenly spaced quantiles, shortest first and longest last (a fit takes
+    #: 33 from the run's traces); lengths are drawn between them with the seeded rng, so a heavy tail keeps
+    #: its weight; empty: the Gaussian around completion_tokens
+    length_quantiles: Annotated[list[Annotated[float, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_QUANTILES)] = []
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] = 64
     prompt_tokens: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     max_staleness: Annotated[int, msgspec.Meta(ge=0)] = 1
@@ -65,14 +73,29 @@ class Shape(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     decode_chunk: Annotated[int, msgspec.Meta(ge=1)] = 1
     #: cores shared by every part (0 = each part on its own device)
     cores: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    #: of those cores, the trainer's own pool (its [placement] CPUs, disjoint from every other service's): the
+    #: trainer process shares these, every other part the other cores - trainer_cores; 0 = one pool
+    trainer_cores: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     #: cores that other tenants of a shared machine want all along (they share it with the run)
     background: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    #: the other tenants run at a lower priority than the run (``nice -n 19``): they take only the cores it
+    #: leaves idle; false: they share every core fairly with it
+    background_yields: bool = False
     #: cores each busy part wants on a shared machine
     engine_threads: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     trainer_threads: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     #: the trainer sends a version and commits its batch beside the next learner step (its
     #: ``overlap_publish``, on by default); false: between steps
     overlap_publish: bool = True
+
+    def __post_init__(self) -> None:
+        if self.trainer_cores and not 0 < self.trainer_cores < self.cores:
+            raise ValueError(f"trainer_cores = {self.trainer_cores} needs cores > trainer_cores (cores = "
+                             f"{self.cores}): the trainer's pool is part of a shared machine's cores, and the "
+                             "other parts need the rest")
+        q = self.length_quantiles
+        if any(b < a for a, b in zip(q, q[1:], strict=False)):
+            raise ValueError(f"length_quantiles must not decrease (shortest first): {q}")
 
 
 class Result(msgspec.Struct, kw_only=True):
@@ -85,7 +108,8 @@ class Result(msgspec.Struct, kw_only=True):
     dropped_groups: int
     #: fraction of time each part had nothing to do
     idle: dict[str, float]
-    #: mean durations as a run's records would show them (used to fit rates)
+    #: durations as a run's records would show them (used to fit rates): the mean learner step, the median
+    #: group generation (a run's median: its warm-up and tail groups do not move it)
     learner_s: float
     generate_group_s: float
     tokens_per_s: float
