@@ -30,12 +30,6 @@ async def budgeted(state_root: str, events: Events) -> AsyncIterator[BwrapBacken
         yield b
 
 
-async def settle(backend: BwrapBackend) -> None:
-    """Wait for the background deletions (volumes unmounted) of destroyed sandboxes."""
-    while backend._tasks:
-        await asyncio.gather(*list(backend._tasks), return_exceptions=True)
-
-
 async def test_creates_are_refused_past_the_budget_and_a_forks_retained_files_count(budgeted):
     b = budgeted
     with pytest.raises(LimitReached, match="exceeds this instance's memory budget"):
