@@ -6,7 +6,7 @@ import asyncio
 import os
 
 import pytest
-from sbx_helpers import RUN, new_sandbox, read, sh
+from sbx_helpers import RUN, new_sandbox, read, settle, sh
 
 from proto import sandbox as api
 from services.sandbox.backend import NotFound

@@ -10,11 +10,10 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from sbx_helpers import RUN, Events, make_config, new_sandbox, sh, started_backend
+from sbx_helpers import RUN, Events, make_config, new_sandbox, settle, sh, started_backend
 
 from proto import sandbox as api
 from services.sandbox.backend import LimitReached, Overloaded
