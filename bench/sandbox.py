@@ -29,7 +29,14 @@ backend each, iterations interleaved; ``--exec-paths-only`` runs just these): th
 destroy cycle and its parts, and ``warm_exec_ms``: ``true`` exec'd in a long-lived sandbox whose exec server
 is ready (the steady state of an agent's tool calls); ``warm_exec_cpu_ms``: the CPU one warm exec costs in
 all (this process, its reaped children, and the sandbox's exec server with everything it reaped), a figure
-that machine load does not inflate as it does latencies; ``ratio_<p>_over_bwrap_*`` compare them.
+that machine load does not inflate as it does latencies; ``ratio_<p>_over_bwrap_*`` compare them. Side ``pool``
+is the default ``hybrid`` path with a warm pool of ``--pool N`` sandboxes (``warm_pool``): its creates take a
+sandbox built ahead, its server running, so its first exec goes through the server; ``pool_hits`` /
+``pool_misses`` say how many of its measured creates the pool served (the refill builds one sandbox at a time, at
+idle CPU priority, while the other sides run their cycles), ``pool_build_ms_*`` how long building one took,
+``pool_server_start_cpu_ms`` / ``pool_sandbox_memory_mb`` what one costs while it waits, and
+``ratio_pool_over_hybrid_*`` compare it with the same path without a pool. The other figures are measured with
+``warm_pool = 0``, as before the pool existed.
 
 Overload (``--overload N``, only this): N clients at once, each repeating create → exec ``true`` → destroy
 through the bus for ``--overload-s`` seconds against ``rlbus service sandbox`` with its host-default bounds;
@@ -112,7 +119,7 @@ class Bus:
 
 
 @contextlib.asynccontextmanager
-async def bus_target(url: str | None, root: str, service_toml: str = "max_sandboxes = 5000\n",
+async def bus_target(url: str | None, root: str, service_toml: str = "max_sandboxes = 5000\nwarm_pool = 0\n",
                      repo: Path = REPO, client_kw: dict[str, Any] | None = None,
                      procs: list[subprocess.Popen[bytes]] | None = None) -> AsyncIterator[Bus]:
     """``rlbus service sandbox`` (from ``repo``) as a child process on ``url`` (None: an embedded nats-server);
@@ -410,18 +417,33 @@ async def bench_paused(t: Target, backend: BwrapBackend, n: int, concurrency: in
     }
 
 
-#: how an exec starts (``exec_path``), compared side by side by :func:`bench_exec_paths`
-EXEC_PATHS = ("bwrap", "hybrid", "server")
+#: how an exec starts (``exec_path``), compared side by side by :func:`bench_exec_paths`; ``pool``: the default
+#: ``hybrid`` path with a warm pool (``warm_pool``), whose creates take a sandbox built ahead, its server running
+EXEC_PATHS = ("bwrap", "hybrid", "server", "pool")
 
 
-async def bench_exec_paths(root: str, n: int) -> dict[str, float]:
-    """Each ``exec_path`` its own backend, iterations interleaved: create → exec ``true`` → destroy (split into
-    its parts), and ``true`` exec'd in a long-lived sandbox whose exec server is ready (``warm_exec``)."""
-    backends = {p: BwrapBackend(SandboxConfig(root_dir=root, exec_path=p, default_lease_ttl_s=3600), lambda e: None)
-                for p in EXEC_PATHS}
+def side_config(root: str, side: str, pool: int) -> SandboxConfig:
+    """The backend config of one side of :func:`bench_exec_paths` (no warm pool but on the ``pool`` side)."""
+    if side == "pool":
+        return SandboxConfig(root_dir=root, exec_path="hybrid", warm_pool=pool, default_lease_ttl_s=3600)
+    return SandboxConfig(root_dir=root, exec_path=side, warm_pool=0, default_lease_ttl_s=3600)
+
+
+async def bench_exec_paths(root: str, n: int, pool: int = 2) -> dict[str, float]:
+    """Each ``exec_path`` its own backend (and the warm pool's, of ``pool`` sandboxes), iterations interleaved:
+    create → exec ``true`` → destroy (split into its parts), and ``true`` exec'd in a long-lived sandbox whose exec
+    server is ready (``warm_exec``). The pool side also reports its hits and misses (a miss is built as ``hybrid``
+    builds it, and its cycle counts as measured), how long building a pooled sandbox took (``pool_build_ms``: its
+    volume, cgroup and mounts, and its server's start until ready, at idle CPU priority) and what one costs while
+    it waits: its server's CPU to start (``pool_server_start_cpu_ms``) and its cgroup's memory
+    (``pool_sandbox_memory_mb``)."""
+    backends = {p: BwrapBackend(side_config(root, p, pool), lambda e: None) for p in EXEC_PATHS}
     cycles: dict[str, list[tuple[float, float, float, float]]] = {p: [] for p in EXEC_PATHS}
     warm: dict[str, list[float]] = {p: [] for p in EXEC_PATHS}
     warm_cpu = {p: 0.0 for p in EXEC_PATHS}  # CPU seconds of the warm execs: this process, its children, the server
+    pool_side = backends["pool"]
+    start_cpu: list[float] = []
+    pool_mb: list[float] = []
     async with contextlib.AsyncExitStack() as stack:
         live: dict[str, str] = {}
         for p, b in backends.items():
@@ -437,6 +459,13 @@ async def bench_exec_paths(root: str, n: int) -> dict[str, float]:
         for i in range(n + 5):
             if i == 5:  # after the warm-up: the servers' CPU so far (their reaped children's included)
                 server_cpu0 = {p: proc_cpu_s(s.pid1) if s else 0.0 for p, s in servers.items()}
+                hits0, misses0, built0 = pool_side.pool.hits, pool_side.pool.misses, len(pool_side.pool.build_s)
+            if i >= 5:  # what the next pooled sandbox cost while it waited (server start CPU, memory)
+                for q in pool_side.pool.idle.values():
+                    for sb in list(q)[:1]:
+                        if sb.server is not None:
+                            start_cpu.append(proc_cpu_s(sb.server.pid1) * 1e3)
+                        pool_mb.append(sb.cgroup.memory_bytes() / MB)
             for p, b in backends.items():
                 one = await create_exec_destroy(Direct(b))
                 t0, c0 = time.perf_counter(), own_cpu_s()
@@ -453,7 +482,15 @@ async def bench_exec_paths(root: str, n: int) -> dict[str, float]:
                 if backends[p].sandboxes[live[p]].server is not server:
                     raise RuntimeError(f"{p}: the warm sandbox's exec server changed during the bench")
                 warm_cpu[p] += proc_cpu_s(server.pid1) - server_cpu0[p]
-    out: dict[str, float] = {"exec_paths_n": n}
+        builds = list(pool_side.pool.build_s)[built0:]
+        out: dict[str, float] = {
+            "exec_paths_n": n, "pool_size": pool, "pool_hits": pool_side.pool.hits - hits0,
+            "pool_misses": pool_side.pool.misses - misses0,
+            "pool_build_ms_p50": statistics.median(builds) * 1e3 if builds else float("nan"),
+            "pool_build_ms_p99": pct(builds, 0.99) * 1e3 if builds else float("nan"),
+            "pool_server_start_cpu_ms": statistics.median(start_cpu) if start_cpu else float("nan"),
+            "pool_sandbox_memory_mb": statistics.median(pool_mb) if pool_mb else float("nan"),
+        }
     for p in EXEC_PATHS:
         total, c_ms, e_ms, d_ms = (list(col) for col in zip(*cycles[p], strict=True))
         for stem, values in (("create_exec_destroy_ms", total), ("create_ms", c_ms), ("exec_true_ms", e_ms),
@@ -461,9 +498,11 @@ async def bench_exec_paths(root: str, n: int) -> dict[str, float]:
             out[f"path_{p}_{stem}_p50"] = statistics.median(values)
             out[f"path_{p}_{stem}_p99"] = pct(values, 0.99)
         out[f"path_{p}_warm_exec_cpu_ms"] = warm_cpu[p] * 1e3 / n
-    for p in ("hybrid", "server"):
+    for p in ("hybrid", "server", "pool"):
         for stem in ("create_exec_destroy_ms_p50", "warm_exec_ms_p50", "warm_exec_ms_p99", "warm_exec_cpu_ms"):
             out[f"ratio_{p}_over_bwrap_{stem.replace('_ms', '')}"] = out[f"path_{p}_{stem}"] / out[f"path_bwrap_{stem}"]
+    for stem in ("create_exec_destroy_ms_p50", "create_exec_destroy_ms_p99", "exec_true_ms_p50", "destroy_ms_p50"):
+        out[f"ratio_pool_over_hybrid_{stem.replace('_ms', '')}"] = out[f"path_pool_{stem}"] / out[f"path_hybrid_{stem}"]
     return out
 
 
@@ -493,6 +532,11 @@ def exec_paths_table(figures: dict[str, Any]) -> str:
                                             f"p99 <= {goal[1]:g} ({'met' if p99 <= goal[1] else 'NOT met'})")
             lines.append(f"{p + ' ' + label:<30}{p50:>8.1f}{p99:>8.1f}   {note}".rstrip())
         lines.append(f"{p + ' warm exec CPU (ms, all)':<30}{figures[f'path_{p}_warm_exec_cpu_ms']:>8.2f}")
+    lines.append(f"pool of {figures['pool_size']}: {figures['pool_hits']} hits, {figures['pool_misses']} misses; "
+                 f"building one {figures['pool_build_ms_p50']:.1f} ms p50 ({figures['pool_build_ms_p99']:.1f} p99), "
+                 f"its server's start {figures['pool_server_start_cpu_ms']:.1f} ms of CPU, "
+                 f"{figures['pool_sandbox_memory_mb']:.1f} MiB while it waits; pool / hybrid create+exec+destroy "
+                 f"p50 {figures['ratio_pool_over_hybrid_create_exec_destroy_p50']:.2f}x")
     return "\n".join(lines)
 
 
@@ -617,11 +661,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.overload:
         return await bench_overload(args)
     if args.exec_paths_only:
-        figures = {"mode": "exec_paths", "quick": args.quick, **await bench_exec_paths(args.root, 50 if args.quick
-                                                                                         else 300)}
+        figures = {"mode": "exec_paths", "quick": args.quick,
+                   **await bench_exec_paths(args.root, 50 if args.quick else 300, args.pool)}
         figures["loadavg_1m"] = os.getloadavg()[0]
         return {k: round(v, 2) if isinstance(v, float) else v for k, v in figures.items()}
-    cfg = SandboxConfig(root_dir=args.root, max_sandboxes=max(5000, args.burst), default_lease_ttl_s=3600)
+    cfg = SandboxConfig(root_dir=args.root, max_sandboxes=max(5000, args.burst), default_lease_ttl_s=3600,
+                        warm_pool=0)  # these figures are without a pool, as before it; the pool has its side above
     backend = BwrapBackend(cfg, lambda e: None)
     await backend.start()
     direct = Direct(backend)
@@ -634,7 +679,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         q = args.quick
         steps = [
             ("create/exec/destroy", bench_create_exec_destroy(targets, 100 if q else 500)),
-            ("exec paths (direct)", bench_exec_paths(args.root, 50 if q else 300)),
+            ("exec paths (direct)", bench_exec_paths(args.root, 50 if q else 300, args.pool)),
             ("fork with 100 MB", bench_fork(targets, backend, 5 if q else 15)),
             ("burst of 1000 creates", bench_burst(targets, 1000)),
             ("paused sandboxes (direct)", bench_paused(direct, backend, 200 if q else 1000)),
@@ -670,7 +715,8 @@ if __name__ == "__main__":
     parser.add_argument("--overload-timeout-s", type=float, default=30.0, help="each overload request's timeout")
     parser.add_argument("--service-repo", metavar="DIR", help="run the service from this checkout")
     parser.add_argument("--exec-paths-only", action="store_true",
-                        help="only the exec_path comparison (bwrap, hybrid, server), direct")
+                        help="only the exec_path comparison (bwrap, hybrid, server, and the warm pool), direct")
+    parser.add_argument("--pool", type=int, default=2, metavar="N", help="warm_pool of the pool side (default 2)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.loop == "uvloop":

@@ -209,7 +209,7 @@ class BwrapBackend:
             remove_all(layers_store.drop_tree(tree))
             raise
         with open(os.path.join(tree.dir, "meta.json"), "w") as f:
-            json.dump({"sandbox_id": sid, "run_id": run_id}, f)
+            json.dump({"sandbox_id": sid, "run_id": run_id, **({"pooled": True} if pooled else {})}, f)
         sb = Sandbox(
             id=sid, run_id=run_id, instance_id=self.instance_id, on_event=self.on_event, spec=spec,
             tree=tree, cgroup=cgroup,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
@@ -86,6 +87,8 @@ class WarmPool:
         self.failed = 0
         #: why the refill waits now (None: it does not, or only for a take)
         self.paused_by: str | None = None
+        #: seconds each of the last builds took (volume, cgroup, mounts, and the server's start until ready)
+        self.build_s: deque[float] = deque(maxlen=1024)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -133,7 +136,13 @@ class WarmPool:
     async def fill(self, key: PoolKey, n: int) -> None:
         """Build ``n`` sandboxes of ``key`` now and pool them (beside any target)."""
         for _ in range(n):
-            self._add(key, await self._build(key))
+            self._add(key, await self._timed_build(key))
+
+    async def _timed_build(self, key: PoolKey) -> Sandbox:
+        t0 = time.perf_counter()
+        sb = await self._build(key)
+        self.build_s.append(time.perf_counter() - t0)
+        return sb
 
     def _add(self, key: PoolKey, sb: Sandbox) -> None:
         self.idle.setdefault(key, deque()).append(sb)
@@ -155,7 +164,7 @@ class WarmPool:
                 await self._sleep_until_woken()
                 continue
             try:
-                sb = await self._build(key)
+                sb = await self._timed_build(key)
             except Overloaded as e:  # no room (capacity, memory budget): until a destroy or a take changes that
                 self.paused_by = str(e)
                 await self._sleep_until_woken()
