@@ -59,9 +59,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
+import io
 import json
 import logging
 import os
+import pstats
 import resource
 import shutil
 import statistics
@@ -429,14 +432,26 @@ def side_config(root: str, side: str, pool: int) -> SandboxConfig:
     return SandboxConfig(root_dir=root, exec_path=side, warm_pool=0, default_lease_ttl_s=3600)
 
 
-async def bench_exec_paths(root: str, n: int, pool: int = 2) -> dict[str, float]:
+async def quiet(b: BwrapBackend, pool: int) -> None:
+    """Until ``b``'s background work is over: the release of destroyed sandboxes, and its pool's refill (``pool``
+    sandboxes ready). The next cycle then starts with a full pool, and its take starts the refill beside it."""
+    while b._tasks:
+        await asyncio.gather(*list(b._tasks), return_exceptions=True)
+    while len(b.pool) < pool:
+        await asyncio.sleep(0.002)
+
+
+async def bench_exec_paths(root: str, n: int, pool: int = 2, profile: cProfile.Profile | None = None
+                           ) -> dict[str, float]:
     """Each ``exec_path`` its own backend (and the warm pool's, of ``pool`` sandboxes), iterations interleaved:
     create → exec ``true`` → destroy (split into its parts), and ``true`` exec'd in a long-lived sandbox whose exec
     server is ready (``warm_exec``). The pool side also reports its hits and misses (a miss is built as ``hybrid``
     builds it, and its cycle counts as measured), how long building a pooled sandbox took (``pool_build_ms``: its
     volume, cgroup and mounts, and its server's start until ready, at idle CPU priority) and what one costs while
     it waits: its server's CPU to start (``pool_server_start_cpu_ms``) and its cgroup's memory
-    (``pool_sandbox_memory_mb``)."""
+    (``pool_sandbox_memory_mb``). Each side's warm exec waits for its backend's background work to end first (see
+    :func:`quiet`); ``profile``, when given, records the pool side's create → exec → destroy cycles (this process
+    only: the host's side of the work)."""
     backends = {p: BwrapBackend(side_config(root, p, pool), lambda e: None) for p in EXEC_PATHS}
     cycles: dict[str, list[tuple[float, float, float, float]]] = {p: [] for p in EXEC_PATHS}
     warm: dict[str, list[float]] = {p: [] for p in EXEC_PATHS}
@@ -467,7 +482,12 @@ async def bench_exec_paths(root: str, n: int, pool: int = 2) -> dict[str, float]
                             start_cpu.append(proc_cpu_s(sb.server.pid1) * 1e3)
                         pool_mb.append(sb.cgroup.memory_bytes() / MB)
             for p, b in backends.items():
+                if p == "pool" and profile is not None:
+                    profile.enable()
                 one = await create_exec_destroy(Direct(b))
+                if p == "pool" and profile is not None:
+                    profile.disable()
+                await quiet(b, pool if p == "pool" else 0)  # the warm exec alone: no release, no refill beside it
                 t0, c0 = time.perf_counter(), own_cpu_s()
                 r = await b.exec(api.ExecRequest(run_id=RUN, sandbox_id=live[p], command=api.Argv(args=["true"])))
                 took, cpu = (time.perf_counter() - t0) * 1e3, own_cpu_s() - c0
@@ -661,8 +681,13 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.overload:
         return await bench_overload(args)
     if args.exec_paths_only:
+        profile = cProfile.Profile() if args.profile_pool else None
         figures = {"mode": "exec_paths", "quick": args.quick,
-                   **await bench_exec_paths(args.root, 50 if args.quick else 300, args.pool)}
+                   **await bench_exec_paths(args.root, 50 if args.quick else 300, args.pool, profile)}
+        if profile is not None:  # where the host's time of the pooled cycles went
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+            print(text.getvalue(), file=sys.stderr)
         figures["loadavg_1m"] = os.getloadavg()[0]
         return {k: round(v, 2) if isinstance(v, float) else v for k, v in figures.items()}
     cfg = SandboxConfig(root_dir=args.root, max_sandboxes=max(5000, args.burst), default_lease_ttl_s=3600,
@@ -717,6 +742,8 @@ if __name__ == "__main__":
     parser.add_argument("--exec-paths-only", action="store_true",
                         help="only the exec_path comparison (bwrap, hybrid, server, and the warm pool), direct")
     parser.add_argument("--pool", type=int, default=2, metavar="N", help="warm_pool of the pool side (default 2)")
+    parser.add_argument("--profile-pool", action="store_true",
+                        help="with --exec-paths-only: cProfile of the pool side's cycles (host side) to stderr")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.loop == "uvloop":
