@@ -93,8 +93,8 @@ async def test_destroy_answers_once_everything_is_killed_and_releases_in_the_bac
         sid = await new_sandbox(b)
         await sh(b, sid, "sleep 300", detach=True)
         sb = b.sandboxes[sid]
-        pids = sb.cgroup.pids()
-        assert len(pids) >= 3  # the server's bwrap monitor and pid 1, the sleep's shepherd and the sleep
+        # the server's bwrap monitor and pid 1, and the sleep (its shepherd is forked once the reply has gone)
+        pids = await wait_for_async(lambda: p if len(p := sb.cgroup.pids()) >= 3 else None, 60, "the sleep to run")
         await b.destroy(api.DestroyRequest(run_id=RUN, sandbox_id=sid))
         assert events.kinds(sid)[-1] == "destroyed"
         with pytest.raises(NotFound):  # unusable at once
