@@ -99,6 +99,24 @@ class Monitor:
             os.close(pidfd)
 
 
+async def _popen(argv: list[str], env: dict[str, str], fds: list[int]) -> subprocess.Popen[bytes]:
+    """Start ``argv`` from a worker thread. Cancelled meanwhile, it waits for the thread (which uses ``fds``, closed
+    by the caller next) and kills what it started before passing the cancellation on."""
+    started = asyncio.ensure_future(asyncio.to_thread(
+        subprocess.Popen, argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env, pass_fds=fds, start_new_session=True))
+    try:
+        return await asyncio.shield(started)
+    except asyncio.CancelledError:
+        try:
+            popen = await started
+        except Exception:  # it did not start: nothing to kill
+            raise asyncio.CancelledError from None
+        popen.kill()
+        await asyncio.to_thread(popen.wait)
+        raise
+
+
 class ServerProc:
     """The slice of :class:`asyncio.subprocess.Process` that :mod:`.execio` and the backend use."""
 
@@ -195,12 +213,8 @@ class ExecServer:
             fds.append(block_r)
             extra += ["--block-fd", str(block_r)]
         try:
-            proc = Monitor(await asyncio.to_thread(
-                subprocess.Popen, [*prefix, "--as-pid-1", "--chdir", "/", *extra, "--",
-                                   python, "-I", "-S", "-c", SOURCE, str(sandbox_end.fileno())],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                pass_fds=fds, start_new_session=True,
-            ))
+            proc = Monitor(await _popen([*prefix, "--as-pid-1", "--chdir", "/", *extra, "--",
+                                         python, "-I", "-S", "-c", SOURCE, str(sandbox_end.fileno())], env, fds))
         except BaseException:
             for fd in (info_r, info_w, block_r, block_w):
                 if fd >= 0:
