@@ -448,7 +448,8 @@ async def bench_exec_paths(root: str, n: int, pool: int = 2, profile: cProfile.P
     server is ready (``warm_exec``). The pool side also reports its hits and misses (a miss is built as ``hybrid``
     builds it, and its cycle counts as measured), how long building a pooled sandbox took (``pool_build_ms``: its
     volume, cgroup and mounts, and its server's start until ready, at idle CPU priority) and what one costs while
-    it waits: its server's CPU to start (``pool_server_start_cpu_ms``) and its cgroup's memory
+    it waits: its server's CPU to start (``pool_server_start_cpu_ms``: its bwrap monitor's and its pid 1's) and its
+    cgroup's memory
     (``pool_sandbox_memory_mb``). Each side's warm exec waits for its backend's background work to end first (see
     :func:`quiet`); ``profile``, when given, records the pool side's create → exec → destroy cycles (this process
     only: the host's side of the work)."""
@@ -479,7 +480,7 @@ async def bench_exec_paths(root: str, n: int, pool: int = 2, profile: cProfile.P
                 for q in pool_side.pool.idle.values():
                     for sb in list(q)[:1]:
                         if sb.server is not None:
-                            start_cpu.append(proc_cpu_s(sb.server.pid1) * 1e3)
+                            start_cpu.append(sched_cpu_ms(sb.server.proc.pid) + sched_cpu_ms(sb.server.pid1))
                         pool_mb.append(sb.cgroup.memory_bytes() / MB)
             for p, b in backends.items():
                 if p == "pool" and profile is not None:
@@ -537,6 +538,15 @@ def proc_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+
+
+def sched_cpu_ms(pid: int) -> float:
+    """CPU ms ``pid`` has run so far (``/proc/<pid>/schedstat``: nanoseconds, finer than the clock ticks of stat)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e6
+    except (OSError, ValueError, IndexError):
+        return float("nan")
 
 
 def exec_paths_table(figures: dict[str, Any]) -> str:
