@@ -425,11 +425,13 @@ async def bench_paused(t: Target, backend: BwrapBackend, n: int, concurrency: in
 EXEC_PATHS = ("bwrap", "hybrid", "server", "pool")
 
 
-def side_config(root: str, side: str, pool: int) -> SandboxConfig:
+def side_config(root: str, side: str, pool: int, cgroup_parent: str = "rlbus") -> SandboxConfig:
     """The backend config of one side of :func:`bench_exec_paths` (no warm pool but on the ``pool`` side)."""
     if side == "pool":
-        return SandboxConfig(root_dir=root, exec_path="hybrid", warm_pool=pool, default_lease_ttl_s=3600)
-    return SandboxConfig(root_dir=root, exec_path=side, warm_pool=0, default_lease_ttl_s=3600)
+        return SandboxConfig(root_dir=root, exec_path="hybrid", warm_pool=pool, default_lease_ttl_s=3600,
+                             cgroup_parent=cgroup_parent)
+    return SandboxConfig(root_dir=root, exec_path=side, warm_pool=0, default_lease_ttl_s=3600,
+                         cgroup_parent=cgroup_parent)
 
 
 async def quiet(b: BwrapBackend, pool: int) -> None:
@@ -441,8 +443,8 @@ async def quiet(b: BwrapBackend, pool: int) -> None:
         await asyncio.sleep(0.002)
 
 
-async def bench_exec_paths(root: str, n: int, pool: int = 2, profile: cProfile.Profile | None = None
-                           ) -> dict[str, float]:
+async def bench_exec_paths(root: str, n: int, pool: int = 2, profile: cProfile.Profile | None = None,
+                           cgroup_parent: str = "rlbus") -> dict[str, float]:
     """Each ``exec_path`` its own backend (and the warm pool's, of ``pool`` sandboxes), iterations interleaved:
     create → exec ``true`` → destroy (split into its parts), and ``true`` exec'd in a long-lived sandbox whose exec
     server is ready (``warm_exec``). The pool side also reports its hits and misses (a miss is built as ``hybrid``
@@ -453,7 +455,7 @@ async def bench_exec_paths(root: str, n: int, pool: int = 2, profile: cProfile.P
     (``pool_sandbox_memory_mb``). Each side's warm exec waits for its backend's background work to end first (see
     :func:`quiet`); ``profile``, when given, records the pool side's create → exec → destroy cycles (this process
     only: the host's side of the work)."""
-    backends = {p: BwrapBackend(side_config(root, p, pool), lambda e: None) for p in EXEC_PATHS}
+    backends = {p: BwrapBackend(side_config(root, p, pool, cgroup_parent), lambda e: None) for p in EXEC_PATHS}
     cycles: dict[str, list[tuple[float, float, float, float]]] = {p: [] for p in EXEC_PATHS}
     warm: dict[str, list[float]] = {p: [] for p in EXEC_PATHS}
     warm_cpu = {p: 0.0 for p in EXEC_PATHS}  # CPU seconds of the warm execs: this process, its children, the server
@@ -693,7 +695,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.exec_paths_only:
         profile = cProfile.Profile() if args.profile_pool else None
         figures = {"mode": "exec_paths", "quick": args.quick,
-                   **await bench_exec_paths(args.root, 50 if args.quick else 300, args.pool, profile)}
+                   **await bench_exec_paths(args.root, 50 if args.quick else 300, args.pool, profile,
+                                            args.cgroup_parent)}
         if profile is not None:  # where the host's time of the pooled cycles went
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
@@ -752,6 +755,10 @@ if __name__ == "__main__":
     parser.add_argument("--exec-paths-only", action="store_true",
                         help="only the exec_path comparison (bwrap, hybrid, server, and the warm pool), direct")
     parser.add_argument("--pool", type=int, default=2, metavar="N", help="warm_pool of the pool side (default 2)")
+    parser.add_argument("--cgroup-parent", default="rlbus", metavar="NAME",
+                        help="with --exec-paths-only: the sandboxes' cgroup_parent. Under `nice -n 19` the sandboxes "
+                        "outweigh the niced bench for the CPU (each wake-up of one preempts it): give them the bench's "
+                        "weight with `mkdir /sys/fs/cgroup/cpu/NAME; echo 15 > /sys/fs/cgroup/cpu/NAME/cpu.shares`")
     parser.add_argument("--profile-pool", action="store_true",
                         help="with --exec-paths-only: cProfile of the pool side's cycles (host side) to stderr")
     args = parser.parse_args()
