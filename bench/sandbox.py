@@ -29,7 +29,14 @@ backend each, iterations interleaved; ``--exec-paths-only`` runs just these): th
 destroy cycle and its parts, and ``warm_exec_ms``: ``true`` exec'd in a long-lived sandbox whose exec server
 is ready (the steady state of an agent's tool calls); ``warm_exec_cpu_ms``: the CPU one warm exec costs in
 all (this process, its reaped children, and the sandbox's exec server with everything it reaped), a figure
-that machine load does not inflate as it does latencies; ``ratio_<p>_over_bwrap_*`` compare them.
+that machine load does not inflate as it does latencies; ``ratio_<p>_over_bwrap_*`` compare them. Side ``pool``
+is the default ``hybrid`` path with a warm pool of ``--pool N`` sandboxes (``warm_pool``): its creates take a
+sandbox built ahead, its server running, so its first exec goes through the server; ``pool_hits`` /
+``pool_misses`` say how many of its measured creates the pool served (the refill builds one sandbox at a time, at
+idle CPU priority, while the other sides run their cycles), ``pool_build_ms_*`` how long building one took,
+``pool_server_start_cpu_ms`` / ``pool_sandbox_memory_mb`` what one costs while it waits, and
+``ratio_pool_over_hybrid_*`` compare it with the same path without a pool. The other figures are measured with
+``warm_pool = 0``, as before the pool existed.
 
 Overload (``--overload N``, only this): N clients at once, each repeating create → exec ``true`` → destroy
 through the bus for ``--overload-s`` seconds against ``rlbus service sandbox`` with its host-default bounds;
@@ -52,9 +59,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
+import io
 import json
 import logging
 import os
+import pstats
 import resource
 import shutil
 import statistics
@@ -112,7 +122,7 @@ class Bus:
 
 
 @contextlib.asynccontextmanager
-async def bus_target(url: str | None, root: str, service_toml: str = "max_sandboxes = 5000\n",
+async def bus_target(url: str | None, root: str, service_toml: str = "max_sandboxes = 5000\nwarm_pool = 0\n",
                      repo: Path = REPO, client_kw: dict[str, Any] | None = None,
                      procs: list[subprocess.Popen[bytes]] | None = None) -> AsyncIterator[Bus]:
     """``rlbus service sandbox`` (from ``repo``) as a child process on ``url`` (None: an embedded nats-server);
@@ -410,18 +420,48 @@ async def bench_paused(t: Target, backend: BwrapBackend, n: int, concurrency: in
     }
 
 
-#: how an exec starts (``exec_path``), compared side by side by :func:`bench_exec_paths`
-EXEC_PATHS = ("bwrap", "hybrid", "server")
+#: how an exec starts (``exec_path``), compared side by side by :func:`bench_exec_paths`; ``pool``: the default
+#: ``hybrid`` path with a warm pool (``warm_pool``), whose creates take a sandbox built ahead, its server running
+EXEC_PATHS = ("bwrap", "hybrid", "server", "pool")
 
 
-async def bench_exec_paths(root: str, n: int) -> dict[str, float]:
-    """Each ``exec_path`` its own backend, iterations interleaved: create → exec ``true`` → destroy (split into
-    its parts), and ``true`` exec'd in a long-lived sandbox whose exec server is ready (``warm_exec``)."""
-    backends = {p: BwrapBackend(SandboxConfig(root_dir=root, exec_path=p, default_lease_ttl_s=3600), lambda e: None)
-                for p in EXEC_PATHS}
+def side_config(root: str, side: str, pool: int, cgroup_parent: str = "rlbus") -> SandboxConfig:
+    """The backend config of one side of :func:`bench_exec_paths` (no warm pool but on the ``pool`` side)."""
+    if side == "pool":
+        return SandboxConfig(root_dir=root, exec_path="hybrid", warm_pool=pool, default_lease_ttl_s=3600,
+                             cgroup_parent=cgroup_parent)
+    return SandboxConfig(root_dir=root, exec_path=side, warm_pool=0, default_lease_ttl_s=3600,
+                         cgroup_parent=cgroup_parent)
+
+
+async def quiet(b: BwrapBackend, pool: int) -> None:
+    """Until ``b``'s background work is over: the release of destroyed sandboxes, and its pool's refill (``pool``
+    sandboxes ready). The next cycle then starts with a full pool, and its take starts the refill beside it."""
+    while b._tasks:
+        await asyncio.gather(*list(b._tasks), return_exceptions=True)
+    while len(b.pool) < pool:
+        await asyncio.sleep(0.002)
+
+
+async def bench_exec_paths(root: str, n: int, pool: int = 2, profile: cProfile.Profile | None = None,
+                           cgroup_parent: str = "rlbus") -> dict[str, float]:
+    """Each ``exec_path`` its own backend (and the warm pool's, of ``pool`` sandboxes), iterations interleaved:
+    create → exec ``true`` → destroy (split into its parts), and ``true`` exec'd in a long-lived sandbox whose exec
+    server is ready (``warm_exec``). The pool side also reports its hits and misses (a miss is built as ``hybrid``
+    builds it, and its cycle counts as measured), how long building a pooled sandbox took (``pool_build_ms``: its
+    volume, cgroup and mounts, and its server's start until ready, at idle CPU priority) and what one costs while
+    it waits: its server's CPU to start (``pool_server_start_cpu_ms``: its bwrap monitor's and its pid 1's) and its
+    cgroup's memory
+    (``pool_sandbox_memory_mb``). Each side's warm exec waits for its backend's background work to end first (see
+    :func:`quiet`); ``profile``, when given, records the pool side's create → exec → destroy cycles (this process
+    only: the host's side of the work)."""
+    backends = {p: BwrapBackend(side_config(root, p, pool, cgroup_parent), lambda e: None) for p in EXEC_PATHS}
     cycles: dict[str, list[tuple[float, float, float, float]]] = {p: [] for p in EXEC_PATHS}
     warm: dict[str, list[float]] = {p: [] for p in EXEC_PATHS}
     warm_cpu = {p: 0.0 for p in EXEC_PATHS}  # CPU seconds of the warm execs: this process, its children, the server
+    pool_side = backends["pool"]
+    start_cpu: list[float] = []
+    pool_mb: list[float] = []
     async with contextlib.AsyncExitStack() as stack:
         live: dict[str, str] = {}
         for p, b in backends.items():
@@ -437,8 +477,20 @@ async def bench_exec_paths(root: str, n: int) -> dict[str, float]:
         for i in range(n + 5):
             if i == 5:  # after the warm-up: the servers' CPU so far (their reaped children's included)
                 server_cpu0 = {p: proc_cpu_s(s.pid1) if s else 0.0 for p, s in servers.items()}
+                hits0, misses0, built0 = pool_side.pool.hits, pool_side.pool.misses, len(pool_side.pool.build_s)
+            if i >= 5:  # what the next pooled sandbox cost while it waited (server start CPU, memory)
+                for q in pool_side.pool.idle.values():
+                    for sb in list(q)[:1]:
+                        if sb.server is not None:
+                            start_cpu.append(sched_cpu_ms(sb.server.proc.pid) + sched_cpu_ms(sb.server.pid1))
+                        pool_mb.append(sb.cgroup.memory_bytes() / MB)
             for p, b in backends.items():
+                if p == "pool" and profile is not None:
+                    profile.enable()
                 one = await create_exec_destroy(Direct(b))
+                if p == "pool" and profile is not None:
+                    profile.disable()
+                await quiet(b, pool if p == "pool" else 0)  # the warm exec alone: no release, no refill beside it
                 t0, c0 = time.perf_counter(), own_cpu_s()
                 r = await b.exec(api.ExecRequest(run_id=RUN, sandbox_id=live[p], command=api.Argv(args=["true"])))
                 took, cpu = (time.perf_counter() - t0) * 1e3, own_cpu_s() - c0
@@ -453,7 +505,15 @@ async def bench_exec_paths(root: str, n: int) -> dict[str, float]:
                 if backends[p].sandboxes[live[p]].server is not server:
                     raise RuntimeError(f"{p}: the warm sandbox's exec server changed during the bench")
                 warm_cpu[p] += proc_cpu_s(server.pid1) - server_cpu0[p]
-    out: dict[str, float] = {"exec_paths_n": n}
+        builds = list(pool_side.pool.build_s)[built0:]
+        out: dict[str, float] = {
+            "exec_paths_n": n, "pool_size": pool, "pool_hits": pool_side.pool.hits - hits0,
+            "pool_misses": pool_side.pool.misses - misses0,
+            "pool_build_ms_p50": statistics.median(builds) * 1e3 if builds else float("nan"),
+            "pool_build_ms_p99": pct(builds, 0.99) * 1e3 if builds else float("nan"),
+            "pool_server_start_cpu_ms": statistics.median(start_cpu) if start_cpu else float("nan"),
+            "pool_sandbox_memory_mb": statistics.median(pool_mb) if pool_mb else float("nan"),
+        }
     for p in EXEC_PATHS:
         total, c_ms, e_ms, d_ms = (list(col) for col in zip(*cycles[p], strict=True))
         for stem, values in (("create_exec_destroy_ms", total), ("create_ms", c_ms), ("exec_true_ms", e_ms),
@@ -461,9 +521,11 @@ async def bench_exec_paths(root: str, n: int) -> dict[str, float]:
             out[f"path_{p}_{stem}_p50"] = statistics.median(values)
             out[f"path_{p}_{stem}_p99"] = pct(values, 0.99)
         out[f"path_{p}_warm_exec_cpu_ms"] = warm_cpu[p] * 1e3 / n
-    for p in ("hybrid", "server"):
+    for p in ("hybrid", "server", "pool"):
         for stem in ("create_exec_destroy_ms_p50", "warm_exec_ms_p50", "warm_exec_ms_p99", "warm_exec_cpu_ms"):
             out[f"ratio_{p}_over_bwrap_{stem.replace('_ms', '')}"] = out[f"path_{p}_{stem}"] / out[f"path_bwrap_{stem}"]
+    for stem in ("create_exec_destroy_ms_p50", "create_exec_destroy_ms_p99", "exec_true_ms_p50", "destroy_ms_p50"):
+        out[f"ratio_pool_over_hybrid_{stem.replace('_ms', '')}"] = out[f"path_pool_{stem}"] / out[f"path_hybrid_{stem}"]
     return out
 
 
@@ -480,6 +542,15 @@ def proc_cpu_s(pid: int) -> float:
     return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
 
 
+def sched_cpu_ms(pid: int) -> float:
+    """CPU ms ``pid`` has run so far (``/proc/<pid>/schedstat``: nanoseconds, finer than the clock ticks of stat)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e6
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def exec_paths_table(figures: dict[str, Any]) -> str:
     """p50/p99 per ``exec_path``: the create+exec+destroy cycle, its parts, and an exec in a warm sandbox."""
     rows = [("create+exec+destroy", "create_exec_destroy_ms", (10.0, 50.0)), ("  create", "create_ms", None),
@@ -493,6 +564,11 @@ def exec_paths_table(figures: dict[str, Any]) -> str:
                                             f"p99 <= {goal[1]:g} ({'met' if p99 <= goal[1] else 'NOT met'})")
             lines.append(f"{p + ' ' + label:<30}{p50:>8.1f}{p99:>8.1f}   {note}".rstrip())
         lines.append(f"{p + ' warm exec CPU (ms, all)':<30}{figures[f'path_{p}_warm_exec_cpu_ms']:>8.2f}")
+    lines.append(f"pool of {figures['pool_size']}: {figures['pool_hits']} hits, {figures['pool_misses']} misses; "
+                 f"building one {figures['pool_build_ms_p50']:.1f} ms p50 ({figures['pool_build_ms_p99']:.1f} p99), "
+                 f"its server's start {figures['pool_server_start_cpu_ms']:.1f} ms of CPU, "
+                 f"{figures['pool_sandbox_memory_mb']:.1f} MiB while it waits; pool / hybrid create+exec+destroy "
+                 f"p50 {figures['ratio_pool_over_hybrid_create_exec_destroy_p50']:.2f}x")
     return "\n".join(lines)
 
 
@@ -617,11 +693,18 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.overload:
         return await bench_overload(args)
     if args.exec_paths_only:
-        figures = {"mode": "exec_paths", "quick": args.quick, **await bench_exec_paths(args.root, 50 if args.quick
-                                                                                         else 300)}
+        profile = cProfile.Profile() if args.profile_pool else None
+        figures = {"mode": "exec_paths", "quick": args.quick,
+                   **await bench_exec_paths(args.root, 50 if args.quick else 300, args.pool, profile,
+                                            args.cgroup_parent)}
+        if profile is not None:  # where the host's time of the pooled cycles went
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+            print(text.getvalue(), file=sys.stderr)
         figures["loadavg_1m"] = os.getloadavg()[0]
         return {k: round(v, 2) if isinstance(v, float) else v for k, v in figures.items()}
-    cfg = SandboxConfig(root_dir=args.root, max_sandboxes=max(5000, args.burst), default_lease_ttl_s=3600)
+    cfg = SandboxConfig(root_dir=args.root, max_sandboxes=max(5000, args.burst), default_lease_ttl_s=3600,
+                        warm_pool=0)  # these figures are without a pool, as before it; the pool has its side above
     backend = BwrapBackend(cfg, lambda e: None)
     await backend.start()
     direct = Direct(backend)
@@ -634,7 +717,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         q = args.quick
         steps = [
             ("create/exec/destroy", bench_create_exec_destroy(targets, 100 if q else 500)),
-            ("exec paths (direct)", bench_exec_paths(args.root, 50 if q else 300)),
+            ("exec paths (direct)", bench_exec_paths(args.root, 50 if q else 300, args.pool)),
             ("fork with 100 MB", bench_fork(targets, backend, 5 if q else 15)),
             ("burst of 1000 creates", bench_burst(targets, 1000)),
             ("paused sandboxes (direct)", bench_paused(direct, backend, 200 if q else 1000)),
@@ -670,7 +753,14 @@ if __name__ == "__main__":
     parser.add_argument("--overload-timeout-s", type=float, default=30.0, help="each overload request's timeout")
     parser.add_argument("--service-repo", metavar="DIR", help="run the service from this checkout")
     parser.add_argument("--exec-paths-only", action="store_true",
-                        help="only the exec_path comparison (bwrap, hybrid, server), direct")
+                        help="only the exec_path comparison (bwrap, hybrid, server, and the warm pool), direct")
+    parser.add_argument("--pool", type=int, default=2, metavar="N", help="warm_pool of the pool side (default 2)")
+    parser.add_argument("--cgroup-parent", default="rlbus", metavar="NAME",
+                        help="with --exec-paths-only: the sandboxes' cgroup_parent. Under `nice -n 19` the sandboxes "
+                        "outweigh the niced bench for the CPU (each wake-up of one preempts it): give them the bench's "
+                        "weight with `mkdir /sys/fs/cgroup/cpu/NAME; echo 15 > /sys/fs/cgroup/cpu/NAME/cpu.shares`")
+    parser.add_argument("--profile-pool", action="store_true",
+                        help="with --exec-paths-only: cProfile of the pool side's cycles (host side) to stderr")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.loop == "uvloop":

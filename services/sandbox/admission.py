@@ -7,8 +7,11 @@ when the server delivered it, and the NATS client's own queue does not fill up b
   (header :data:`proto.sandbox.DEADLINE_HEADER`); one without gets ``request_deadline_s`` from its arrival. A
   request past its deadline is never started: refused at arrival, or dropped when it leaves the create queue.
 * **Creates** (the create subject) run at most ``max_creating`` at once; up to ``max_queued_creates`` more wait,
-  oldest first. Beyond that, or once live sandboxes plus creates in progress and queued reach
-  ``max_sandboxes``, a create is refused at once.
+  oldest first. Beyond that, or once the sandboxes held (``live()``: in use, being destroyed, and pooled less the
+  ``spare()`` pooled ones a create may take or evict) plus creates in progress and queued reach ``max_sandboxes``,
+  a create is refused at once.
+* **The warm pool** refills only while :meth:`Admission.pressure` is None: no create queued, a create slot free,
+  fewer than half of ``max_in_flight`` requests running, and room for one more sandbox besides.
 * **Every other request** starts at once while fewer than ``max_in_flight`` are running, else is refused.
 
 A refusal is an ``overloaded`` ErrorReply with ``retry_after_s``: nothing was done, so the sender may send it
@@ -67,13 +70,14 @@ class Admission:
     """The bounds of one instance (see the module docstring); ``live()`` counts the sandboxes it holds."""
 
     def __init__(self, *, max_in_flight: int, max_creating: int, max_queued_creates: int, max_sandboxes: int,
-                 retry_after_s: float, live: Callable[[], int]) -> None:
+                 retry_after_s: float, live: Callable[[], int], spare: Callable[[], int] = lambda: 0) -> None:
         self.max_in_flight = max_in_flight
         self.max_creating = max_creating
         self.max_queued_creates = max_queued_creates
         self.max_sandboxes = max_sandboxes
         self.retry_after_s = retry_after_s
         self.live = live
+        self.spare = spare
         self.running = 0
         self.creating = 0
         self.queue: deque[Job] = deque()
@@ -86,7 +90,7 @@ class Admission:
         if time.time() > job.deadline:
             return self._refuse("deadline", "the request's deadline passed before it reached the instance")
         if job.is_create:
-            held = self.live() + self.creating + len(self.queue)
+            held = self.live() - self.spare() + self.creating + len(self.queue)
             if held >= self.max_sandboxes:
                 return self._refuse("sandboxes", f"the instance holds {held} sandboxes and creates "
                                     f"(max_sandboxes = {self.max_sandboxes}); try again or add instances")
@@ -104,6 +108,18 @@ class Admission:
                                 f"{self.max_in_flight}); try again")
         self._take(job)
         return True
+
+    def pressure(self) -> str | None:
+        """Why a warm pool must not build a sandbox now (it competes with the requests), or None."""
+        if self.queue:
+            return f"{len(self.queue)} creates queued"
+        if self.creating >= self.max_creating:
+            return f"every create slot busy (max_creating = {self.max_creating})"
+        if self.running * 2 >= self.max_in_flight:
+            return f"{self.running} requests in progress (max_in_flight = {self.max_in_flight})"
+        if self.live() + self.creating + 1 >= self.max_sandboxes:
+            return f"near max_sandboxes ({self.max_sandboxes})"
+        return None
 
     def _take(self, job: Job) -> None:
         self.running += 1

@@ -90,6 +90,20 @@ class SandboxBackend(Protocol):
 
     #: this instance's id (embedded in every sandbox and snapshot id it makes)
     instance_id: str
+    #: why a warm pool must not refill now (the service sets its admission's), or None
+    pressure: Callable[[], str | None]
+
+    def held(self) -> tuple[int, int]:
+        """(sandboxes held: in use, pooled and being destroyed; of which pooled and free to take)."""
+        ...
+
+    def wake_pool(self) -> None:
+        """Something changed that may let a paused warm pool refill (a request finished)."""
+        ...
+
+    def gauges(self) -> dict[str, float]:
+        """The backend's own gauges (its warm pool's), by metric path."""
+        ...
 
     async def start(self) -> list[str]:
         """Check prerequisites (raise :class:`BackendUnavailable` naming what is missing), reap

@@ -1,26 +1,24 @@
 """The bubblewrap backend: namespaces + cgroups + overlayfs, one bwrap process tree per exec.
 
-A sandbox is a filesystem (an overlay work directory and a private /tmp), limits
-(a cgroup) and a network policy; it holds processes only while execs run. Each
-exec starts ``setpriv`` (drop to the unprivileged ``sandbox_uid``) → ``bwrap``
-with new user, pid, ipc, uts, mount, net and cgroup namespaces, the read-only
-base root, ``--die-with-parent`` and a scrubbed environment. The exec's process
-tree lives in its own pid namespace: when the command exits, whatever it left
-running dies with it. A *detached* exec replies at once and keeps running until
-it exits or the sandbox is destroyed; that is how long-running processes (a
-server, a counter loop) live in a sandbox. Processes of different execs share
-the filesystem, limits and freezer but not pid or network namespaces.
+A sandbox is a filesystem (an overlay work directory and a private /tmp), limits (a cgroup) and a network policy;
+it holds processes only while execs run. Each exec starts ``setpriv`` (drop to the unprivileged ``sandbox_uid``) →
+``bwrap`` with new user, pid, ipc, uts, mount, net and cgroup namespaces, the read-only base root,
+``--die-with-parent`` and a scrubbed environment. The exec's process tree lives in its own pid namespace: when the
+command exits, whatever it left running dies with it. A *detached* exec replies at once and keeps running until it
+exits or the sandbox is destroyed; that is how long-running processes (a server, a counter loop) live in a sandbox.
+Processes of different execs share the filesystem, limits and freezer but not pid or network namespaces.
 
-With ``exec_path`` ``server`` or ``hybrid`` (the default; the server from the second exec on), a sandbox's
-execs run instead as children of one
-persistent exec server, the sandbox's pid 1, started through that same command line once
-(:mod:`.exec_server`): the same uid, namespaces, cgroup, environment, timeouts and output caps, without a new
-bwrap per exec; execs then share the sandbox's pid and network namespace, and each exec's process tree is
-killed when its command ends.
+With ``exec_path`` ``server`` or ``hybrid`` (the default; the server from the second exec on), a sandbox's execs run
+instead as children of one persistent exec server, the sandbox's pid 1, started through that same command line once
+(:mod:`.exec_server`): the same uid, namespaces, cgroup, environment, timeouts and output caps, without a new bwrap
+per exec; execs then share the sandbox's pid and network namespace, and each exec's process tree is killed when its
+command ends. With ``warm_pool``, sandboxes of the default spec wait built, their server running, for the creates
+that ask for exactly that spec (:mod:`.warm_pool`). A destroy answers once everything in the sandbox is SIGKILLed;
+the wait for the processes to exit, the cgroup's removal and the volume's unmount finish in the background.
 
-How one exec is started (and joins the cgroup without a race) is in :mod:`.bwrap_exec`; one sandbox's
-record, events and exec bookkeeping are in :mod:`.bwrap_sandbox`. This module is the backend: the
-instance (start, reaping, shutdown), the registry of sandboxes and snapshots, and the verbs.
+How one exec is started (and joins the cgroup without a race) is in :mod:`.bwrap_exec`; one sandbox's record,
+events and exec bookkeeping are in :mod:`.bwrap_sandbox`. This module is the backend: the instance (start, reaping,
+shutdown), the registry of sandboxes and snapshots, and the verbs.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from proto import sandbox as api
 from services.sandbox import backend, common, execio, files
@@ -43,7 +42,7 @@ from services.sandbox.backend import (
     SandboxFailure,
 )
 from services.sandbox.bwrap_exec import command_prefix, smoke_test, spawn
-from services.sandbox.bwrap_sandbox import Sandbox, Snapshot, Spec
+from services.sandbox.bwrap_sandbox import Sandbox, Snapshot, Spawn, Spec
 from services.sandbox.cgroups import Hierarchy
 from services.sandbox.config import SandboxConfig
 from services.sandbox.egress import Allowlist, EgressPolicy, EgressProxy
@@ -51,7 +50,8 @@ from services.sandbox.etc import write_etc
 from services.sandbox.exec_server import ExecServer, server_python_in
 from services.sandbox.host import base_args, check_prerequisites, python_env, reap_instance, reap_orphans
 from services.sandbox.images import resolve_image
-from services.sandbox.overlay import Doomed, Layers, remove_all
+from services.sandbox.overlay import Layers, remove_all
+from services.sandbox.warm_pool import PoolKey, backend_pool, pool_key
 
 log = logging.getLogger("rlbus.sandbox.bwrap")
 
@@ -76,6 +76,9 @@ class BwrapBackend:
         self._server_bases: set[str] = set()
         self.hierarchy: Hierarchy | None = None
         self.layers: Layers | None = None
+        #: why the warm pool must not refill now, beyond this backend's own bounds (the service's admission)
+        self.pressure: Callable[[], str | None] = lambda: None
+        self.pool = backend_pool(self)
 
     # --- lifecycle of the backend ------------------------------------------------------------
 
@@ -117,6 +120,9 @@ class BwrapBackend:
                               if self.cfg.exec_path != "bwrap" and server_python_in(self.cfg, base, root)}
         empty = self.layers.empty
         await smoke_test(command_prefix(self.cfg, self._base_args["host"], empty, empty, empty, []))
+        if self.cfg.warm_pool:
+            self.pool.set_target(PoolKey("host", self.cfg.default_limits, ()), self.cfg.warm_pool)
+        self.pool.start()
         log.info("sandbox instance %s ready (bwrap, cgroup v%d, state %s)", self.instance_id,
                  self.hierarchy.version, self.state_dir)
         return reaped
@@ -128,9 +134,11 @@ class BwrapBackend:
         lock goes with this process, and the next instance to start on ``root_dir`` reaps it as an orphan."""
         loop = asyncio.get_running_loop()
         end = None if timeout_s is None else loop.time() + timeout_s
+        await self.pool.close()
         left = list(self.sandboxes.values())
         while left and (end is None or loop.time() < end):
-            await self._destroy(left.pop(), "shutdown")
+            sb = left.pop()
+            await self._destroy(sb, "shutdown", emit=not sb.pooled)
         pending = set(self._tasks)  # trash deletions, finished execs
         if pending:
             await asyncio.wait(pending, timeout=None if end is None else max(0.0, end - loop.time()))
@@ -141,6 +149,21 @@ class BwrapBackend:
             await reap_instance(self.cfg, self.hierarchy, self.instance_id, self.on_event, keep_dir=False)
         self._lock.release()
         self.egress.close()
+
+    def held(self) -> tuple[int, int]:
+        """(sandboxes this instance holds: in use, pooled and being destroyed; of which pooled, free to take)."""
+        return len(self.sandboxes), len(self.pool)
+
+    def wake_pool(self) -> None:
+        self.pool.wake()
+
+    def server_spawn(self, sb: Sandbox) -> Spawn:
+        """How ``sb``'s exec server starts (through its command line; with its egress listener if it has one)."""
+        return lambda: ExecServer.spawn(sb.argv_prefix, self.cfg.exec_server_python, dict(self.cfg.env),
+                                        sb.listener(self.egress, None))
+
+    def gauges(self) -> dict[str, float]:
+        return self.pool.gauges()
 
     def memory_used_mb(self) -> float:
         """The instance's working set in MiB (its cgroup: every sandbox, and files of destroyed ones still used)."""
@@ -161,7 +184,7 @@ class BwrapBackend:
 
     def _get(self, sandbox_id: str) -> Sandbox:
         sb = self.sandboxes.get(sandbox_id)
-        if sb is None or sb.state == "destroying":
+        if sb is None or sb.state == "destroying" or sb.pooled:
             raise NotFound(f"no sandbox {sandbox_id} on instance {self.instance_id}", sandbox_id)
         return sb
 
@@ -170,8 +193,11 @@ class BwrapBackend:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _new_sandbox(self, run_id: str, spec: Spec, layers: tuple[str, ...], parent_id: str | None) -> Sandbox:
+    async def _new_sandbox(self, run_id: str, spec: Spec, layers: tuple[str, ...], parent_id: str | None,
+                           pooled: bool = False) -> Sandbox:
         layers_store, hierarchy = self._ready()
+        if not pooled and len(self.sandboxes) >= self.cfg.sandboxes_bound() and (spare := self.pool.evict()):
+            await self._destroy(spare, "shutdown", emit=False, wait=True)  # a pooled sandbox makes room for this one
         common.check_capacity(len(self.sandboxes), self.cfg)
         common.check_memory(self.memory_used_mb(), spec.limits, self.cfg)
         sid = common.new_id(self.instance_id, lambda s: s in self.sandboxes)
@@ -183,7 +209,7 @@ class BwrapBackend:
             remove_all(layers_store.drop_tree(tree))
             raise
         with open(os.path.join(tree.dir, "meta.json"), "w") as f:
-            json.dump({"sandbox_id": sid, "run_id": run_id}, f)
+            json.dump({"sandbox_id": sid, "run_id": run_id, **({"pooled": True} if pooled else {})}, f)
         sb = Sandbox(
             id=sid, run_id=run_id, instance_id=self.instance_id, on_event=self.on_event, spec=spec,
             tree=tree, cgroup=cgroup,
@@ -191,7 +217,7 @@ class BwrapBackend:
             allowlist=Allowlist(list(spec.egress)),
             argv_prefix=command_prefix(self.cfg, self._base_args[spec.base], tree.merged, tree.tmp, tree.shm,
                                        cgroup.self_attach_files()),
-            created_at=time.time(), parent_id=parent_id, server_ok=spec.base in self._server_bases,
+            created_at=time.time(), parent_id=parent_id, server_ok=spec.base in self._server_bases, pooled=pooled,
         )
         self.sandboxes[sid] = sb
         return sb
@@ -199,16 +225,19 @@ class BwrapBackend:
     # --- verbs -------------------------------------------------------------------------------
 
     async def create(self, req: api.CreateRequest) -> api.CreateReply:
-        if req.base not in self._base_args:
-            raise InvalidRequest(f"unknown base {req.base!r}: use 'host' or one of {sorted(self.cfg.images)}")
-        self.egress.policy.check_entries(list(req.egress))  # validates; refuses internal targets naming them
+        key = pool_key(req, self.cfg, self._base_args, self.egress.policy)
         spec = Spec(
-            base=req.base, limits=common.resolve_limits(req.limits, self.cfg), env=common.check_env(dict(req.env)),
-            egress=tuple(req.egress), lease_ttl_s=common.resolve_ttl(req.lease_ttl_s, self.cfg.default_lease_ttl_s,
-                                                                      self.cfg),
+            base=key.base, limits=key.limits, env=common.check_env(dict(req.env)), egress=key.egress,
+            lease_ttl_s=common.resolve_ttl(req.lease_ttl_s, self.cfg.default_lease_ttl_s, self.cfg),
             labels=dict(req.labels),
         )
-        sb = await self._new_sandbox(req.run_id, spec, (), None)
+        if self.pool.ready(key):  # taking one adds no sandbox, but the create would be refused past the budget
+            common.check_memory(self.memory_used_mb(), key.limits, self.cfg)
+        sb = self.pool.take(key)
+        if sb is not None:
+            sb.adopt(req.run_id, spec)
+        else:
+            sb = await self._new_sandbox(req.run_id, spec, (), None)
         try:
             if req.files:
                 files.write_files(sb.roots, req.files, self.cfg.sandbox_uid, self.cfg.sandbox_gid)
@@ -241,9 +270,7 @@ class BwrapBackend:
                 raise NotFound(f"sandbox {sb.id} is being destroyed", sb.id)
             sb.exec_count += 1
             exec_id = f"{sb.id}-e{sb.exec_count}"
-            server = await sb.exec_server(lambda: ExecServer.spawn(
-                sb.argv_prefix, self.cfg.exec_server_python, dict(self.cfg.env), sb.listener(self.egress, None)),
-                wait=self.cfg.exec_path == "server")
+            server = await sb.exec_server(self.server_spawn(sb), wait=self.cfg.exec_path == "server")
             ex = None
             if server is not None:
                 with contextlib.suppress(SandboxFailure):  # it died just now: this exec goes the other way
@@ -265,19 +292,7 @@ class BwrapBackend:
             raise
         finally:
             sb.exec_done(ex)
-        oom = sb.check_oom(exec_id)
-        sb.check_disk(exec_id)
-        code = execio.exit_code(out.returncode)
-        duration = time.monotonic() - ex.started
-        if out.timed_out:
-            sb.emit(api.Timeout(exec_id=exec_id, timeout_s=timeout or self.cfg.max_timeout_s))
-        sb.emit(api.ExecFinished(exec_id=exec_id, exit_code=code, duration_s=duration, timed_out=out.timed_out,
-                                 oom_killed=oom, stdout_bytes=out.stdout_bytes, stderr_bytes=out.stderr_bytes))
-        return api.ExecReply(
-            run_id=req.run_id, sandbox_id=sb.id, exec_id=exec_id, exit_code=code, stdout=out.stdout,
-            stderr=out.stderr, stdout_truncated=out.stdout_truncated, stderr_truncated=out.stderr_truncated,
-            duration_s=duration, timed_out=out.timed_out, oom_killed=oom,
-        )
+        return sb.exec_reply(req.run_id, ex, out, timeout or self.cfg.max_timeout_s)
 
     async def write_files(self, req: api.WriteFilesRequest) -> api.WriteFilesReply:
         sb = self._get(req.sandbox_id)
@@ -331,19 +346,7 @@ class BwrapBackend:
     async def _take_snapshot(self, sb: Sandbox) -> tuple[Snapshot, bool]:
         """Snapshot under ``sb.lock``: O(1) layer swap when no exec runs, else freeze + copy."""
         store, _ = self._ready()
-        copied = bool(sb.execs)
-        if not copied:
-            await sb.stop_server()  # its mount namespace holds the upper layer being frozen; the next exec starts one
-            layers = store.swap_upper(sb.tree)
-        else:
-            was_paused = sb.state == "paused"
-            if not was_paused:
-                await sb.cgroup.freeze()
-            try:
-                layers = await store.copy_upper(sb.tree)
-            finally:
-                if not was_paused:
-                    sb.cgroup.thaw()
+        layers, copied = await sb.freeze_layers(store)
         snap = Snapshot(id=common.new_id(f"{self.instance_id}-snap", lambda s: s in self.snapshots),
                         sandbox_id=sb.id, layers=layers, spec=sb.spec)
         store.acquire(layers)
@@ -387,37 +390,42 @@ class BwrapBackend:
         await self._destroy(sb, "requested")
         return api.DestroyReply(run_id=req.run_id, sandbox_id=sb.id)
 
-    async def _destroy(self, sb: Sandbox, reason: api.DestroyReason, emit: bool = True) -> None:
-        store, _ = self._ready()
+    async def _destroy(self, sb: Sandbox, reason: api.DestroyReason, emit: bool = True, wait: bool = False) -> None:
+        """Make the sandbox unusable and SIGKILL all it runs at once (:meth:`Sandbox.kill_now`), then emit
+        ``destroyed``; waiting for the processes to exit, removing the cgroup and unmounting and deleting the
+        volume and layers finish in a background task (:meth:`_release`), which ``close`` waits for. Until it
+        ends, the sandbox still counts in :meth:`held` (``max_sandboxes``). If the service dies before, its
+        lock goes with it and the next instance on ``root_dir`` reaps what is left (``host.reap_orphans``).
+        ``wait``: return once released."""
         async with sb.lock:
             if sb.state == "destroying":
                 return
             sb.state = "destroying"
-        self.leases.drop(sb.id)
-        execs = list(sb.execs.values())
-        for ex in execs:
-            ex.kill()
-        await sb.cgroup.kill_all()  # thaws a paused sandbox so the killed processes can exit
-        await asyncio.gather(*(ex.proc.wait() for ex in execs))  # their waiters close them
-        await sb.stop_server()
-        await sb.cgroup.remove()
-        doomed = store.drop_tree(sb.tree)
-        for snap_id in sb.snapshots:
-            snap = self.snapshots.pop(snap_id, None)
-            if snap is not None:
-                doomed += store.release(snap.layers)
-        self.sandboxes.pop(sb.id, None)
-        self._discard(doomed)
+            self.leases.drop(sb.id)
+            execs = list(sb.execs.values())
+            sb.kill_now()
+        snaps = [snap for snap in (self.snapshots.pop(s, None) for s in sb.snapshots) if snap is not None]
         if emit:
             sb.emit(api.Destroyed(reason=reason))
+        if wait:
+            await self._release(sb, execs, snaps)
+        else:
+            self._spawn_task(self._release(sb, execs, snaps), f"sandbox-release-{sb.id}")
 
-    def _discard(self, doomed: list[Doomed]) -> None:
-        """Delete what a destroy left (volumes to unmount, layers) in a background thread, in order.
-
-        Unmounting a tmpfs waits for the kernel (~2 ms here); the destroy reply does not wait for it.
-        """
-        if doomed:
-            self._spawn_task(asyncio.to_thread(remove_all, doomed), "sandbox-trash")
+    async def _release(self, sb: Sandbox, execs: list, snaps: list[Snapshot]) -> None:  # type: ignore[type-arg]
+        store, _ = self._ready()
+        try:
+            await sb.wait_gone(execs)
+            doomed = store.drop_tree(sb.tree)
+            for snap in snaps:
+                doomed += store.release(snap.layers)
+            self.sandboxes.pop(sb.id, None)
+            if doomed:  # unmounting a tmpfs waits for the kernel (~2 ms here): in a thread, in order
+                await asyncio.to_thread(remove_all, doomed)
+        except Exception:  # it stays counted (held) until the reaper of the next instance on root_dir takes it
+            log.exception("sandbox %s: releasing its processes, cgroup or volume failed", sb.id)
+        finally:
+            self.pool.wake()
 
     def _lease_expired(self, sandbox_id: str) -> None:
         sb = self.sandboxes.get(sandbox_id)
@@ -433,15 +441,10 @@ class BwrapBackend:
         return api.RenewLeaseReply(run_id=req.run_id, sandbox_id=sb.id, lease_expires_at=expires)
 
     async def list(self, req: api.ListRequest) -> api.ListReply:
+        store, _ = self._ready()
         infos = [
-            api.SandboxInfo(
-                sandbox_id=sb.id, instance_id=self.instance_id, run_id=sb.run_id,
-                state="paused" if sb.state == "paused" else "running", base=sb.spec.base, created_at=sb.created_at,
-                lease_expires_at=self.leases.expires_at(sb.id), layers=len(sb.tree.layers),
-                running_execs=len(sb.execs), parent_id=sb.parent_id, labels=sb.spec.labels,
-                retained_mb=round(self.layers.retained_bytes(sb.tree) / (1 << 20), 3) if self.layers else 0.0,
-            )
+            sb.info(self.leases.expires_at(sb.id), store.retained_bytes(sb.tree))
             for sb in self.sandboxes.values()
-            if sb.state != "destroying" and (req.all_runs or sb.run_id == req.run_id)
+            if sb.state != "destroying" and not sb.pooled and (req.all_runs or sb.run_id == req.run_id)
         ]
         return api.ListReply(run_id=req.run_id, instance_id=self.instance_id, sandboxes=infos)

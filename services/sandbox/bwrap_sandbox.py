@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
@@ -25,7 +26,7 @@ from services.sandbox.cgroups import Cgroup
 from services.sandbox.config import LimitsConfig
 from services.sandbox.egress import Allowlist, EgressProxy
 from services.sandbox.exec_server import ExecServer, ServerExec
-from services.sandbox.overlay import WorkTree
+from services.sandbox.overlay import Layers, WorkTree
 
 log = logging.getLogger("rlbus.sandbox.bwrap")
 
@@ -83,6 +84,35 @@ class Sandbox:
     server_start: asyncio.Task[None] | None = None
     snapshots: set[str] = field(default_factory=set)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: built by the warm pool and not taken yet: invisible to the verbs, no events, no lease (see ``warm_pool.py``)
+    pooled: bool = False
+
+    def adopt(self, run_id: str, spec: Spec) -> None:
+        """A create takes this pooled sandbox: it becomes ``run_id``'s, with the create's ``spec`` (the same base,
+        limits and egress it was built with; the create's env, labels and lease)."""
+        self.run_id, self.spec, self.pooled, self.created_at = run_id, spec, False, time.time()
+        self.cgroup.set_idle(False)  # built at idle CPU priority (see ``warm_pool.backend_pool``)
+        with open(os.path.join(self.tree.dir, "meta.json"), "w") as f:  # whose it is, for the reaper
+            json.dump({"sandbox_id": self.id, "run_id": run_id}, f)
+
+    def kill_now(self) -> None:
+        """Destroy's first step, under :attr:`lock` with the state ``destroying``: SIGKILL, without waiting, each
+        exec's and the server's pid 1 (their pid namespaces die with them, and nothing can fork into a dying one)
+        and every process in the cgroup, thawed so that frozen ones die. The rest (:meth:`wait_gone`) may finish
+        after the destroy is answered: nothing of the sandbox runs user code once these signals are sent."""
+        for ex in self.execs.values():
+            ex.kill()
+        if self.server is not None:
+            self.server.kill()
+        self.cgroup.signal_all()
+
+    async def wait_gone(self, execs: list[Exec | ServerExec]) -> None:
+        """Destroy's second step: until every process of the sandbox has exited (stragglers killed again), the
+        exec server closed and the cgroup removed."""
+        await self.cgroup.kill_all()
+        await asyncio.gather(*(ex.proc.wait() for ex in execs))  # their waiters close them
+        await self.stop_server()
+        await self.cgroup.remove()
 
     def emit(self, detail: api.EventDetail) -> None:
         """Publish the sandbox's next event; a failing sink is logged, never raised."""
@@ -160,6 +190,30 @@ class Sandbox:
             if paused:
                 await self.cgroup.freeze()
 
+    async def freeze_layers(self, store: Layers) -> tuple[tuple[str, ...], bool]:
+        """Under :attr:`lock`, a snapshot's layers (top first) and whether they were copied: O(1) layer swap when no
+        exec runs, else freeze + copy of the writable layer."""
+        if not self.execs:
+            await self.stop_server()  # its mount namespace holds the upper layer being frozen; the next exec starts one
+            return store.swap_upper(self.tree), False
+        was_paused = self.state == "paused"
+        if not was_paused:
+            await self.cgroup.freeze()
+        try:
+            return await store.copy_upper(self.tree), True
+        finally:
+            if not was_paused:
+                self.cgroup.thaw()
+
+    def info(self, lease_expires_at: float, retained_bytes: int) -> api.SandboxInfo:
+        """What ``list`` says of the sandbox."""
+        return api.SandboxInfo(
+            sandbox_id=self.id, instance_id=self.instance_id, run_id=self.run_id,
+            state="paused" if self.state == "paused" else "running", base=self.spec.base, created_at=self.created_at,
+            lease_expires_at=lease_expires_at, layers=len(self.tree.layers), running_execs=len(self.execs),
+            parent_id=self.parent_id, labels=self.spec.labels, retained_mb=round(retained_bytes / (1 << 20), 3),
+        )
+
     def listener(self, egress: EgressProxy, exec_id: str | None) -> Listen | None:
         """The egress listener's opener for this sandbox (None without an allowlist). A refusal names ``exec_id``,
         or (an exec server's listener, shared by its execs) the exec running then if there is only one."""
@@ -206,6 +260,23 @@ class Sandbox:
             self.emit(api.LimitExceeded(resource=resource, limit=limit, exec_id=exec_id))  # type: ignore[arg-type]
         self.full = frozenset(full)
         return bool(full)
+
+    def exec_reply(self, run_id: str, ex: Exec | ServerExec, out: execio.Outcome, timeout_s: float) -> api.ExecReply:
+        """A foreground exec ended (``out``): its events (``timeout``, ``oom``, ``limit_exceeded``, ``exec_finished``)
+        and its reply."""
+        oom = self.check_oom(ex.exec_id)
+        self.check_disk(ex.exec_id)
+        code = execio.exit_code(out.returncode)
+        duration = time.monotonic() - ex.started
+        if out.timed_out:
+            self.emit(api.Timeout(exec_id=ex.exec_id, timeout_s=timeout_s))
+        self.emit(api.ExecFinished(exec_id=ex.exec_id, exit_code=code, duration_s=duration, timed_out=out.timed_out,
+                                   oom_killed=oom, stdout_bytes=out.stdout_bytes, stderr_bytes=out.stderr_bytes))
+        return api.ExecReply(
+            run_id=run_id, sandbox_id=self.id, exec_id=ex.exec_id, exit_code=code, stdout=out.stdout,
+            stderr=out.stderr, stdout_truncated=out.stdout_truncated, stderr_truncated=out.stderr_truncated,
+            duration_s=duration, timed_out=out.timed_out, oom_killed=oom,
+        )
 
     async def wait_detached(self, ex: Exec | ServerExec, timeout: float | None) -> None:
         """Follow a detached exec to its end (killed at ``timeout``) and report it, unless the sandbox went."""

@@ -148,6 +148,19 @@ class Cgroup:
         except (FileNotFoundError, KeyError):
             pass  # no freezer directory (a half-made cgroup being reaped): nothing is frozen
 
+    def set_idle(self, idle: bool) -> None:
+        """Whether the sandbox's processes only get CPU time that its sibling sandboxes leave (``cpu.idle``; where the
+        kernel lacks it, the smallest share): a warm pool's sandbox starting its server must not slow the sandboxes
+        in use. Best effort: a kernel without either leaves the weight as it is."""
+        try:
+            _write(self._path("cpu", "cpu.idle"), "1" if idle else "0")
+        except FileNotFoundError:
+            name, low, normal = ("cpu.weight", "1", "100") if self.version == 2 else ("cpu.shares", "2", "1024")
+            try:
+                _write(self._path("cpu", name), low if idle else normal)
+            except FileNotFoundError:
+                pass
+
     def oom_kills(self) -> int:
         """Processes the kernel OOM-killed in this cgroup so far."""
         if self.version == 2:
@@ -170,6 +183,14 @@ class Cgroup:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def signal_all(self) -> None:
+        """SIGKILL every process now and thaw them so that frozen ones die; no waiting (see :meth:`kill_all`)."""
+        try:
+            self._signal_all()
+        except FileNotFoundError:
+            return  # no cgroup (a half-made one): nothing runs in it
+        self.thaw()
 
     async def kill_all(self) -> None:
         """SIGKILL every process (thawing first so frozen ones can die) and wait until none is left."""

@@ -166,6 +166,14 @@ class SandboxConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: the interpreter that runs the exec server, a path inside the sandbox's base; a base without it runs every
     #: exec through its own bwrap
     exec_server_python: str = "/usr/bin/python3"
+    #: sandboxes of the default spec (base ``host``, ``default_limits``, no egress) kept created, their exec server
+    #: started, ahead of the creates that will take them (bwrap backend; 0: none). A create asking for exactly that
+    #: spec (its env, labels, lease and files are applied as it takes one) gets one at once, with every exec going
+    #: through its server from the first; the pool refills in the background, one sandbox at a time, paused while
+    #: creates queue or the instance is near a bound (it keeps one sandbox of ``max_sandboxes`` free). Pooled
+    #: sandboxes count against ``max_sandboxes`` and the memory budget; each costs its server's start (~20-60 ms of
+    #: CPU) and memory (~10 MiB) even if never taken
+    warm_pool: Annotated[int, msgspec.Meta(ge=0, le=256)] = 2
     #: cgroup directory (below each hierarchy's root) that holds ``<instance>/<sandbox>``
     cgroup_parent: str = "rlbus"
 

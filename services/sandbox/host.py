@@ -223,17 +223,21 @@ async def reap_instance(
 
     Emits ``destroyed`` (reason ``orphan_reaped``, seq 0) for each sandbox that
     still had its metadata. With ``keep_dir`` the instance directory and its lock
-    file stay. Returns the sandbox ids.
+    file stay. Returns the sandbox ids, less those of its warm pool (never anyone's).
     """
     state_dir = os.path.join(cfg.root_dir, instance)
     metas: dict[str, str] = {}
+    pooled: set[str] = set()
     sandboxes_dir = os.path.join(state_dir, "s")
     try:
         for entry in os.scandir(sandboxes_dir):
             try:
                 with open(os.path.join(entry.path, "meta.json")) as f:
-                    metas[entry.name] = json.load(f)["run_id"]
-            except (OSError, ValueError, KeyError):
+                    meta = json.load(f)
+                metas[entry.name] = meta["run_id"]
+                if meta.get("pooled"):
+                    pooled.add(entry.name)
+            except (OSError, ValueError, KeyError, AttributeError):
                 metas.setdefault(entry.name, "")
     except FileNotFoundError:
         pass
@@ -247,15 +251,15 @@ async def reap_instance(
                 await asyncio.to_thread(rmtree, path)
     elif os.path.exists(state_dir):
         await asyncio.to_thread(rmtree, state_dir)
-    ids = sorted(set(metas) | set(killed))
+    ids = sorted((set(metas) | set(killed)) - pooled)
     for sid in ids:
         if metas.get(sid):
             on_event(api.SandboxEvent(
                 run_id=metas[sid], sandbox_id=sid, instance_id=instance, seq=0,
                 detail=api.Destroyed(reason="orphan_reaped"),
             ))
-    if ids:
-        log.warning("reaped instance %s: %d sandboxes", instance, len(ids))
+    if ids or pooled:
+        log.warning("reaped instance %s: %d sandboxes (and %d of its warm pool)", instance, len(ids), len(pooled))
     return ids
 
 

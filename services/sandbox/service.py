@@ -1,25 +1,24 @@
 """The sandbox service: the backend's verbs as NATS request/reply, its lifecycle events on JetStream.
 
-Channels (see :mod:`proto.catalog`): ``SANDBOX_REQUESTS`` with target ``create`` in queue group
-``QUEUE_GROUP`` (one instance of the run takes each create), ``SANDBOX_REQUESTS`` with this instance's
-id (every verb on a sandbox or snapshot this instance owns) and ``SANDBOX_LIST`` (scatter/gather: every
-instance answers). Requests
-are core NATS requests; each is answered with its reply Struct or an :class:`proto.sandbox.ErrorReply`.
+Channels (see :mod:`proto.catalog`): ``SANDBOX_REQUESTS`` with target ``create`` in queue group ``QUEUE_GROUP`` (one
+instance of the run takes each create), ``SANDBOX_REQUESTS`` with this instance's id (every verb on a sandbox or
+snapshot this instance owns) and ``SANDBOX_LIST`` (scatter/gather: every instance answers). Requests are core NATS
+requests; each is answered with its reply Struct or an :class:`proto.sandbox.ErrorReply`.
 
 * Admission (:mod:`.admission`): a request past its deadline is never started; creates run at most
-  ``max_creating`` at once with a bounded queue; live sandboxes, the memory budget and ``max_in_flight``
-  are bounded. Past a bound the answer is ``overloaded`` (with ``retry_after_s``) at once, never a silence.
-  Each admitted request runs in its own task.
+  ``max_creating`` at once with a bounded queue; sandboxes held (a warm pool's included), the memory budget and
+  ``max_in_flight`` are bounded. Past a bound the answer is ``overloaded`` (with ``retry_after_s``) at once, never
+  a silence. Each admitted request runs in its own task. A warm pool refills only while admission is easy.
 * A payload that does not decode, belongs to another run, or was sent to the wrong subject gets an
   ``invalid`` ErrorReply *and* a dead letter; the service carries on.
 * Every backend event is queued by the backend's ``on_event`` callback and published, in order, by one
   task to channel ``SANDBOX_EVENTS`` (stream SANDBOX_EVENTS), carrying the trace context of the
   request that caused it. Nothing is dropped; a publish that keeps failing is retried.
-* Shutdown (``ctx.stop``) stays within ``drain_timeout_s`` in all: drain the subscriptions and answer every
-  request they still held and every queued create ``overloaded`` (the client sends it elsewhere), give in-flight requests half the bound (the rest
-  are cancelled and answered ``unavailable``), ``backend.close()`` until 90 % of it (destroys every sandbox,
-  reason ``shutdown``; what is left past it stays for the reaper of the next instance), then flush the
-  queued events in what remains.
+* Shutdown (``ctx.stop``) stays within ``drain_timeout_s`` in all: drain the subscriptions and answer every request
+  they still held and every queued create ``overloaded`` (the client sends it elsewhere), give in-flight requests
+  half the bound (the rest are cancelled and answered ``unavailable``), ``backend.close()`` until 90 % of it
+  (destroys every sandbox, reason ``shutdown``, and the warm pool; what is left past it stays for the reaper of the
+  next instance), then flush the queued events in what remains.
 """
 
 from __future__ import annotations
@@ -32,12 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.msg import Msg
-from opentelemetry import context as otel_context
 
-from proto import catalog, codec, subjects
+from proto import catalog, codec
 from proto import sandbox as api
 from services.runtime import metrics, tracing
-from services.runtime.bus import BusError
 from services.runtime.config import Loaded
 from services.runtime.service import ServiceContext
 from services.sandbox.admission import Admission, Job, deadline_of
@@ -49,6 +46,7 @@ from services.sandbox.backend import (
     dispatch,
 )
 from services.sandbox.config import SandboxConfig
+from services.sandbox.events import EventPublisher
 
 log = logging.getLogger("rlbus.sandbox")
 #: seconds the backend took per request, by verb (``create``, ``exec``, ...): rlbus_sandbox_request_seconds
@@ -104,72 +102,6 @@ class SandboxUnavailableError(RuntimeError):
     """The configured backend cannot run on this host; the service exits non-zero."""
 
 
-class EventPublisher:
-    """Publishes backend events in the order they were emitted, from one task.
-
-    ``put`` is the backend's ``on_event`` sink: it never blocks and never drops. Each event
-    keeps the trace context current when it was emitted (the request that caused it).
-    """
-
-    def __init__(self, ctx: ServiceContext) -> None:
-        self.ctx = ctx
-        self.queue: asyncio.Queue[tuple[api.SandboxEvent, otel_context.Context]] = asyncio.Queue()
-        self.published = 0
-        self.failed = 0
-        self._task: asyncio.Task[None] | None = None
-
-    def put(self, event: api.SandboxEvent) -> None:
-        self.queue.put_nowait((event, otel_context.get_current()))
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="sandbox-event-publisher")
-
-    def run_of(self, event: api.SandboxEvent) -> str:
-        """The run an event is filed under: its own (a reaped orphan may be a predecessor's)."""
-        try:
-            return subjects.check_run_id(event.run_id)
-        except subjects.InvalidRunId:  # a reaped orphan of an unreadable run: file it under ours
-            return self.ctx.run_id
-
-    async def _run(self) -> None:
-        while True:
-            event, trace_ctx = await self.queue.get()
-            token = otel_context.attach(trace_ctx)
-            try:
-                await self._publish(event)
-            finally:
-                otel_context.detach(token)
-                self.queue.task_done()
-            self.ctx.gauges["sandbox/events_pending"] = float(self.queue.qsize())
-
-    async def _publish(self, event: api.SandboxEvent) -> None:
-        run = self.run_of(event)
-        while True:
-            try:
-                await self.ctx.publish(catalog.SANDBOX_EVENTS, event, event.sandbox_id, run_id=run)
-                self.published += 1
-                return
-            except BusError as e:  # the server stayed away for a whole retry window: keep the event, go on trying
-                log.error("sandbox events cannot be published (%s); %d waiting, retrying", e, self.queue.qsize() + 1)
-            except Exception:  # not a transport failure (e.g. rejected by the server): it can never succeed
-                self.failed += 1
-                log.exception("dropping sandbox event %s of %s: the server rejected it", event.kind, event.sandbox_id)
-                return
-
-    async def close(self, timeout_s: float) -> None:
-        """Publish what is queued (within ``timeout_s``), then stop the task."""
-        if self._task is None:
-            return
-        try:
-            await asyncio.wait_for(self.queue.join(), timeout_s)
-        except TimeoutError:
-            log.error("%d sandbox events were not published within %.1fs of shutdown (bus unreachable?)",
-                      self.queue.qsize(), timeout_s)
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        self._task = None
-
-
 class SandboxService:
     """Serves one backend instance over the bus (see the module docstring)."""
 
@@ -181,7 +113,7 @@ class SandboxService:
         self.admission = Admission(
             max_in_flight=config.max_in_flight, max_creating=config.creating_bound(),
             max_queued_creates=config.queued_creates_bound(), max_sandboxes=config.sandboxes_bound(),
-            retry_after_s=config.overload_retry_after_s, live=lambda: len(self._live),
+            retry_after_s=config.overload_retry_after_s, live=lambda: self._held()[0], spare=lambda: self._held()[1],
         )
         self.backend: SandboxBackend | None = None
         self.reaped: list[str] = []
@@ -199,6 +131,10 @@ class SandboxService:
     def from_loaded(cls, loaded: Loaded) -> SandboxService:
         return cls(loaded.service, drain_timeout_s=loaded.common.drain_timeout_s,
                    max_message_bytes=loaded.common.max_message_bytes)
+
+    def _held(self) -> tuple[int, int]:
+        """The sandboxes held (warm pool and destroys in progress included), and the pooled ones free to take."""
+        return self.backend.held() if self.backend is not None else (len(self._live), 0)
 
     @property
     def instance_id(self) -> str:
@@ -218,6 +154,7 @@ class SandboxService:
             events.put(event)
 
         backend = create_backend(self.cfg, on_event)
+        backend.pressure = self.admission.pressure  # a warm pool refills only while admission is easy
         protect = getattr(backend, "protect_bus", None)
         if protect is not None:  # the bus's own addresses are never an egress target
             servers = [*ctx.nc.servers, *([ctx.nc.connected_url] if ctx.nc.connected_url else [])]
@@ -244,6 +181,7 @@ class SandboxService:
 
         def gauges() -> None:
             ctx.gauges.update(adm.gauges())
+            ctx.gauges.update(backend.gauges())
 
         def start(job: Job) -> None:
             task = asyncio.create_task(self._handle(ctx, backend, job), name=f"sandbox-{job.role}-request")
@@ -257,6 +195,7 @@ class SandboxService:
                 start(nxt)
             for old in expired:
                 self._refuse_soon(ctx, old.msg, "the request's deadline passed while it waited for a create slot")
+            backend.wake_pool()
             gauges()
 
         def handler(role: str) -> Callable[[Msg], Awaitable[None]]:

@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proto import sandbox as api
@@ -74,6 +75,16 @@ class UnsafeProcessBackend:
         self.leases = common.LeaseTable(self._lease_expired)
         self._lock = common.InstanceLock(self.state_dir)
         self._tasks: set[asyncio.Task[None]] = set()
+        self.pressure: Callable[[], str | None] = lambda: None  # no warm pool in this backend: unread
+
+    def held(self) -> tuple[int, int]:
+        return len(self.sandboxes), 0
+
+    def wake_pool(self) -> None:
+        """No warm pool in this backend."""
+
+    def gauges(self) -> dict[str, float]:
+        return {}
 
     def _warn(self) -> None:
         log.warning(WARNING, f"uid {os.getuid()}")

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from sbx_helpers import Events, Handler, make_config, started_backend
+from sbx_helpers import Events, Handler, PoolFirst, make_config, started_backend
 
 from services.sandbox.bwrap import BwrapBackend
 
@@ -31,11 +31,17 @@ async def events() -> Events:
     return Events()
 
 
-@pytest.fixture(params=["server", "bwrap"])
+@pytest.fixture(params=["server", "bwrap", "pool"])
 async def backend(request: pytest.FixtureRequest, state_root: str, events: Events) -> AsyncIterator[BwrapBackend]:
-    """A started backend; every test using it runs twice: each exec through the sandbox's exec server (started by
-    the first exec, which waits for it), and each exec through its own bubblewrap."""
-    async with started_backend(make_config(state_root, exec_path=request.param), events) as b:
+    """A started backend; every test using it runs three times: each exec through the sandbox's exec server (started
+    by the first exec, which waits for it); each exec through its own bubblewrap; and every created sandbox taken
+    from the warm pool (built ahead for the create's exact spec, its server running: the default ``hybrid`` path
+    then never starts one), its execs through that server from the first."""
+    if request.param == "pool":
+        async with started_backend(make_config(state_root, warm_pool=0), events, cls=PoolFirst) as b:
+            yield b
+        return
+    async with started_backend(make_config(state_root, exec_path=request.param, warm_pool=0), events) as b:
         yield b
 
 

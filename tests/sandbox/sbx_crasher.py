@@ -15,7 +15,7 @@ from services.sandbox.config import SandboxConfig
 
 
 async def main(root: str) -> None:
-    backend = BwrapBackend(SandboxConfig(root_dir=root), lambda e: None)
+    backend = BwrapBackend(SandboxConfig(root_dir=root, warm_pool=0), lambda e: None)  # test_sandbox_warm_pool: with
     await backend.start()
     ids = []
     for _ in range(2):

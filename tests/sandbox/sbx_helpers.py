@@ -15,6 +15,7 @@ from proto import sandbox as api
 from services.sandbox.backend import BackendUnavailable
 from services.sandbox.bwrap import BwrapBackend
 from services.sandbox.config import SandboxConfig
+from services.sandbox.warm_pool import pool_key
 
 RUN = "sbxtest"
 
@@ -104,10 +105,31 @@ needs_host_address = pytest.mark.skipif(host_address() is None, reason="this hos
 needs_python = pytest.mark.skipif(not os.path.exists("/usr/bin/python3"), reason="needs /usr/bin/python3 on the host")
 
 
+class PoolFirst(BwrapBackend):
+    """A bwrap backend whose every create is served by its warm pool: the pool first builds one sandbox of exactly
+    what the request asks for (its exec server started), and the create must then take that one (a create the
+    request's checks refuse raises what the create would)."""
+
+    async def create(self, req: api.CreateRequest) -> api.CreateReply:
+        await self.pool.fill(pool_key(req, self.cfg, self._base_args, self.egress.policy), 1)
+        hits = self.pool.hits
+        reply = await super().create(req)
+        if self.pool.hits != hits + 1:
+            raise AssertionError(f"the create of {req} did not take the sandbox pooled for it")
+        return reply
+
+
+async def settle(backend: BwrapBackend) -> None:
+    """Wait for the background work of destroyed sandboxes (processes gone, cgroup removed, volume unmounted)."""
+    while backend._tasks:
+        await asyncio.gather(*list(backend._tasks), return_exceptions=True)
+
+
 @contextlib.asynccontextmanager
-async def started_backend(cfg: Any, events: Events) -> AsyncIterator[BwrapBackend]:
+async def started_backend(cfg: Any, events: Events, cls: type[BwrapBackend] = BwrapBackend
+                          ) -> AsyncIterator[BwrapBackend]:
     """A started bwrap backend of ``cfg``, closed after use (skipped where bwrap cannot run: not root)."""
-    b = BwrapBackend(cfg, events)
+    b = cls(cfg, events)
     try:
         await b.start()
     except BackendUnavailable as e:

@@ -6,7 +6,7 @@ import asyncio
 import os
 
 import pytest
-from sbx_helpers import RUN, new_sandbox, read, sh
+from sbx_helpers import RUN, new_sandbox, read, settle, sh
 
 from proto import sandbox as api
 from services.sandbox.backend import NotFound
@@ -142,5 +142,6 @@ async def test_destroying_a_paused_sandbox_kills_its_processes(backend, events):
     cg = backend.sandboxes[sid].cgroup
     assert cg.pids()
     await backend.destroy(api.DestroyRequest(run_id=RUN, sandbox_id=sid))
+    await settle(backend)
     assert not any(os.path.exists(d) for d in cg.dirs.values())
     assert events.kinds(sid)[-1] == "destroyed"

@@ -10,11 +10,10 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from sbx_helpers import RUN, Events, make_config, new_sandbox, sh, started_backend
+from sbx_helpers import RUN, Events, make_config, new_sandbox, settle, sh, started_backend
 
 from proto import sandbox as api
 from services.sandbox.backend import LimitReached, Overloaded
@@ -28,12 +27,6 @@ async def budgeted(state_root: str, events: Events) -> AsyncIterator[BwrapBacken
     cfg = make_config(state_root, memory_budget_mb=400, default_limits=LimitsConfig(memory_mb=64, disk_mb=200))
     async with started_backend(cfg, events) as b:
         yield b
-
-
-async def settle(backend: BwrapBackend) -> None:
-    """Wait for the background deletions (volumes unmounted) of destroyed sandboxes."""
-    while backend._tasks:
-        await asyncio.gather(*list(backend._tasks), return_exceptions=True)
 
 
 async def test_creates_are_refused_past_the_budget_and_a_forks_retained_files_count(budgeted):
