@@ -24,7 +24,7 @@ from proto.accounting import OutcomeBatch, TrajectoryOutcome
 from proto.deadletter import DeadLetter
 from proto.prompts import PromptTicket, Sampling
 from services.lib.weights.transport import VersionNotDelivered, WeightSender
-from services.runtime import metrics, tracing
+from services.runtime import bus, metrics, tracing
 from services.runtime.service import ServiceContext
 from services.tasks.base import Prompt
 from services.tasks.mixture import Mixture
@@ -81,6 +81,8 @@ class Tickets:
             self.sampling[env.name] = (train, msgspec.structs.replace(train, temperature=cfg.eval.temperature))
         self.group_size = cfg.group_size
         self.eval_samples = cfg.eval.samples
+        #: tickets published at once (``[common] publish_window``)
+        self.window = ctx.cfg.common.publish_window
 
     async def publish(self, prompt: Prompt, group_id: str, version: int, *, is_eval: bool = False) -> None:
         """One ticket: ``group_size`` completions of ``prompt`` (``eval.samples`` for an evaluation round), in
@@ -152,20 +154,23 @@ class Outcomes:
 
     async def flush(self) -> None:
         """Publish every owed batch (one message each, parts when over the size limit, ids fixed by the batch:
-        a batch published again after a crash or a timed-out publish is stored once); what fails stays owed."""
-        for batch in list(self.ledger.state.owed):
-            if not batch:
-                self.ledger.written(batch)
-                continue
-            # the reason's kind (its text before the first colon) keeps the label set small
+        a batch published again after a crash or a timed-out publish is stored once), the batches in a window
+        (``[common] publish_window``); each batch that fails stays owed (retried by the next flush)."""
+        owed = [b for b in self.ledger.state.owed if b]
+        for batch in [b for b in self.ledger.state.owed if not b]:
+            self.ledger.written(batch)
+        sent = await bus.in_window((self.ctx.publish_parts(catalog.OUTCOMES, batch, lambda part: OutcomeBatch(
+            run_id=self.ctx.run_id, outcomes=part, msg_id=f"{part[0].msg_id}-{len(part)}")) for batch in owed),
+            self.ctx.cfg.common.publish_window)
+        for batch, result in zip(owed, sent, strict=True):
             o = batch[0]
-            try:
-                await self.ctx.publish_parts(catalog.OUTCOMES, batch, lambda part: OutcomeBatch(
-                    run_id=self.ctx.run_id, outcomes=part, msg_id=f"{part[0].msg_id}-{len(part)}"))
-            except Exception as e:  # accounting must not stop training: owed in the saved state, retried
+            if isinstance(result, Exception):  # accounting must not stop training: owed in the saved state, retried
                 log.warning("could not record the outcomes of %d trajectories (%s), retried later: %s", len(batch),
-                            o.outcome, e)
-                return
+                            o.outcome, result)
+                continue
+            if isinstance(result, BaseException):
+                raise result
+            # the reason's kind (its text before the first colon) keeps the label set small
             _OUTCOMES(len(batch), outcome=o.outcome, reason=o.reason.split(":", 1)[0][:40] if o.reason else "")
             self.ledger.written(batch)
 
