@@ -183,13 +183,15 @@ class WeightPublisher:
         )
         manifest = sign(self.hmac_key, manifest)
         with tracing.span("announce weights", version=version):
-            await self.index.put_manifest(manifest)
-            await self.index.announce(
+            # together: an engine fetches the announced manifest itself (it reads stored manifests only for
+            # the older bases of a delta chain), so the announcement need not wait for this one's KV entry; a
+            # failure of either fails the publish, which the sender retries whole
+            await asyncio.gather(self.index.put_manifest(manifest), self.index.announce(
                 WeightAnnouncement(
                     run_id=self.run_id, policy_version=version, scope=self.index.scope, manifest=manifest,
                     traceparent=tracing.traceparent(),
                 )
-            )
+            ))
         self._prev, self._prev_version = full, version
         if kind == "full":
             self._anchor_version, self._since_anchor = version, 0
