@@ -327,11 +327,16 @@ class Collector:
         together; a rollout takes tickets in any order); a prompt whose ticket cannot be published is
         dead-lettered. Every ticket is tried; then a publish that failed for good is raised (its group stays
         in flight until ``group_timeout_s`` frees its slot)."""
-        version = self.ledger.state.version
-        sent = await bus.in_window((self.tickets.publish(prompt, group_id, version) for prompt, group_id in admitted),
-                                   self.tickets.window)
+        if not admitted:
+            return
+        # built first, in a thread: tokenizing a long prompt must neither stall the event loop (heartbeats, the
+        # consumer) nor hold back the tickets before it, which would sit unsent in the connection's buffer
+        built = await asyncio.to_thread(self.tickets.build_all, admitted, self.ledger.state.version)
+        sending = [t for t in built if not isinstance(t, TicketTooLarge)]
+        sent = iter(await bus.in_window((self.tickets.send(t) for t in sending), self.tickets.window))
         abandoned, failure = False, None
-        for (prompt, group_id), result in zip(admitted, sent, strict=True):
+        for (prompt, group_id), ticket in zip(admitted, built, strict=True):
+            result = ticket if isinstance(ticket, TicketTooLarge) else next(sent)
             if isinstance(result, TicketTooLarge):  # the row costs only itself: dead-lettered, counted, passed over
                 self.ledger.abandon(group_id)
                 self.ledger.count("prompts_dead_lettered")
