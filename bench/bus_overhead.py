@@ -14,6 +14,11 @@ and in ``rlbus simulate RUN_DIR``.
 
     .venv/bin/python bench/bus_overhead.py --steps 60 --rounds 2
 
+``--gaps`` runs the rlbus side with every span traced (``OTEL_TRACES_SAMPLER=always_on``) and adds, per run,
+the per-stage medians of its round trip between learner steps (``bench/bus_gaps.py``: weights published and
+applied, tickets out, generation, judging, the batch back, and the time no span runs). Tracing every
+publish costs the rlbus side some time, so take the ratio from a run without ``--gaps``.
+
 The last stdout line is one JSON object of the figures.
 """
 
@@ -27,11 +32,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._rlbus_runs import REPO, BenchRunError, read_metrics, run_rlbus, run_stats  # noqa: E402
+from bench.bus_gaps import read_spans, step_gaps, summarize  # noqa: E402
 
 log = logging.getLogger("rlbus.bench.bus_overhead")
 
@@ -46,21 +53,24 @@ def reference(steps: int) -> dict[str, float]:
     return {"s_per_step": summary["s_per_step"], "steps": summary["steps"]}
 
 
-def through_rlbus(steps: int, run_dir: Path) -> dict[str, float]:
+def through_rlbus(steps: int, run_dir: Path, gaps: bool = False) -> dict[str, Any]:
     result = run_rlbus("sync", run_dir, {"services.trainer.max_staleness": 0, "services.trainer.total_steps": steps,
-                                         "services.trainer.eval.every": 0})
+                                         "services.trainer.eval.every": 0},
+                       env={"OTEL_TRACES_SAMPLER": "always_on"} if gaps else None)
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "trainer/version" in r]
     kept = rows[len(rows) // 5:]  # start-up and the first compiles left out
     stats = run_stats(kept)
     return {"s_per_step": stats["s_per_step"], "steps": result.stats["steps"],
             "learner_s": stats["learner_step_s"], "publish_s": stats["publish_s"],
-            "commit_s": round(statistics.mean(r.get("time/commit_s", 0.0) for r in kept), 4)}
+            "commit_s": round(statistics.mean(r.get("time/commit_s", 0.0) for r in kept), 4),
+            **({"gaps": summarize(step_gaps(read_spans(run_dir)), skip=len(rows) // 5)} if gaps else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60, help="steps per side and round (default 60)")
     p.add_argument("--rounds", type=int, default=2, help="rounds, sides alternating (default 2)")
+    p.add_argument("--gaps", action="store_true", help="trace the rlbus side and add its per-stage round trip")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     root = Path(tempfile.mkdtemp(prefix="rlbus-bench-bus-"))
@@ -70,11 +80,15 @@ def main(argv: list[str] | None = None) -> int:
             if side == "reference":
                 ref.append(reference(args.steps))
             else:
-                bus.append(through_rlbus(args.steps, root / f"sync-{r}"))
+                bus.append(through_rlbus(args.steps, root / f"sync-{r}", args.gaps))
             log.info("%s round %d: %s", side, r, (ref if side == "reference" else bus)[-1])
     a = statistics.median(x["s_per_step"] for x in ref)
     b = statistics.median(x["s_per_step"] for x in bus)
     print(f"one process  {a:.3f} s/step   rlbus sync  {b:.3f} s/step   ratio {b / a:.2f}x (goal <= 1.1x)")
+    for i, run in enumerate(bus):
+        if "gaps" in run:
+            print(f"rlbus run {i} round trip (ms, medians): " + ", ".join(
+                f"{k} {v:.1f}" for k, v in run["gaps"].get("median_ms", {}).items()))
     print(json.dumps({"reference_s_per_step": round(a, 4), "rlbus_sync_s_per_step": round(b, 4),
                       "ratio": round(b / a, 3), "reference_runs": ref, "rlbus_runs": bus,
                       "run_dirs": str(root)}))

@@ -6,7 +6,8 @@ import asyncio
 import logging
 import ssl
 import weakref
-from typing import Any
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
 
 import msgspec
 import nats
@@ -19,6 +20,7 @@ from services.runtime import tracing
 from services.runtime.config import NatsSection
 
 log = logging.getLogger("rlbus.bus")
+T = TypeVar("T")
 
 
 class BusError(RuntimeError):
@@ -362,6 +364,29 @@ async def publish(js: JetStreamContext, subject: str, msg: msgspec.Struct, timeo
                 log.warning("publish to %s failed (%r); retrying in %.1fs", subject, e, delay)
                 await asyncio.sleep(delay)  # backoff while the server comes back
                 delay = min(delay * 2, 5.0)
+
+
+async def in_window(aws: Iterable[Awaitable[T]], window: int) -> list[T | BaseException]:
+    """Await ``aws`` (publishes, usually) with at most ``window`` of them in flight at once; each one's result,
+    or the exception it raised, in the order given. Every one runs to its end before this returns, so a
+    caller knows which were stored and which failed (a :func:`publish` has already retried its own failures:
+    a lost or timed-out ack is sent again under the same ``Nats-Msg-Id``, stored once).
+
+    Why: a JetStream publish waits one round trip for its ack, so publishing n messages one at a time costs
+    n round trips (more on a replicated stream, whose ack waits for the replicas); a window sends them
+    together and awaits the acks together. They leave in the order given, but one that is retried may be
+    stored after later ones: use it only where the consumers do not rely on the order between these
+    messages (a work queue's tickets, a group's parts, outcome batches, each de-duplicated by its id).
+    ``window`` 1 awaits each before the next starts (the order kept exactly)."""
+    if window < 1:
+        raise ValueError(f"in_window: window must be >= 1, got {window}")
+    slots = asyncio.Semaphore(window)
+
+    async def one(aw: Awaitable[T]) -> T:
+        async with slots:
+            return await aw
+
+    return await asyncio.gather(*(one(aw) for aw in aws), return_exceptions=True)
 
 
 async def publish_on(nc: Client, js: JetStreamContext, channel: catalog.Channel, run_id: str, msg: msgspec.Struct,

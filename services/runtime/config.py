@@ -223,6 +223,10 @@ class CommonSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Prometheus endpoint of each service at http://<host>:PORT/metrics (0: none); services sharing a host
     #: take the next free port above it (each names its port in its log and heartbeat)
     metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    #: JetStream publishes a service keeps in flight at once where the consumers do not rely on their order
+    #: (the trainer's tickets and outcome batches, a group message's parts): sent together, their acks awaited
+    #: together (``bus.in_window``); 1: one at a time, each ack awaited before the next is sent
+    publish_window: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 32
 
 
 #: keys that were replaced: old dotted path -> the key (and form) that replaced it. Checked on the merged

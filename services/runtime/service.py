@@ -69,9 +69,15 @@ class ServiceContext:
     async def publish_parts(self, channel: catalog.Channel, items: list[Any],
                             make: Callable[[list[Any]], msgspec.Struct]) -> list[tuple[Any, api.PubAck | None]]:
         """Publish ``make(items)`` (a group message) on ``channel``, split into consecutive parts when it would
-        exceed this service's ``[common] max_message_bytes`` (what every consumer accepts); each part with its ack."""
-        limit = self.cfg.common.max_message_bytes
-        return [(m, await self.publish(channel, m)) for m in codec.fit(items, make, limit)]
+        exceed this service's ``[common] max_message_bytes`` (what every consumer accepts); each part with its ack.
+        The parts go out in a window (``[common] publish_window``, :func:`bus.in_window`): every part is tried,
+        then the first failure is raised."""
+        parts = codec.fit(items, make, self.cfg.common.max_message_bytes)
+        acks = await bus.in_window((self.publish(channel, m) for m in parts), self.cfg.common.publish_window)
+        for ack in acks:
+            if isinstance(ack, BaseException):
+                raise ack
+        return list(zip(parts, acks, strict=True))  # type: ignore[arg-type]
 
     async def consume(self, channel: catalog.Channel, handler: Handler, *, concurrency: int = 16) -> Consumer[Any]:
         """Provision this run's durable consumer of ``channel`` and run the consume loop until ``stop``;

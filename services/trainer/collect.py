@@ -275,11 +275,16 @@ class Collector:
 
     async def _settle_groups(self, groups: list[list[Sample]]) -> None:
         admitted = self._admit()  # into the freed room, saved with the commit (admitted before issued)
-        await self.ledger.save()
-        await self.outcomes.flush()
+        await self.ledger.save()  # the outcomes owed and the new groups admitted: both durable from here
         held = [s for g in groups for s in g + self._stepping.pop(g[0].group_id, [])]
-        await asyncio.gather(*(s.settle() for s in held))
-        await self._issue(admitted)
+
+        async def record() -> None:  # outcomes written before their trajectories are acked (ledger.py, rule 1)
+            await self.outcomes.flush()
+            await asyncio.gather(*(s.settle() for s in held))
+
+        # the next batch's tickets do not wait for this batch's outcomes and acks: in a synchronous run they
+        # are the next step's critical path (bench/bus_gaps.py: to_tickets)
+        await asyncio.gather(self._issue(admitted), record())
 
     async def _fit_to_fleet(self) -> None:
         """Every ``FLEET_EVERY_S``, set the admission bound for the live rollout fleet."""
@@ -318,19 +323,32 @@ class Collector:
         return admitted
 
     async def _issue(self, admitted: list[tuple[Prompt, str]]) -> None:
-        """Send the admitted groups' tickets; a prompt whose ticket cannot be published is dead-lettered."""
-        abandoned = False
-        for prompt, group_id in admitted:
-            try:
-                await self.tickets.publish(prompt, group_id, self.ledger.state.version)
-            except TicketTooLarge as e:  # the row costs only itself: dead-lettered, counted, passed over
+        """Send the admitted groups' tickets, in a window (``[common] publish_window``: their acks awaited
+        together; a rollout takes tickets in any order); a prompt whose ticket cannot be published is
+        dead-lettered. Every ticket is tried; then a publish that failed for good is raised (its group stays
+        in flight until ``group_timeout_s`` frees its slot)."""
+        if not admitted:
+            return
+        # built first, in a thread: tokenizing a long prompt must neither stall the event loop (heartbeats, the
+        # consumer) nor hold back the tickets before it, which would sit unsent in the connection's buffer
+        built = await asyncio.to_thread(self.tickets.build_all, admitted, self.ledger.state.version)
+        sending = [t for t in built if not isinstance(t, TicketTooLarge)]
+        sent = iter(await bus.in_window((self.tickets.send(t) for t in sending), self.tickets.window))
+        abandoned, failure = False, None
+        for (prompt, group_id), ticket in zip(admitted, built, strict=True):
+            result = ticket if isinstance(ticket, TicketTooLarge) else next(sent)
+            if isinstance(result, TicketTooLarge):  # the row costs only itself: dead-lettered, counted, passed over
                 self.ledger.abandon(group_id)
                 self.ledger.count("prompts_dead_lettered")
-                log.warning("prompt %s skipped (%s): %s", prompt.id, group_id, e)
-                await self.tickets.dead_letter(prompt, group_id, str(e))
+                log.warning("prompt %s skipped (%s): %s", prompt.id, group_id, result)
+                await self.tickets.dead_letter(prompt, group_id, str(result))
                 abandoned = True
+            elif isinstance(result, BaseException) and failure is None:
+                failure = result
         if abandoned:  # its slot freed durably: a restart does not wait for it
             await self.ledger.save()
+        if failure is not None:
+            raise failure
 
     async def _expire(self) -> None:
         """Drop groups that went stale while waiting, and free slots of groups that never came back."""

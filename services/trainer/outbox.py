@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,7 +25,7 @@ from proto.accounting import OutcomeBatch, TrajectoryOutcome
 from proto.deadletter import DeadLetter
 from proto.prompts import PromptTicket, Sampling
 from services.lib.weights.transport import VersionNotDelivered, WeightSender
-from services.runtime import metrics, tracing
+from services.runtime import bus, metrics, tracing
 from services.runtime.service import ServiceContext
 from services.tasks.base import Prompt
 from services.tasks.mixture import Mixture
@@ -81,31 +82,57 @@ class Tickets:
             self.sampling[env.name] = (train, msgspec.structs.replace(train, temperature=cfg.eval.temperature))
         self.group_size = cfg.group_size
         self.eval_samples = cfg.eval.samples
+        #: tickets published at once (``[common] publish_window``)
+        self.window = ctx.cfg.common.publish_window
+        #: one build at a time: the collector builds in a thread, evaluation rounds on the event loop, and a
+        #: fast tokenizer used from two threads at once can fail ("Already borrowed")
+        self._building = threading.Lock()
 
     async def publish(self, prompt: Prompt, group_id: str, version: int, *, is_eval: bool = False) -> None:
         """One ticket: ``group_size`` completions of ``prompt`` (``eval.samples`` for an evaluation round), in
-        the environment the prompt was drawn from."""
+        the environment the prompt was drawn from (:meth:`build`, then :meth:`send`)."""
+        await self.send(self.build(prompt, group_id, version, is_eval=is_eval))
+
+    def build(self, prompt: Prompt, group_id: str, version: int, *, is_eval: bool = False) -> PromptTicket:
+        """The ticket of ``prompt`` (its prompt tokenized: CPU work, which a thread may do); raises
+        :class:`TicketTooLarge` when it would exceed ``[common] max_message_bytes``."""
         group_size = self.eval_samples if is_eval else self.group_size
         env = self.tasks.env(prompt.env)
+        with self._building:
+            prompt_ids = env.task.format_prompt(self.tokenizer, prompt)
         ticket = PromptTicket(
             run_id=self.ctx.run_id, task=env.name, group_id=group_id, prompt_id=prompt.id,
-            prompt_ids=env.task.format_prompt(self.tokenizer, prompt), prompt_text=prompt.text,
+            prompt_ids=prompt_ids, prompt_text=prompt.text,
             group_size=group_size, policy_version=version, sampling=self.sampling[env.name][int(is_eval)],
             metadata=dict(prompt.metadata), is_eval=is_eval)
         # deterministic msg id: a retried publish (or a resumed trainer) is de-duplicated by JetStream
         ticket.msg_id = f"{self.ctx.run_id}-{group_id}"
-        # a trace per prompt group starts here: rollout, sandbox execs, judge and trainer are its spans
         size, limit = len(codec.encode(ticket)), self.ctx.cfg.common.max_message_bytes
         if size > limit:
             raise TicketTooLarge(f"prompt {prompt.id!r} makes a {size}-byte ticket, over [common] max_message_bytes "
                                  f"{limit}: shorten or drop the row")
-        with tracing.span("admit group", root=True, group_id=group_id, eval=is_eval, version=version,
-                          group_size=group_size):
+        return ticket
+
+    def build_all(self, admitted: list[tuple[Prompt, str]], version: int) -> list[PromptTicket | TicketTooLarge]:
+        """:meth:`build` of each admitted ``(prompt, group id)``, a ticket too large as its exception."""
+        out: list[PromptTicket | TicketTooLarge] = []
+        for prompt, group_id in admitted:
+            try:
+                out.append(self.build(prompt, group_id, version))
+            except TicketTooLarge as e:
+                out.append(e)
+        return out
+
+    async def send(self, ticket: PromptTicket) -> None:
+        """Publish a built ticket; a trace per prompt group starts here (rollout, sandbox execs, judge and
+        trainer are its spans)."""
+        with tracing.span("admit group", root=True, group_id=ticket.group_id, eval=ticket.is_eval,
+                          version=ticket.policy_version, group_size=ticket.group_size):
             try:
                 await self.ctx.publish(catalog.PROMPTS, ticket)
             except MaxPayloadError as e:
-                raise TicketTooLarge(f"prompt {prompt.id!r} makes a {size}-byte ticket, over the NATS server's "
-                                     f"max_payload: shorten or drop the row") from e
+                raise TicketTooLarge(f"prompt {ticket.prompt_id!r} makes a {len(codec.encode(ticket))}-byte ticket, "
+                                     "over the NATS server's max_payload: shorten or drop the row") from e
 
     async def dead_letter(self, prompt: Prompt, group_id: str, reason: str) -> None:
         """A prompt whose ticket cannot be published: a dead letter on ``dlq.prompts`` naming it (its text's
@@ -152,20 +179,23 @@ class Outcomes:
 
     async def flush(self) -> None:
         """Publish every owed batch (one message each, parts when over the size limit, ids fixed by the batch:
-        a batch published again after a crash or a timed-out publish is stored once); what fails stays owed."""
-        for batch in list(self.ledger.state.owed):
-            if not batch:
-                self.ledger.written(batch)
-                continue
-            # the reason's kind (its text before the first colon) keeps the label set small
+        a batch published again after a crash or a timed-out publish is stored once), the batches in a window
+        (``[common] publish_window``); each batch that fails stays owed (retried by the next flush)."""
+        owed = [b for b in self.ledger.state.owed if b]
+        for batch in [b for b in self.ledger.state.owed if not b]:
+            self.ledger.written(batch)
+        sent = await bus.in_window((self.ctx.publish_parts(catalog.OUTCOMES, batch, lambda part: OutcomeBatch(
+            run_id=self.ctx.run_id, outcomes=part, msg_id=f"{part[0].msg_id}-{len(part)}")) for batch in owed),
+            self.ctx.cfg.common.publish_window)
+        for batch, result in zip(owed, sent, strict=True):
             o = batch[0]
-            try:
-                await self.ctx.publish_parts(catalog.OUTCOMES, batch, lambda part: OutcomeBatch(
-                    run_id=self.ctx.run_id, outcomes=part, msg_id=f"{part[0].msg_id}-{len(part)}"))
-            except Exception as e:  # accounting must not stop training: owed in the saved state, retried
+            if isinstance(result, Exception):  # accounting must not stop training: owed in the saved state, retried
                 log.warning("could not record the outcomes of %d trajectories (%s), retried later: %s", len(batch),
-                            o.outcome, e)
-                return
+                            o.outcome, result)
+                continue
+            if isinstance(result, BaseException):
+                raise result
+            # the reason's kind (its text before the first colon) keeps the label set small
             _OUTCOMES(len(batch), outcome=o.outcome, reason=o.reason.split(":", 1)[0][:40] if o.reason else "")
             self.ledger.written(batch)
 

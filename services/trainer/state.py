@@ -23,6 +23,7 @@ import msgspec
 
 from proto import codec
 from proto.accounting import TrajectoryOutcome
+from services.runtime import tracing
 
 Phase = Literal["running", "finished", "failed"]
 
@@ -78,7 +79,9 @@ def state_key(run_id: str) -> str:
 
 async def save_to_kv(kv: Any, run_id: str, state: TrainerState) -> None:
     state.updated_at = time.time()
-    await kv.put(state_key(run_id), codec.encode(state))
+    data = codec.encode(state)
+    with tracing.span("save state", bytes=len(data)):  # on a synchronous step's critical path (bench/bus_gaps.py)
+        await kv.put(state_key(run_id), data)
 
 
 async def load_from_kv(kv: Any, run_id: str) -> TrainerState | None:

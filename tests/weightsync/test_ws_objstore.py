@@ -177,3 +177,20 @@ async def test_dense_deltas_pause_delta_attempts_until_they_pay_again(nc, caplog
     rejected = [r.getMessage() for r in caplog.records if "over the limit" in r.getMessage()]
     assert [m.split(":")[0] for m in rejected] == ["version 2", "version 4"]
     assert "next 1 versions" in rejected[0] and "next 2 versions" in rejected[1]
+
+
+@pytest.mark.parametrize("fast_read", [True, False])
+async def test_reads_leave_no_consumer_behind_once_closed(nc, fast_read):
+    """A read's ephemeral consumer is deleted beside what follows the read, not before it returns; by the time
+    the store is closed every one is gone (none piles up on the server over a long run)."""
+    store = ObjectStoreBlobs(nc, ObjStoreConfig(message_bytes=4096))
+    pub = WeightPublisher(nc, RUN, store, encoding=FULL_ONLY)
+    states = {v: make_state(v, scale=16) for v in (1, 2, 3)}
+    manifests = [await pub.publish(states[v], version=v) for v in states]
+    reader = ObjectStoreBlobs(nc, ObjStoreConfig(fast_read=fast_read))
+    sub = WeightSubscriber(nc, RUN, reader)
+    for m in manifests:
+        assert_bit_identical(await sub.fetch(m), states[m.version])
+    await reader.close()
+    info = await nc.jetstream().stream_info(reader.stream)
+    assert info.state.consumer_count == 0

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
+from typing import Any, NamedTuple
 
 import torch
 from nats.aio.client import Client as NATS
@@ -93,6 +94,19 @@ def cast_for_publish(state_dict: Mapping[str, torch.Tensor], dtype: str) -> dict
     return out
 
 
+class _Encoded(NamedTuple):
+    """A version as it is stored: the blob (full or delta), its kind, tensor table and encoding, the full layout
+    (the next delta's base), the state's digest and the tensor aliases."""
+
+    blob: bytes | bytearray
+    kind: str
+    tensors: Any
+    encoding: str
+    full: FullBlob
+    state_sha: str
+    aliases: Any
+
+
 _MAX_DELTA_PAUSE = 32  # versions published as anchors before a delta is tried again (at most)
 
 class WeightPublisher:
@@ -139,11 +153,67 @@ class WeightPublisher:
                 f"version {version} is not newer than the last published {self._prev_version}"
             )
         await self.ensure()
+        with tracing.span("encode weights", version=version) as span:  # the stages as spans: bench/bus_gaps.py
+            enc = await self._encode(state_dict, version)
+            span.set_attribute("kind", enc.kind)
+            span.set_attribute("bytes", len(enc.blob))
+        blob, kind, tensors, full = enc.blob, enc.kind, enc.tensors, enc.full
+        digest = self.encoding.digest
+        with tracing.span("store weights", version=version):
+            chunks = await write_chunks(
+                self.store, self.run_id, version, kind, blob, self.encoding.chunk_bytes, self.parallel, digest
+            )
+        anchor = version if kind == "full" else self._anchor_version
+        manifest = WeightManifest(
+            version=version,
+            kind=kind,
+            base_version=self._prev_version if kind == "delta" else None,
+            anchor_version=anchor if anchor is not None else version,
+            tensors=tensors,
+            full_nbytes=len(full.buf),
+            data_offset=full.data_offset,
+            chunks=chunks,
+            blob_nbytes=len(blob),
+            blob_sha256=root_digest(chunks, digest),
+            state_sha256=enc.state_sha,
+            digest=digest,
+            encoding=enc.encoding,
+            store=self.store.kind,
+            aliases=enc.aliases,
+        )
+        manifest = sign(self.hmac_key, manifest)
+        with tracing.span("announce weights", version=version):
+            # together: an engine fetches the announced manifest itself (it reads stored manifests only for
+            # the older bases of a delta chain), so the announcement need not wait for this one's KV entry; a
+            # failure of either fails the publish, which the sender retries whole
+            await asyncio.gather(self.index.put_manifest(manifest), self.index.announce(
+                WeightAnnouncement(
+                    run_id=self.run_id, policy_version=version, scope=self.index.scope, manifest=manifest,
+                    traceparent=tracing.traceparent(),
+                )
+            ))
+        self._prev, self._prev_version = full, version
+        if kind == "full":
+            self._anchor_version, self._since_anchor = version, 0
+        else:
+            self._since_anchor += 1
+        log.info(
+            "published weights v%d (%s, %d bytes in %d chunks, anchor v%d)",
+            version,
+            kind,
+            len(blob),
+            len(chunks),
+            manifest.anchor_version,
+        )
+        return manifest
+
+    async def _encode(self, state_dict: Mapping[str, torch.Tensor], version: int) -> _Encoded:
+        """``state_dict`` as the blob to store: a full anchor, or a sparse delta against the previous version
+        when one is due and small enough."""
         sd, aliases = split_aliases(state_dict)
         sd = cast_for_publish(sd, self.encoding.dtype)
         full = await asyncio.to_thread(encode_full, sd)
-        digest = self.encoding.digest
-        state_sha = await asyncio.to_thread(full.state_digest, digest)
+        state_sha = await asyncio.to_thread(full.state_digest, self.encoding.digest)
 
         blob: bytes | bytearray = full.buf
         kind, tensors, encoding = "full", full.tensors, FULL_ENCODING
@@ -165,50 +235,7 @@ class WeightPublisher:
                     "version %d: delta is %d bytes, over the limit; publishing anchors for the next %d versions "
                     "without trying a delta", version, len(dblob), self._delta_pause,
                 )
-
-        chunks = await write_chunks(
-            self.store, self.run_id, version, kind, blob, self.encoding.chunk_bytes, self.parallel, digest
-        )
-        anchor = version if kind == "full" else self._anchor_version
-        manifest = WeightManifest(
-            version=version,
-            kind=kind,
-            base_version=self._prev_version if kind == "delta" else None,
-            anchor_version=anchor if anchor is not None else version,
-            tensors=tensors,
-            full_nbytes=len(full.buf),
-            data_offset=full.data_offset,
-            chunks=chunks,
-            blob_nbytes=len(blob),
-            blob_sha256=root_digest(chunks, digest),
-            state_sha256=state_sha,
-            digest=digest,
-            encoding=encoding,
-            store=self.store.kind,
-            aliases=aliases,
-        )
-        manifest = sign(self.hmac_key, manifest)
-        await self.index.put_manifest(manifest)
-        await self.index.announce(
-            WeightAnnouncement(
-                run_id=self.run_id, policy_version=version, scope=self.index.scope, manifest=manifest,
-                traceparent=tracing.traceparent(),
-            )
-        )
-        self._prev, self._prev_version = full, version
-        if kind == "full":
-            self._anchor_version, self._since_anchor = version, 0
-        else:
-            self._since_anchor += 1
-        log.info(
-            "published weights v%d (%s, %d bytes in %d chunks, anchor v%d)",
-            version,
-            kind,
-            len(blob),
-            len(chunks),
-            manifest.anchor_version,
-        )
-        return manifest
+        return _Encoded(blob, kind, tensors, encoding, full, state_sha, aliases)
 
     def _delta_base(self, full: FullBlob) -> FullBlob | None:
         """The previous version if the next one may be a delta against it, else None (anchor due)."""
