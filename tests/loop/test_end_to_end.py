@@ -40,7 +40,9 @@ def test_short_run_end_to_end(tmp_path, loop_model_dir):
     peaks = [m["trainer/in_flight_peak"] for m in metrics if "trainer/in_flight_peak" in m]
     assert max(peaks) <= (1 + 1) * 4  # (max_staleness + 1) * groups_per_step
     evals = [m for m in metrics if "eval/reward" in m]
-    assert [e["step"] for e in evals] == [0, 3, 6]
+    # one round at the start and after every 3 steps; a round is reported when its last sample is back, so an
+    # earlier round's straggler may be reported after a later round (the order of completion is not promised)
+    assert sorted(e["step"] for e in evals) == [0, 3, 6]
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
 
     # the final model is a Hugging Face directory that loads
