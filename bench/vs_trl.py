@@ -586,7 +586,11 @@ def main(argv: list[str] | None = None) -> int:
         "eval_prompts": args.eval_prompts,
         "seed": args.seed,
         "rlbus_modes": list(args.rlbus_modes), "rlbus_layout": args.rlbus_layout,
-        **({"rlbus_headline": head, "attribution": attribution(figures, sides)} if len(args.rlbus_modes) == 2 else {}),
+        **({"rlbus_headline": head, "attribution": {
+            **attribution(figures, sides),
+            # like "ratio": no time to reward from a run too short to learn
+            **({"to_reward": None} if args.quick or figures["target_trivial"] else {})}}
+           if len(args.rlbus_modes) == 2 else {}),
         **{k: v for k, v in sides.items() if k != "rlbus" or head == "rlbus"},
     }
     if args.model != "tiny":  # the tiny model's line stays as it was

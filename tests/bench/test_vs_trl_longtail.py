@@ -79,6 +79,7 @@ def test_quick_runs_trl_and_rlbus_sync_and_async_pooled(tmp_path):
     assert (out["rlbus_modes"], out["rlbus_layout"], out["rlbus_headline"]) == (["sync", "async"], "pooled", "rlbus_async")
     for name in ("trl", "rlbus_sync", "rlbus_async"):
         assert out[name]["steps"] == 4 and out[name]["last_step_s"] > 0, name
+    assert out["attribution"]["to_reward"] is None  # --quick: too short to learn, as "ratio"
     budget = out["attribution"]["budget"]
     assert budget["whole"] == out["budget_time_ratio"]
     assert budget["whole"] == pytest.approx(budget["not_overlap"] * budget["overlap"], rel=0.01)
