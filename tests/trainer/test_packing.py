@@ -89,7 +89,9 @@ def test_bad_input_is_refused_with_the_problem(tiny):
 
 def test_a_transformers_whose_heads_refuse_a_boolean_keep_gets_every_logit_then_the_kept_ones(tiny, monkeypatch):
     # transformers 5.19 (the one vLLM pins; the trainer runs in vLLM's environment on one-GPU runs) slices hidden
-    # states with logits_to_keep and fails on a boolean mask: the pass computes every logit and keeps the same ones
+    # states with logits_to_keep and fails on a boolean mask: the pass computes every logit and keeps the same ones.
+    # A patched head stands in for 5.19's here because this environment has 5.24 (two transformers cannot share
+    # one environment); the real 5.19 head runs in .venv-vllm, whose lane trains through it (tests/vllm)
     from services.lib import packing
 
     with torch.no_grad():
