@@ -222,6 +222,10 @@ def _provisioning_error(what: str, replicas: int, e: Exception) -> str:
     if replicas > 1 and any(k in str(e).lower() for k in ("insufficient resources", "replicas", "clustered")):
         text += (f"; [nats] replicas = {replicas} needs a JetStream cluster of at least {replicas} nodes "
                  "(one server: replicas = 1)")
+    if "insufficient storage" in str(e).lower():
+        text += ("; the server has no room for the stream's reserved max_bytes: JetStream's store limit "
+                 "(max_file_store) defaults to 75% of the disk's free space when nats-server starts, so free disk "
+                 "space under its store directory (or raise max_file_store in its config) and start it again")
     return text
 
 

@@ -11,6 +11,7 @@ import time
 
 import msgspec
 import nats
+import pytest
 from nats.js.errors import NotFoundError
 
 from proto import catalog, codec
@@ -20,6 +21,7 @@ from services.echo.config import EchoConfig
 from services.echo.service import EchoService
 from services.runtime import bus
 from services.runtime.config import CommonSection, Loaded, NatsSection, RunSection
+from services.runtime.natsd import EmbeddedNats
 from services.runtime.service import CONFIG_ERROR_EXIT, ServiceContext
 from tests.conftest import wait_for_async
 
@@ -66,6 +68,23 @@ async def test_provisioning_is_idempotent(nats_url):
     kv2 = await bus.ensure_kv(js, catalog.MEMBERS)
     assert kv1._name == kv2._name
     await nc.close()
+
+
+async def test_a_store_too_small_for_a_reservation_says_how_to_make_room(tmp_path):
+    """A real nats-server whose store limit (here set in its config; by default 75% of the free disk) is below
+    SANDBOX_EVENTS' reserved max_bytes: provisioning fails naming the stream and how to make room."""
+    conf = tmp_path / "small.conf"
+    conf.write_text("jetstream { max_file_store: 1MB }\n")  # its store directory comes with -sd
+    with EmbeddedNats(tmp_path / "nats", port=None, config_file=conf) as server:
+        nc = await nats.connect(server.url)
+        try:
+            with pytest.raises(bus.BusError) as e:
+                await bus.ensure_stream(nc.jetstream(), catalog.SANDBOX_EVENTS_STREAM)
+        finally:
+            await nc.close()
+    text = str(e.value)
+    assert "SANDBOX_EVENTS" in text and "insufficient storage" in text
+    assert "free disk space" in text and "max_file_store" in text
 
 
 class EchoHarness:
