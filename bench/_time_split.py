@@ -125,6 +125,29 @@ def step_split(spans: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "steps_seen": {"g": len(gen_s), "t": len(learner_s), "w": len(weight_s)}}
 
 
+def tool_figures(spans: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Where an agentic workload's episodes wait on tools: the rollout's ``sandbox.*`` calls (create, exec,
+    destroy...: each a request over the bus to the sandbox service) against its ``episode`` spans. ``calls``
+    and ``tool_s`` per episode, and ``tool_share``: the calls' time over the episodes' time (episodes run
+    concurrently, so this is the share of an episode's own wall time spent waiting on its sandbox). An
+    episode whose tools run in-process (the calculator) shows none."""
+    episodes = [s for s in spans if s["name"] == "episode" and s.get("service") == "rollout"]
+    calls = [s for s in spans if str(s["name"]).startswith("sandbox.") and s.get("service") == "rollout"]
+    if not episodes:
+        return {"episodes": 0}
+    episode_s = sum(_s(s["end_ns"] - s["start_ns"]) for s in episodes)
+    tool_s = sum(_s(s["end_ns"] - s["start_ns"]) for s in calls)
+    by_verb: dict[str, list[float]] = defaultdict(list)
+    for s in calls:
+        by_verb[str(s["name"]).removeprefix("sandbox.")].append(_s(s["end_ns"] - s["start_ns"]))
+    return {
+        "episodes": len(episodes), "calls_per_episode": round(len(calls) / len(episodes), 2),
+        "episode_s_mean": round(episode_s / len(episodes), 3), "tool_s_per_episode": round(tool_s / len(episodes), 3),
+        "tool_share": round(tool_s / episode_s, 4) if episode_s > 0 else None,
+        "p50_ms_by_call": {v: round(1000 * statistics.median(d), 1) for v, d in sorted(by_verb.items())},
+    }
+
+
 def ideal_speedup(g: float, t: float, w: float) -> float | None:
     """``(g + t + w) / max(g, t)``: a synchronous step against one whose generation and training overlap
     fully (weight sync hidden); None when both are 0."""

@@ -3,7 +3,9 @@ disjoint pools, each beside its physical limit (issue 30).
 
 Workloads (``--workload``): ``longtail`` (examples/longtail.toml: SmolLM2-135M on word problems, step-by-step
 answers up to 512 tokens, heavy-tailed lengths) and ``agentic`` (examples/tool_use.toml: the calculator tool,
-two turns an episode). ``--quick`` runs the tiny addition example instead (either workload's own example
+two turns an episode, its tool in-process) and ``coding`` (examples/coding.toml at 4 groups of 4: each episode
+writes code in its own sandbox and runs it there, up to 3 turns, and the judge runs hidden tests in a fork of
+that sandbox; its reward needs the sandboxes, so it is not evaluated offline: throughput and split only). ``--quick`` runs the tiny addition example instead (either workload's own example
 needs SmolLM2 and tens of seconds a step): a few steps of every side, to show the bench's parts work.
 
 Sides, one after the other, the same seed and sample budget (steps x groups_per_step x group_size):
@@ -21,6 +23,7 @@ the run's clock, placed at the trainer clock time of their step).
 Figures (bench/_time_split.py says how each is read from the traces):
 
 * ``lengths``: each side's completion-length distribution (p50/p90/p99/max, share cut at the limit);
+* ``tools``: each side's sandbox calls per episode, their time and their share of an episode's wall time;
 * per layout, from its synchronous run: the time split per step (generation g, training t, weight sync w,
   and the rest of the period), the ideal asynchronous speedup ``(g + t + w) / max(g, t)``, the measured one
   (sync's trainer clock over async's for the whole budget) and measured / ideal (goal >= 0.85 pooled); the
@@ -34,6 +37,7 @@ Figures (bench/_time_split.py says how each is read from the traces):
     .venv/bin/python bench/longtail.py --quick                       # tiny model, every side, about a minute
     .venv/bin/python bench/longtail.py --workload longtail           # SmolLM2, 40 steps a side (hours here)
     .venv/bin/python bench/longtail.py --workload agentic --steps 30
+    .venv/bin/python bench/longtail.py --workload coding --steps 6 --layouts pooled
 
 The last stdout line is one JSON object of the figures.
 """
@@ -67,13 +71,29 @@ from bench._rlbus_runs import (  # noqa: E402
     toml_value,
 )
 from bench._sides import LAYOUTS, MODES, choice_list, layout_overrides, mode_overrides, pool_cpus  # noqa: E402
-from bench._time_split import completion_lengths, ideal_speedup, length_figures, read_spans, step_split  # noqa: E402
+from bench._time_split import (  # noqa: E402
+    completion_lengths,
+    ideal_speedup,
+    length_figures,
+    read_spans,
+    step_split,
+    tool_figures,
+)
 from services.runtime.config import ConfigError  # noqa: E402
 
 log = logging.getLogger("rlbus.bench.longtail")
 
 REPO = Path(__file__).resolve().parents[1]
-WORKLOADS = {"longtail": REPO / "examples" / "longtail.toml", "agentic": REPO / "examples" / "tool_use.toml"}
+WORKLOADS = {"longtail": REPO / "examples" / "longtail.toml", "agentic": REPO / "examples" / "tool_use.toml",
+             "coding": REPO / "examples" / "coding.toml"}
+#: what the bench changes in a workload's example: coding.toml is sized to show its events in a few minutes
+#: (2 groups of 4); the bench gives it a batch whose episodes overlap (4 groups of 4, as many tickets)
+WORKLOAD_KEYS: dict[str, dict[str, object]] = {
+    "coding": {"services.trainer.groups_per_step": 4, "services.trainer.group_size": 4,
+               "services.rollout.max_tickets": 16},
+}
+#: workloads whose reward needs the run's services (hidden tests in a sandbox fork): not evaluated offline
+NO_OFFLINE_EVAL = {"coding"}
 #: every span of every group and step: the time split and the length distribution need them all
 TRACE_ALL = {"OTEL_TRACES_SAMPLER": "always_on"}
 
@@ -85,7 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(about a minute): the parts work; too short to learn, so no time-to-reward figure")
     p.add_argument("--example", type=Path, default=None, help="run this run file instead of the workload's")
     p.add_argument("--steps", type=int, default=None, help="trainer steps per side (default 40; quick 6)")
-    p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default 5; quick 3)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="evaluate every N steps (default 5; quick 3; coding 0); 0: no evaluation, throughput and "
+                   "the time split only (no time-to-reward figures)")
     p.add_argument("--eval-prompts", type=int, default=None,
                    help="held-out prompts per evaluation (default: the example's eval.prompts; quick 20)")
     p.add_argument("--seed", type=int, default=0)
@@ -103,18 +125,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps is None:
         args.steps = 6 if args.quick else 40
     if args.eval_every is None:
-        args.eval_every = 3 if args.quick else 5
+        args.eval_every = 3 if args.quick else 0 if args.workload in NO_OFFLINE_EVAL else 5
+    if args.eval_every and args.workload in NO_OFFLINE_EVAL and not args.quick:
+        p.error(f"--workload {args.workload}: its reward runs hidden tests in the run's sandboxes, which the "
+                "offline evaluation cannot; use --eval-every 0")
     if args.eval_prompts is None and args.quick:
         args.eval_prompts = 20
-    for name in ("steps", "eval_every"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    if args.eval_every < 0:
+        p.error("--eval-every must be >= 0")
     return args
 
 
 def side_overrides(args: argparse.Namespace, runfile: Any, mode: str, layout: str) -> dict[str, object]:
     """Config keys of one side: the budget, offline evaluation, the mode's staleness and the layout."""
     return {
+        **({} if args.quick else WORKLOAD_KEYS.get(args.workload, {})),
         "run.seed": args.seed,
         "services.trainer.total_steps": args.steps,
         "services.trainer.max_wall_s": 0.0,  # the sample budget, not a clock, ends every side
@@ -142,6 +169,7 @@ def side_figures(r: RunResult, limit: int | None, sync: bool) -> dict[str, Any]:
     spans = read_spans(r.run_dir)
     out: dict[str, Any] = {"final_reward": r.final_reward, "curve": curve_json(r.curve), **r.stats,
                            "lengths": length_figures(completion_lengths(spans), limit),
+                           "tools": tool_figures(spans),
                            "trainer_restarts": trainer_restarts(read_metrics(r.run_dir / "metrics.jsonl"))}
     if out["trainer_restarts"]:
         log.warning("%s: the trainer restarted %d time(s) (its clock started again): this side's times are not "
@@ -161,15 +189,20 @@ def layout_figures(sync: dict[str, Any], async_: dict[str, Any], sync_r: RunResu
     split = sync["split"]
     ideal = ideal_speedup(split["g_s"], split["t_s"], split["w_s"])
     measured = ratio(sync_r.stats.get("last_step_s"), async_r.stats.get("last_step_s"))
-    pair = {"sync": sync_r.curve, "async": async_r.curve}
-    f = compare(pair, target if target is not None else default_target(*pair.values()))
-    trivial = f["target_trivial"]
     bound = max(split["g_s"], split["t_s"])
-    return {
+    out = {
         "ideal_speedup": ideal, "measured_speedup": measured,
         "measured_over_ideal": ratio(measured, ideal),
         # the same bound against sync's whole period: the rest (judging, bus hops) is hidden by overlap too
         "ideal_speedup_of_period": ratio(split["period_s"], bound) if bound > 0 else None,
+    }
+    pair = {"sync": sync_r.curve, "async": async_r.curve}
+    if not all(pair.values()):  # not evaluated (--eval-every 0): no same-reward figures
+        return out
+    f = compare(pair, target if target is not None else default_target(*pair.values()))
+    trivial = f["target_trivial"]
+    return {
+        **out,
         "target": f["target"], "target_trivial": trivial,
         "sync_s": f["sync_s"], "async_s": f["async_s"], "sync_steps": f["sync_steps"], "async_steps": f["async_steps"],
         "time_ratio": None if trivial else ratio(f["sync_s"], f["async_s"]),
@@ -199,13 +232,15 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{mode}-{layout}"
             results[name] = run_rlbus(name, work / name, side_overrides(args, runfile, mode, layout),
                                       example=args.example, timeout_s=args.timeout_s, env=TRACE_ALL,
-                                      keep_versions=True)
+                                      keep_versions=args.eval_every > 0)
         model_dir = example_model_dir(runfile, args.seed)
         for mode, layout in sides:
             name = f"{mode}-{layout}"
             r = results[name]
-            r.curve, offline = run_curve(r, runfile, model_dir, eval_every=args.eval_every,
-                                         eval_prompts=eval_prompts, threads=1, seed=args.seed)
+            offline: dict[str, Any] = {}
+            if args.eval_every:
+                r.curve, offline = run_curve(r, runfile, model_dir, eval_every=args.eval_every,
+                                             eval_prompts=eval_prompts, threads=1, seed=args.seed)
             figures[name] = {**side_figures(r, limit, mode == "sync"), **offline}
     except (BenchRunError, ValueError) as e:
         print(f"longtail: {e}", file=sys.stderr)

@@ -14,8 +14,15 @@ from pathlib import Path
 import pytest
 
 from bench._offline_eval import run_task
-from bench._time_split import completion_lengths, ideal_speedup, length_figures, percentile, step_split
-from bench.longtail import WORKLOADS, check_keys, parse_args, side_overrides, trainer_restarts
+from bench._time_split import (
+    completion_lengths,
+    ideal_speedup,
+    length_figures,
+    percentile,
+    step_split,
+    tool_figures,
+)
+from bench.longtail import WORKLOAD_KEYS, WORKLOADS, check_keys, parse_args, side_overrides, trainer_restarts
 from services.launcher.cli import resolve_target
 from services.launcher.runfile import RunFile
 from services.lib.engine.config import AutoEngineConfig
@@ -70,6 +77,37 @@ def test_lengths_leave_out_evaluation_groups_and_show_the_tail():
     assert length_figures([]) == {"count": 0}
 
 
+def test_tool_time_is_the_rollouts_sandbox_calls_over_its_episodes():
+    def on(service: str, d: dict) -> dict:
+        return {**d, "service": service}
+    spans = [
+        on("rollout", span("episode", 0, 10, "e1")), on("rollout", span("episode", 2, 8, "e2")),
+        on("rollout", span("sandbox.create", 0, 0.5, "c1", parent="e1")),
+        on("rollout", span("sandbox.exec", 4, 5.5, "x1", parent="e1")),
+        on("rollout", span("sandbox.exec", 3, 3.5, "x2", parent="e2")),
+        on("judge", span("sandbox.fork", 11, 14, "f1")),  # the judge's calls are not the episode's
+    ]
+    f = tool_figures(spans)
+    # episodes 10 + 6 = 16 s; the rollout's calls 0.5 + 1.5 + 0.5 = 2.5 s
+    assert (f["episodes"], f["calls_per_episode"], f["episode_s_mean"]) == (2, 1.5, 8.0)
+    assert (f["tool_s_per_episode"], f["tool_share"]) == (1.25, round(2.5 / 16, 4))
+    assert f["p50_ms_by_call"] == {"create": 500.0, "exec": 1000.0}
+    assert tool_figures([on("judge", span("sandbox.exec", 0, 1, "x"))]) == {"episodes": 0}
+
+
+def test_the_coding_workload_gets_a_batch_whose_episodes_overlap_and_no_offline_eval():
+    args = parse_args(["--workload", "coding"])
+    assert args.example.name == "coding.toml" and args.eval_every == 0
+    keys = side_overrides(args, RunFile.load(args.example, env={}), "async", "shared")
+    assert {k: keys[k] for k in WORKLOAD_KEYS["coding"]} == WORKLOAD_KEYS["coding"]
+    assert keys["services.trainer.checkpoint_every"] == 0  # nothing kept for an evaluation that does not run
+    with pytest.raises(SystemExit):
+        parse_args(["--workload", "coding", "--eval-every", "3"])  # its hidden tests need the run's sandboxes
+    quick = parse_args(["--quick", "--workload", "coding"])  # the tiny addition example: not the coding batch
+    assert "services.trainer.groups_per_step" not in side_overrides(quick, RunFile.load(quick.example, env={}),
+                                                                    "sync", "shared")
+
+
 def test_the_longtail_example_asks_for_reasoning_up_to_512_tokens_on_vllm():
     path = WORKLOADS["longtail"]
     assert Path(resolve_target("longtail")) == path  # `rlbus run longtail` finds it
@@ -107,7 +145,7 @@ def test_arguments_name_what_is_wrong():
     assert parse_args(["--workload", "agentic"]).example.name == "tool_use.toml"
     assert parse_args([]).example.name == "longtail.toml"
     assert parse_args(["--modes", "async,sync", "--layouts", "pooled"]).modes == ["sync", "async"]
-    for bad in (["--modes", "fast"], ["--layouts", ""], ["--steps", "0"]):
+    for bad in (["--modes", "fast"], ["--layouts", ""], ["--steps", "0"], ["--eval-every", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
