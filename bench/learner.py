@@ -19,7 +19,8 @@ GEMM FLOP/s of the same cores, bf16 and fp32, with the profile of the rest and t
    ``L_i`` sequence i's length and ``d_attn = heads * head_dim``: attention's QK^T and AV are ``2 * L^2 * d``
    FLOPs each forward, half of it under the causal mask, times 3 for forward + backward:
    ``6 * n_layers * d_attn * L_i^2 / 2 * 2 = 6 * n_layers * d_attn * L_i^2``. ``executed`` applies the same
-   formula to what a layout computes (padded rows, logits at every kept position, attention over whole rows).
+   formula to what a layout computes (padded rows, logits at every kept position, attention over whole rows or
+   per packed sequence and row tail).
    Achieved FLOP/s = flops / step time; the headline is its fraction of the dtype's peak.
 4. **Sides** (same batches, ``--warmup`` untimed rounds then ``--steps`` timed ones):
 
@@ -29,8 +30,10 @@ GEMM FLOP/s of the same cores, bf16 and fp32, with the profile of the rest and t
      lever "logits only for completion tokens" is this side against ``packed``;
    * ``packed-plain-logsoftmax``: as ``packed`` with the unchunked float32 ``log_softmax`` + gather instead of
      the chunked one (:func:`services.lib.model_io.token_logprobs`): the log-softmax lever;
-   * ``packed``: packed rows, logits only where a completion token is predicted (``optim.packing``, the
-     default).
+   * ``packed-masked-attention``: as ``packed`` with transformers' ``sdpa`` attention over each whole row under
+     a block-diagonal mask instead of once per packed sequence: the ``optim.varlen_attention`` lever;
+   * ``packed``: packed rows, logits only where a completion token is predicted, attention per packed
+     sequence (``optim.packing`` and ``optim.varlen_attention``, the defaults).
 
    bf16 runs every side, fp32 ``packed`` (its fraction of the fp32 peak; each SmolLM2 step costs minutes
    on two shared cores, so the levers are measured in bf16 only), each dtype's sides on one Learner,
@@ -76,12 +79,13 @@ from proto.trajectories import ScoredTrajectory  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "smollm2_math.toml"
-#: (name, packing, logits at every position, unchunked log-softmax)
-SIDES: dict[str, tuple[bool, bool, bool]] = {
-    "padded": (False, False, False),
-    "packed-all-logits": (True, True, False),
-    "packed-plain-logsoftmax": (True, False, True),
-    "packed": (True, False, False),
+#: (name, packing, logits at every position, unchunked log-softmax, attention over whole rows under a mask)
+SIDES: dict[str, tuple[bool, bool, bool, bool]] = {
+    "padded": (False, False, False, False),
+    "packed-all-logits": (True, True, False, False),
+    "packed-plain-logsoftmax": (True, False, True, False),
+    "packed-masked-attention": (True, False, False, True),
+    "packed": (True, False, False, False),
 }
 FP32_SIDES = ("packed",)
 PROFILED = ("packed",)
@@ -146,14 +150,17 @@ def layout(side: str, prompts: list[int], completions: list[int]) -> dict[str, i
     """What a side's layout computes: rows x width tokens, logit positions, sum of squared row widths."""
     from services.lib.packing import pack_rows
 
-    packing, all_logits, _ = SIDES[side]
+    packing, all_logits, _, masked = SIDES[side]
     lengths = [p + c for p, c in zip(prompts, completions, strict=True)]
     width = max(lengths)
     if packing:
         rows = pack_rows(lengths, width)
         logits = len(rows) * width if all_logits else sum(completions)
+        # per sequence (and each row's unused tail, one more sequence) or the whole row under a mask
+        tails = [width - sum(lengths[i] for i in r) for r in rows]
+        per_sequence = sum(n * n for n in lengths) + sum(t * t for t in tails)
         return {"rows": len(rows), "width": width, "tokens": len(rows) * width, "logits": logits,
-                "attention_sq": len(rows) * width * width}
+                "attention_sq": len(rows) * width * width if masked else per_sequence}
     keep_cols = width - (min(prompts) - 1)
     return {"rows": len(lengths), "width": width, "tokens": len(lengths) * width,
             "logits": len(lengths) * (width if all_logits else keep_cols), "attention_sq": len(lengths) * width * width}
@@ -205,9 +212,12 @@ def side_patches(learner: Any, side: str) -> Iterator[None]:
     from services.lib import model_io, packing
     from services.lib.packing import packed_sequence_logprobs
 
-    packed, all_logits, plain = SIDES[side]
+    packed, all_logits, plain, masked = SIDES[side]
     model = learner.model
     saved = model_io.token_logprobs, packing.token_logprobs, learner.logprobs
+    attention = model.config._attn_implementation
+    if masked:  # transformers' sdpa: a block-diagonal mask over each packed row
+        model.set_attn_implementation("sdpa")
     learner.logprobs = packed_sequence_logprobs if packed else model_io.sequence_logprobs
     if all_logits:
         from transformers.modeling_utils import slice_logits_to_keep
@@ -227,6 +237,8 @@ def side_patches(learner: Any, side: str) -> Iterator[None]:
         yield
     finally:
         model_io.token_logprobs, packing.token_logprobs, learner.logprobs = saved
+        if masked:
+            model.set_attn_implementation(attention)
         if all_logits:
             del model.forward
 
@@ -421,6 +433,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     ratios = {"bf16_packed_speedup_over_padded": speedup("bfloat16/padded", "bfloat16/packed"),
               "bf16_completion_logits_speedup": speedup("bfloat16/packed-all-logits", "bfloat16/packed"),
               "bf16_chunked_logsoftmax_speedup": speedup("bfloat16/packed-plain-logsoftmax", "bfloat16/packed"),
+              "bf16_varlen_attention_speedup": speedup("bfloat16/packed-masked-attention", "bfloat16/packed"),
               "bf16_over_fp32_step_packed": speedup("float32/packed", "bfloat16/packed")}
 
     def normalised(a: str, b: str) -> float | None:  # the same useful FLOPs: the ratio of the fractions of peak
@@ -431,7 +444,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     ratios.update({f"{k}_load_normalised": normalised(*pair) for k, pair in (
         ("bf16_packed_speedup_over_padded", ("bfloat16/padded", "bfloat16/packed")),
         ("bf16_completion_logits_speedup", ("bfloat16/packed-all-logits", "bfloat16/packed")),
-        ("bf16_chunked_logsoftmax_speedup", ("bfloat16/packed-plain-logsoftmax", "bfloat16/packed")))})
+        ("bf16_chunked_logsoftmax_speedup", ("bfloat16/packed-plain-logsoftmax", "bfloat16/packed")),
+        ("bf16_varlen_attention_speedup", ("bfloat16/packed-masked-attention", "bfloat16/packed")))})
     lengths = shape["lengths"]
     return {"bench": "learner", "model": args.model, "threads": args.threads, "dims": dims,
             "batch": {"sequences": len(lengths), "prompt_tokens": prompts, "completion_tokens": lengths,

@@ -145,3 +145,90 @@ def _kept_logits(model: nn.Module, input_ids: Tensor, position_ids: Tensor, keep
             _BOOLEAN_KEEP = False
     return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[keep]
 
+
+
+# --- attention within each packed sequence ----------------------------------------------------------------------
+#: the attention implementation :func:`use_varlen_attention` sets: SDPA run once per packed sequence
+VARLEN_ATTENTION = "rlbus_varlen_sdpa"
+
+
+def sequence_spans(position_ids: Tensor) -> list[list[tuple[int, int]]]:
+    """Per row of ``position_ids`` ``[rows, width]``, the ``[start, end)`` columns of each packed sequence: a
+    sequence starts at column 0 and wherever a position does not follow the one before it by 1 (packed rows
+    restart at 0)."""
+    if position_ids.dim() != 2:
+        raise ValueError(f"position_ids must be [rows, width], got shape {tuple(position_ids.shape)}")
+    rows, width = position_ids.shape
+    if width == 0:
+        return [[] for _ in range(rows)]
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    out = []
+    for row in starts.cpu().tolist():
+        cols = [c for c, s in enumerate(row) if s] + [width]
+        out.append(list(zip(cols[:-1], cols[1:], strict=True)))
+    return out
+
+
+def varlen_sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                          attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          **kwargs: object) -> tuple[Tensor, None]:
+    """transformers' attention-function interface (``query [B, Hq, T, D]``, ``key``/``value [B, Hkv, T, D]``;
+    answers ``[B, T, Hq, D]``): causal SDPA on each packed sequence of each row on its own, found from the
+    restarts of ``position_ids``. A block-diagonal mask over the whole row (the ``sdpa`` path for packed rows)
+    makes the kernel compute every row x row block and mask most of it away; per sequence, the causal kernel
+    computes about ``sum(L_i^2) / 2`` scores instead of ``width^2``. The learner's passes only: with a mask (the
+    model built one), without ``position_ids``, or with a cache (queries shorter than keys) it is transformers'
+    own ``sdpa``. :func:`varlen_mask` builds a mask only for a call with a padding mask (a padded batch), so
+    packed rows and unpadded batches come here without one."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    position_ids = kwargs.get("position_ids")
+    q_len = query.shape[2]
+    if attention_mask is not None or not isinstance(position_ids, Tensor) or q_len != key.shape[2] or q_len < 2:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if position_ids.shape[0] != query.shape[0]:
+        position_ids = position_ids.expand(query.shape[0], -1)
+    gqa = query.shape[1] != key.shape[1]
+    rows = []
+    for b, spans in enumerate(sequence_spans(position_ids)):
+        parts = [torch.nn.functional.scaled_dot_product_attention(
+            query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e], dropout_p=dropout,
+            is_causal=e - s > 1, scale=scaling, enable_gqa=gqa) for s, e in spans]
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    out = rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def varlen_mask(*args: object, attention_mask: Tensor | None = None, **kwargs: object) -> Tensor | None:
+    """transformers' mask interface for :data:`VARLEN_ATTENTION`: no mask where the call has no padding mask
+    (packed rows, or one sequence per row: :func:`varlen_sdpa_attention` keeps attention within each sequence
+    from ``position_ids``), else ``sdpa``'s own mask (a padded batch then takes transformers' ``sdpa`` path)."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def use_varlen_attention(model: nn.Module) -> bool:
+    """Make ``model``'s attention :func:`varlen_sdpa_attention` (registered with transformers once). False, and
+    the model unchanged, where it cannot: a model whose attention does not go through transformers' attention
+    interface, or one set to another implementation than ``sdpa`` (eager, flash-attention on a GPU). The
+    backward of a checkpointed layer recomputes it with the same attention (the model's setting, not a
+    context around the forward)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) not in ("sdpa", VARLEN_ATTENTION):
+        return False
+    if VARLEN_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(VARLEN_ATTENTION, varlen_sdpa_attention)
+        AttentionMaskInterface.register(VARLEN_ATTENTION, varlen_mask)
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if can_set is None or not can_set():
+        return False
+    model.set_attn_implementation(VARLEN_ATTENTION)
+    return model.config._attn_implementation == VARLEN_ATTENTION

@@ -66,8 +66,9 @@ def build_char_tokenizer():
     )
 
 
-def build_tiny_model(tokenizer, seed: int = 0, hidden_size: int = 128, num_layers: int = 4):
-    """A freshly initialised ``LlamaForCausalLM`` (~1.05 M parameters at the defaults)."""
+def build_tiny_model(tokenizer, seed: int = 0, hidden_size: int = 128, num_layers: int = 4, num_kv_heads: int = 4):
+    """A freshly initialised ``LlamaForCausalLM`` (~1.05 M parameters at the defaults); 4 attention heads over
+    ``num_kv_heads`` key/value heads (fewer: grouped-query attention)."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -76,7 +77,7 @@ def build_tiny_model(tokenizer, seed: int = 0, hidden_size: int = 128, num_layer
         intermediate_size=4 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
-        num_key_value_heads=4,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=64,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

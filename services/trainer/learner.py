@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from proto.trajectories import ScoredTrajectory
 from services.lib.model_io import load_policy, sequence_logprobs
-from services.lib.packing import packed_sequence_logprobs
+from services.lib.packing import packed_sequence_logprobs, use_varlen_attention
 from services.runtime.config import DistillSection
 from services.trainer import batching, checkpoint
 from services.trainer.config import TrainerConfig
@@ -132,6 +132,9 @@ class Learner:
             model = apply_lora(model, self.lora)
         model.train()
         model.config.use_cache = False
+        if self.cfg.optim.packing and self.cfg.optim.varlen_attention and not use_varlen_attention(model):
+            log.info("attention stays %s: this model cannot take the per-sequence attention of packed rows",
+                     getattr(model.config, "_attn_implementation", "its own"))
         if self.cfg.optim.gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -25,7 +25,7 @@ def test_quick_run_reports_every_side_against_the_peak():
     assert all(p > 0 for p in peaks.values())
     sides = figures["sides"]
     assert set(sides) == {f"bfloat16/{s}" for s in ("padded", "packed-all-logits", "packed-plain-logsoftmax",
-                                                      "packed")} | {"float32/packed"}
+                                                      "packed-masked-attention", "packed")} | {"float32/packed"}
     for side in sides.values():
         assert side["step_s_median"] > 0 and side["useful_tflop"] > 0
         assert side["executed_tflop"] >= side["useful_tflop"]
@@ -43,9 +43,14 @@ def test_quick_run_reports_every_side_against_the_peak():
     goal = figures["goal"]
     assert goal["bf16_fraction_of_peak"] == sides[f"bfloat16/{goal['bf16_best_side']}"]["fraction_of_peak"]
     assert set(figures["ratios"]) == {"bf16_packed_speedup_over_padded", "bf16_completion_logits_speedup",
-                                      "bf16_chunked_logsoftmax_speedup", "bf16_over_fp32_step_packed"} | {
+                                      "bf16_chunked_logsoftmax_speedup", "bf16_varlen_attention_speedup",
+                                      "bf16_over_fp32_step_packed"} | {
         f"{k}_load_normalised" for k in ("bf16_packed_speedup_over_padded", "bf16_completion_logits_speedup",
-                                         "bf16_chunked_logsoftmax_speedup")}
+                                         "bf16_chunked_logsoftmax_speedup", "bf16_varlen_attention_speedup")}
+    # attention once per packed sequence executes less than the whole rows under a mask, for the same values
+    masked = sides["bfloat16/packed-masked-attention"]
+    assert masked["layout"]["tokens"] == packed["tokens"]
+    assert masked["layout"]["attention_sq"] > packed["attention_sq"]
     assert figures["ratios"]["bf16_packed_speedup_over_padded"] == pytest.approx(
         sides["bfloat16/padded"]["step_s_median"] / sides["bfloat16/packed"]["step_s_median"], rel=1e-2)
 

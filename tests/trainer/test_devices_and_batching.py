@@ -145,3 +145,13 @@ def test_the_allocator_setting_is_set_once_and_an_operators_value_kept(monkeypat
     assert set_alloc_conf() == "max_split_size_mb:256"
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert set_alloc_conf("") == "" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # CPU: nothing set
+
+
+@pytest.mark.parametrize(("packing", "varlen", "want"), [(True, True, "rlbus_varlen_sdpa"), (True, False, "sdpa"),
+                                                         (False, True, "sdpa")])
+def test_the_learner_takes_attention_per_packed_sequence_only_with_packing(loop_model_dir, packing, varlen, want):
+    from services.trainer.learner import Learner
+
+    cfg = TrainerConfig(optim=OptimConfig(packing=packing, varlen_attention=varlen))
+    learner = Learner(cfg, loop_model_dir, devices.resolve(TrainerConfig(devices=DevicesConfig(device="cpu"))))
+    assert learner.model.config._attn_implementation == want

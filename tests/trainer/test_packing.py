@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from services.lib.model_io import sequence_logprobs
-from services.lib.packing import pack_rows, packed_sequence_logprobs
+from services.lib.packing import (
+    VARLEN_ATTENTION,
+    pack_rows,
+    packed_sequence_logprobs,
+    sequence_spans,
+    use_varlen_attention,
+)
 from services.tasks.tiny_model import build_char_tokenizer, build_tiny_model
 
 
@@ -109,3 +115,75 @@ def test_a_transformers_whose_heads_refuse_a_boolean_keep_gets_every_logit_then_
         got, _ = packed_sequence_logprobs(tiny, PROMPTS, COMPLETIONS, completion_masks=MASKS)
     assert packing._BOOLEAN_KEEP is False
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_sequence_spans_start_where_positions_restart():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5], [5, 6, 0, 1, 1, 2]])
+    assert sequence_spans(pos) == [[(0, 3), (3, 5), (5, 6)], [(0, 6)], [(0, 2), (2, 4), (4, 6)]]
+    assert sequence_spans(torch.zeros((2, 0), dtype=torch.long)) == [[], []]
+    with pytest.raises(ValueError, match="rows, width"):
+        sequence_spans(torch.arange(4))
+
+
+@pytest.fixture
+def varlen_pair():
+    """Two copies of one tiny model (grouped-query attention: 4 query heads over 2 key/value heads): transformers'
+    ``sdpa`` (a block-diagonal mask over each packed row) and attention per packed sequence."""
+    tokenizer = build_char_tokenizer()
+    mask_model = build_tiny_model(tokenizer, seed=3, hidden_size=32, num_layers=2, num_kv_heads=2)
+    varlen_model = build_tiny_model(tokenizer, seed=3, hidden_size=32, num_layers=2, num_kv_heads=2)
+    assert mask_model.config._attn_implementation == "sdpa"
+    assert use_varlen_attention(varlen_model) and varlen_model.config._attn_implementation == VARLEN_ATTENTION
+    return mask_model, varlen_model
+
+
+def run_with_grads(model, fn, **kw):
+    model.zero_grad(set_to_none=True)
+    lp, mask = fn(model, PROMPTS, COMPLETIONS, completion_masks=MASKS, temperature=0.9, pad_token_id=0, **kw)
+    (lp * torch.arange(1, 12, dtype=torch.float32)).sum().backward()
+    return lp.detach(), mask, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_attention_per_packed_sequence_gives_the_masked_paths_values_and_gradients(varlen_pair, monkeypatch,
+                                                                                    checkpointing):
+    mask_model, varlen_model = varlen_pair
+    if checkpointing:  # the backward recomputes each layer: it must take the same attention again
+        for m in varlen_pair:
+            m.train()
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    want, want_mask, want_grads = run_with_grads(mask_model, packed_sequence_logprobs)
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, *a, **kw):
+        calls.append((q.shape[2], kw.get("attn_mask") is None and kw.get("is_causal")))
+        return real(q, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    got, got_mask, got_grads = run_with_grads(varlen_model, packed_sequence_logprobs)
+    monkeypatch.undo()
+    # every call is one sequence (or a row's tail), causal and unmasked: 2 layers x the packed sequences
+    lengths = [len(p) + len(c) for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]
+    rows = pack_rows(lengths, max(lengths))
+    per_pass = sum(len(r) + (sum(lengths[i] for i in r) < max(lengths)) for r in rows)
+    assert len(calls) == 2 * per_pass * (2 if checkpointing else 1)
+    assert all(causal or n == 1 for n, causal in calls) and max(n for n, _ in calls) == max(lengths)
+    assert torch.equal(got_mask, want_mask) and torch.allclose(got, want, atol=1e-5)
+    for name, g in want_grads.items():
+        assert torch.allclose(g, got_grads[name], atol=1e-5), name
+
+
+def test_padded_batches_keep_transformers_sdpa_and_its_mask(varlen_pair):
+    mask_model, varlen_model = varlen_pair
+    want, _, want_grads = run_with_grads(mask_model, sequence_logprobs)
+    got, _, got_grads = run_with_grads(varlen_model, sequence_logprobs)
+    assert torch.allclose(got, want, atol=1e-5)
+    for name, g in want_grads.items():
+        assert torch.allclose(g, got_grads[name], atol=1e-5), name
+    with torch.no_grad():  # left padding: a mask the causal rule alone cannot stand for
+        ids = torch.tensor([[0, 0, 5, 6, 7], [4, 5, 6, 7, 8]])
+        attn = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+        a = mask_model(input_ids=ids, attention_mask=attn).logits
+        b = varlen_model(input_ids=ids, attention_mask=attn).logits
+    assert torch.allclose(a[:, 2:], b[:, 2:], atol=1e-5)
