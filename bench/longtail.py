@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"longtail: {e}", file=sys.stderr)
         return 2
     cfg = runfile.services.trainer
-    limit = cfg.sampling.max_new_tokens or None
+    # a sample's tokens are all its assistant turns: the per-turn limit says nothing about a multi-turn total
+    limit = cfg.sampling.max_new_tokens or None if args.quick or args.workload == "longtail" else None
     eval_prompts = args.eval_prompts if args.eval_prompts is not None else cfg.eval.prompts
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="rlbus-longtail-"))
     results: dict[str, RunResult] = {}
