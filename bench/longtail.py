@@ -49,6 +49,7 @@ import json
 import logging
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -116,9 +117,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layouts", default="shared,pooled", help="comma-separated: shared, pooled")
     p.add_argument("--target", type=float, default=None,
                    help="held-out reward to reach (default per pair: the lower final reward)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config key on every side, on top of the bench's (full dotted key; the value a TOML "
+                   "literal); repeatable")
     p.add_argument("--timeout-s", type=float, default=7200.0, help="most seconds one side's run may take")
     p.add_argument("--work-dir", type=Path, default=None, help="where the run directories go (default: a temp dir)")
     args = p.parse_args(argv)
+    try:
+        args.sets = dict(_set_item(item) for item in args.sets)
+    except ValueError as e:
+        p.error(f"--set: {e}")
     args.modes = choice_list(p, "--modes", args.modes, MODES)
     args.layouts = choice_list(p, "--layouts", args.layouts, LAYOUTS)
     args.example = args.example or (EXAMPLE if args.quick else WORKLOADS[args.workload])
@@ -138,6 +146,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _set_item(item: str) -> tuple[str, object]:
+    """``KEY=VALUE``: a dotted config key and its value, a TOML literal (else the text itself)."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"expected KEY=VALUE, got {item!r}")
+    try:
+        return key.strip(), tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key.strip(), text
+
+
 def side_overrides(args: argparse.Namespace, runfile: Any, mode: str, layout: str) -> dict[str, object]:
     """Config keys of one side: the budget, offline evaluation, the mode's staleness and the layout."""
     return {
@@ -149,6 +168,7 @@ def side_overrides(args: argparse.Namespace, runfile: Any, mode: str, layout: st
         **offline_overrides(args.eval_every),
         **mode_overrides(mode, args.async_staleness),
         **layout_overrides(layout, runfile),
+        **args.sets,
     }
 
 
@@ -264,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         "samples_per_step": samples_per_step,
         "sample_budget": samples_per_step * args.steps,
         "max_new_tokens": limit,
+        "set": args.sets,
         "eval_every": args.eval_every,
         "eval_prompts": eval_prompts,
         "pool_cpus": list(pool_cpus()) if "pooled" in args.layouts else None,

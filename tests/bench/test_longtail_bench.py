@@ -145,7 +145,12 @@ def test_arguments_name_what_is_wrong():
     assert parse_args(["--workload", "agentic"]).example.name == "tool_use.toml"
     assert parse_args([]).example.name == "longtail.toml"
     assert parse_args(["--modes", "async,sync", "--layouts", "pooled"]).modes == ["sync", "async"]
-    for bad in (["--modes", "fast"], ["--layouts", ""], ["--steps", "0"], ["--eval-every", "-1"]):
+    sets = parse_args(["--set", "services.trainer.optim.varlen_attention=false", "--set", "run.id=x y"]).sets
+    assert sets == {"services.trainer.optim.varlen_attention": False, "run.id": "x y"}
+    with_set = parse_args(["--quick", "--set", "services.trainer.optim.lr=0.5"])
+    assert side_overrides(with_set, RunFile.load(with_set.example, env={}), "sync", "shared")[
+        "services.trainer.optim.lr"] == 0.5
+    for bad in (["--modes", "fast"], ["--layouts", ""], ["--steps", "0"], ["--eval-every", "-1"], ["--set", "=1"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
