@@ -141,11 +141,12 @@ class OptimConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: within each sequence) and compute logits only where a completion token is predicted, instead of
     #: right-padding every sequence to the longest (``bench/learner.py`` measures the difference)
     packing: bool = True
-    #: with ``packing``, attention runs once per packed sequence (causal SDPA on its own columns) instead of
-    #: over each whole row under a block-diagonal mask, which computes every row x row block; the same values
-    #: (``tests/trainer/test_packing.py``), less attention work (``bench/learner.py`` side
-    #: ``packed-masked-attention``). Models whose attention does not go through transformers' interface, or
-    #: set to another implementation than sdpa, keep theirs
+    #: with ``packing`` on a CPU learner, attention runs once per packed sequence (causal SDPA on its own
+    #: columns) instead of over each whole row under a block-diagonal mask, which computes every row x row
+    #: block; the same values (``tests/trainer/test_packing.py``), less attention work (``bench/learner.py``
+    #: side ``packed-masked-attention``). On CUDA it stays off (a kernel per sequence per layer; there,
+    #: flash-attention's varlen kernels read packed rows). Models whose attention does not go through
+    #: transformers' interface, or set to another implementation than sdpa, keep theirs
     varlen_attention: bool = True
     #: recompute activations in the backward pass (less memory, ~30% more compute)
     gradient_checkpointing: bool = False

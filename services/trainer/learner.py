@@ -132,7 +132,8 @@ class Learner:
             model = apply_lora(model, self.lora)
         model.train()
         model.config.use_cache = False
-        if self.cfg.optim.packing and self.cfg.optim.varlen_attention and not use_varlen_attention(model):
+        if (self.cfg.optim.packing and self.cfg.optim.varlen_attention and self.placement.device_type == "cpu"
+                and not use_varlen_attention(model)):
             log.info("attention stays %s: this model cannot take the per-sequence attention of packed rows",
                      getattr(model.config, "_attn_implementation", "its own"))
         if self.cfg.optim.gradient_checkpointing:
