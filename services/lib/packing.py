@@ -8,6 +8,8 @@ padding. :func:`packed_sequence_logprobs` gives the same result from less work:
    each sequence's ``position_ids`` restarting at 0. With no attention mask, transformers reads the restarts as
    packed sequences and builds a block-diagonal causal mask: no token attends across a sequence boundary, and
    every sequence sees exactly the positions it would alone. A row's unused tail is one more (ignored) sequence.
+   On a CPU learner (``optim.varlen_attention``) the model's attention is :func:`varlen_sdpa_attention`
+   instead: causal SDPA on each sequence's own columns, no mask, a fraction of the row x row work.
 2. **Logits only where a completion token is predicted.** ``logits_to_keep`` is a boolean ``[rows, width]`` mask
    of the positions that predict a completion token, so the language-model head and the log-softmax skip the
    prompts and the row tails (transformers answers with ``[predictions, vocab]`` logits).
@@ -144,7 +146,6 @@ def _kept_logits(model: nn.Module, input_ids: Tensor, position_ids: Tensor, keep
                 raise
             _BOOLEAN_KEEP = False
     return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[keep]
-
 
 
 # --- attention within each packed sequence ----------------------------------------------------------------------

@@ -187,3 +187,12 @@ def test_padded_batches_keep_transformers_sdpa_and_its_mask(varlen_pair):
         a = mask_model(input_ids=ids, attention_mask=attn).logits
         b = varlen_model(input_ids=ids, attention_mask=attn).logits
     assert torch.allclose(a[:, 2:], b[:, 2:], atol=1e-5)
+
+
+def test_a_saved_model_does_not_carry_the_attention_setting(varlen_pair, tmp_path):
+    """Checkpoints and the final model load anywhere (vLLM, transformers elsewhere): the learner's own attention
+    function is not written into config.json."""
+    _, varlen_model = varlen_pair
+    varlen_model.save_pretrained(tmp_path)
+    saved = (tmp_path / "config.json").read_text()
+    assert VARLEN_ATTENTION not in saved and "attn_implementation" not in saved
