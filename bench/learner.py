@@ -146,9 +146,9 @@ def flops(dims: dict[str, int], tokens: int, logits: int, attention_sq: int) -> 
     return {"body": body, "head": head, "attention": attn, "total": body + head + attn}
 
 
-def layout(side: str, prompts: list[int], completions: list[int]) -> dict[str, int]:
+def layout(side: str, prompts: list[int], completions: list[int], heads_x_dim: int) -> dict[str, int]:
     """What a side's layout computes: rows x width tokens, logit positions, sum of squared row widths."""
-    from services.lib.packing import pack_rows
+    from services.lib.packing import pack_rows, per_sequence_pays
 
     packing, all_logits, _, masked = SIDES[side]
     lengths = [p + c for p, c in zip(prompts, completions, strict=True)]
@@ -156,11 +156,20 @@ def layout(side: str, prompts: list[int], completions: list[int]) -> dict[str, i
     if packing:
         rows = pack_rows(lengths, width)
         logits = len(rows) * width if all_logits else sum(completions)
-        # per sequence (and each row's unused tail, one more sequence) or the whole row under a mask
+        # per sequence (and each row's unused tail, one more sequence) or the whole row under a mask: the
+        # learner's attention takes the first only where it pays (services.lib.packing.per_sequence_pays)
         tails = [width - sum(lengths[i] for i in r) for r in rows]
         per_sequence = sum(n * n for n in lengths) + sum(t * t for t in tails)
+        spans = []
+        for r, tail in zip(rows, tails, strict=True):
+            cols = [0]
+            for n in [lengths[i] for i in r] + ([tail] if tail else []):
+                cols.append(cols[-1] + n)
+            spans.append(list(zip(cols[:-1], cols[1:], strict=False)))
+        whole_rows = masked or not per_sequence_pays(spans, width, heads_x_dim)
         return {"rows": len(rows), "width": width, "tokens": len(rows) * width, "logits": logits,
-                "attention_sq": len(rows) * width * width if masked else per_sequence}
+                "attention_sq": len(rows) * width * width if whole_rows else per_sequence,
+                "attention": "whole rows, masked" if whole_rows else "per sequence"}
     keep_cols = width - (min(prompts) - 1)
     return {"rows": len(lengths), "width": width, "tokens": len(lengths) * width,
             "logits": len(lengths) * (width if all_logits else keep_cols), "attention_sq": len(lengths) * width * width}
@@ -313,7 +322,7 @@ def side_figures(side: str, times: list[dict[str, float]], dims: dict[str, int],
     """A side's step time (median of its timed steps), phases, FLOPs and achieved fraction of ``peak``."""
     tokens = sum(prompts) + sum(completions)
     useful = flops(dims, tokens, sum(completions), sum((p + c) ** 2 for p, c in zip(prompts, completions, strict=True)))
-    shape_of = layout(side, prompts, completions)
+    shape_of = layout(side, prompts, completions, dims["d_attn"])
     executed = flops(dims, shape_of["tokens"], shape_of["logits"], shape_of["attention_sq"])
     step_s = statistics.median(t["step_s"] for t in times)
     phases = {k: round(statistics.median(t[k] for t in times), 3) for k in ("forward_s", "optimiser_s")}

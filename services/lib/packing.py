@@ -162,13 +162,19 @@ def sequence_spans(position_ids: Tensor) -> list[list[tuple[int, int]]]:
     rows, width = position_ids.shape
     if width == 0:
         return [[] for _ in range(rows)]
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
     out = []
-    for row in starts.cpu().tolist():
+    for row in _sequence_starts(position_ids).cpu().tolist():
         cols = [c for c, s in enumerate(row) if s] + [width]
         out.append(list(zip(cols[:-1], cols[1:], strict=True)))
     return out
+
+
+def _sequence_starts(position_ids: Tensor) -> Tensor:
+    """``[rows, width]`` booleans: True where a packed sequence starts (column 0, and wherever a position does
+    not follow the one before it by 1)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts
 
 
 def varlen_sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -178,7 +184,9 @@ def varlen_sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
     answers ``[B, T, Hq, D]``): causal SDPA on each packed sequence of each row on its own, found from the
     restarts of ``position_ids``. A block-diagonal mask over the whole row (the ``sdpa`` path for packed rows)
     makes the kernel compute every row x row block and mask most of it away; per sequence, the causal kernel
-    computes about ``sum(L_i^2) / 2`` scores instead of ``width^2``. The learner's passes only: with a mask (the
+    computes about ``sum(L_i^2) / 2`` scores instead of ``width^2``. Where that saves less than the extra calls
+    cost (:func:`per_sequence_pays`: many short sequences, narrow rows) it is one call on the whole rows under
+    the block-diagonal mask, built here. The learner's passes only: with a mask (the
     model built one), without ``position_ids``, or with a cache (queries shorter than keys) it is transformers'
     own ``sdpa``. :func:`varlen_mask` builds a mask only for a call with a padding mask (a padded batch), so
     packed rows and unpadded batches come here without one."""
@@ -192,14 +200,39 @@ def varlen_sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
     if position_ids.shape[0] != query.shape[0]:
         position_ids = position_ids.expand(query.shape[0], -1)
     gqa = query.shape[1] != key.shape[1]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    spans = sequence_spans(position_ids)
+    if not per_sequence_pays(spans, q_len, query.shape[1] * query.shape[3]):
+        # one call on whole rows under the block-diagonal causal mask (many short sequences)
+        ids = torch.cumsum(_sequence_starts(position_ids).long(), dim=1)  # which sequence each column is in
+        causal = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+        mask = ((ids.unsqueeze(2) == ids.unsqueeze(1)) & causal).unsqueeze(1)
+        out = sdpa(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
     rows = []
-    for b, spans in enumerate(sequence_spans(position_ids)):
-        parts = [torch.nn.functional.scaled_dot_product_attention(
-            query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e], dropout_p=dropout,
-            is_causal=e - s > 1, scale=scaling, enable_gqa=gqa) for s, e in spans]
+    for b, row in enumerate(spans):
+        parts = [sdpa(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e], dropout_p=dropout,
+                      is_causal=e - s > 1, scale=scaling, enable_gqa=gqa) for s, e in row]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
     out = rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
     return out.transpose(1, 2).contiguous(), None
+
+
+#: the fixed cost of one attention call (forward + backward, on a slice), in attention work: score x (heads x
+#: head_dim) units. Measured on this project's 2-core CPU machine: a call ~0.8 ms, a unit ~0.14 ns, so ~6 M
+#: units (``bench/learner.py`` measures the result on SmolLM2; the tiny model's 16-token rows stay masked)
+CALL_COST_UNITS = 6e6
+
+
+def per_sequence_pays(spans: Sequence[Sequence[tuple[int, int]]], width: int, heads_x_dim: int) -> bool:
+    """Whether a call per packed sequence beats one masked call over the whole rows: the scores it saves
+    (``rows x width^2`` computed under the mask against ``sum(L_i^2) / 2`` causal ones) outweigh the fixed cost
+    of its extra calls (:data:`CALL_COST_UNITS` each)."""
+    calls = sum(len(row) for row in spans)
+    per_sequence = sum((e - s) ** 2 for row in spans for s, e in row) / 2
+    saved = (len(spans) * width * width - per_sequence) * heads_x_dim
+    return saved > (calls - 1) * CALL_COST_UNITS
+
 
 
 def varlen_mask(*args: object, attention_mask: Tensor | None = None, **kwargs: object) -> Tensor | None:

@@ -144,9 +144,29 @@ def run_with_grads(model, fn, **kw):
     return lp.detach(), mask, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def test_a_call_per_sequence_is_chosen_where_the_scores_it_saves_outweigh_its_calls(monkeypatch):
+    from services.lib import packing
+
+    # the measured default: SmolLM2's long-tail rows (4 x 616, 3 sequences of ~205 and a 1-token tail each, 9
+    # heads x 64) save (4 x 616^2 - 4 x (3 x 205^2 + 1) / 2) x 576 = 729 M units for 15 extra calls (90 M): per
+    # sequence. The tiny model's addition rows (128 x 16, a 14-token sequence and a 2-token tail each, 4 x 32)
+    # save 2.6 M units for 255 extra calls: one masked call
+    assert packing.per_sequence_pays([[(0, 205), (205, 410), (410, 615), (615, 616)]] * 4, 616, 576)
+    assert not packing.per_sequence_pays([[(0, 14), (14, 16)]] * 128, 16, 128)
+    monkeypatch.setattr(packing, "CALL_COST_UNITS", 1000.0)
+    # one row of 8 holding 2 sequences of 4: 64 scores masked, (16 + 16) / 2 = 16 per sequence, 1 extra call
+    assert packing.per_sequence_pays([[(0, 4), (4, 8)]], 8, 100)  # 48 x 100 = 4800 > 1000
+    assert not packing.per_sequence_pays([[(0, 4), (4, 8)]], 8, 10)  # 480 < 1000
+    assert packing.per_sequence_pays([[(0, 8)]], 8, 1)  # one sequence a row: the causal kernel, no extra call
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("call_cost", [0.0, 1e18], ids=["per-sequence", "one-masked-call"])
 def test_attention_per_packed_sequence_gives_the_masked_paths_values_and_gradients(varlen_pair, monkeypatch,
-                                                                                    checkpointing):
+                                                                                    checkpointing, call_cost):
+    from services.lib import packing
+
+    monkeypatch.setattr(packing, "CALL_COST_UNITS", call_cost)
     mask_model, varlen_model = varlen_pair
     if checkpointing:  # the backward recomputes each layer: it must take the same attention again
         for m in varlen_pair:
@@ -157,18 +177,21 @@ def test_attention_per_packed_sequence_gives_the_masked_paths_values_and_gradien
     real = torch.nn.functional.scaled_dot_product_attention
 
     def spy(q, *a, **kw):
-        calls.append((q.shape[2], kw.get("attn_mask") is None and kw.get("is_causal")))
+        calls.append((q.shape[0], q.shape[2], kw.get("attn_mask") is None and kw.get("is_causal")))
         return real(q, *a, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     got, got_mask, got_grads = run_with_grads(varlen_model, packed_sequence_logprobs)
     monkeypatch.undo()
-    # every call is one sequence (or a row's tail), causal and unmasked: 2 layers x the packed sequences
     lengths = [len(p) + len(c) for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]
     rows = pack_rows(lengths, max(lengths))
-    per_pass = sum(len(r) + (sum(lengths[i] for i in r) < max(lengths)) for r in rows)
-    assert len(calls) == 2 * per_pass * (2 if checkpointing else 1)
-    assert all(causal or n == 1 for n, causal in calls) and max(n for n, _ in calls) == max(lengths)
+    passes = 2 * (2 if checkpointing else 1)  # 2 layers, each again in the backward when checkpointed
+    if call_cost == 0.0:  # a causal, unmasked call per packed sequence (and per row tail)
+        per_pass = sum(len(r) + (sum(lengths[i] for i in r) < max(lengths)) for r in rows)
+        assert len(calls) == passes * per_pass
+        assert all(b == 1 and (causal or n == 1) for b, n, causal in calls) and max(n for _, n, _ in calls) == 12
+    else:  # one masked call on all the rows
+        assert calls == [(len(rows), max(lengths), False)] * passes
     assert torch.equal(got_mask, want_mask) and torch.allclose(got, want, atol=1e-5)
     for name, g in want_grads.items():
         assert torch.allclose(g, got_grads[name], atol=1e-5), name
