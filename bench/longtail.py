@@ -262,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.eval_every:
                 r.curve, offline = run_curve(r, runfile, model_dir, eval_every=args.eval_every,
                                              eval_prompts=eval_prompts, threads=1, seed=args.seed)
+            else:  # the loop's own start and end rounds (one prompt, one sample) are no curve
+                r.curve = []
             figures[name] = {**side_figures(r, limit, mode == "sync"), **offline}
     except (BenchRunError, ValueError) as e:
         print(f"longtail: {e}", file=sys.stderr)
