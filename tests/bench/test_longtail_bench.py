@@ -108,6 +108,18 @@ def test_the_coding_workload_gets_a_batch_whose_episodes_overlap_and_no_offline_
                                                                     "sync", "shared")
 
 
+def test_a_layout_without_evaluation_gives_throughput_beside_the_ideal_and_no_same_reward_figures(tmp_path):
+    from bench._rlbus_runs import RunResult
+    from bench.longtail import layout_figures
+
+    split = {"g_s": 20.0, "t_s": 25.0, "w_s": 2.0, "period_s": 50.0}
+    sync = RunResult("sync", tmp_path, [], {"last_step_s": 1000.0}, 1.0)
+    async_ = RunResult("async", tmp_path, [], {"last_step_s": 625.0}, 1.0)
+    f = layout_figures({"split": split}, {}, sync, async_, None)
+    assert f == {"ideal_speedup": 1.88, "measured_speedup": 1.6, "measured_over_ideal": round(1.6 / 1.88, 3),
+                 "ideal_speedup_of_period": 2.0}
+
+
 def test_the_longtail_example_asks_for_reasoning_up_to_512_tokens_on_vllm():
     path = WORKLOADS["longtail"]
     assert Path(resolve_target("longtail")) == path  # `rlbus run longtail` finds it
