@@ -72,6 +72,9 @@ async def test_a_dead_engine_stops_the_rollout_with_an_error_and_loses_no_ticket
             await m.ack()
         if redelivered | finished >= {f"g{i}" for i in range(TICKETS)}:
             break
-    assert redelivered, "no ticket came back after the engine died"
-    assert redelivered | finished == {f"g{i}" for i in range(TICKETS)}, (sorted(redelivered), sorted(finished))
+    everything = {f"g{i}" for i in range(TICKETS)}
+    # the tickets in flight at the kill come back; on a fast run the engine may have finished all of them
+    # between the check above and the kill (seen once in CI), and then there is nothing to come back
+    assert redelivered or finished == everything, "no ticket came back after the engine died"
+    assert redelivered | finished == everything, (sorted(redelivered), sorted(finished))  # none lost
     await nc.close()
