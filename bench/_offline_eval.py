@@ -12,7 +12,9 @@ evaluates TRL's side with the same :func:`held_out_reward`, its clock stopped me
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,44 @@ def held_out_reward(model: Any, tokenizer: Any, task: Any, eval_set: list[Any], 
                          temperature=cfg.eval.temperature, max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens)
 
 
+#: the script that generates with vLLM, run under the vLLM environment's interpreter
+VLLM_EVAL = Path(__file__).with_name("_vllm_eval.py")
+#: the most seconds one version's vLLM evaluation may take (start-up included)
+VLLM_EVAL_TIMEOUT_S = 1800.0
+
+
+def vllm_held_out_reward(model_dir: Path, tokenizer: Any, task: Any, eval_set: list[Any], cfg: Any, *,
+                         seed: int, dtype: str = "bfloat16") -> float:
+    """:func:`held_out_reward`'s figure with vLLM generating: the same prompts (``cfg.eval.samples`` a
+    prompt), temperature and completion length, the completions scored here by the task's reward. vLLM
+    runs in its own process under :func:`services.launcher.environments.vllm_python` (``bench/_vllm_eval.py``),
+    which loads ``model_dir`` in ``dtype``.
+
+    Raises:
+        RuntimeError: vLLM failed or answered something else than one completion per prompt.
+    """
+    from services.launcher.environments import vllm_python
+
+    repeated = [p for p in eval_set for _ in range(cfg.eval.samples)]
+    request = {"model": str(model_dir), "prompts": [list(task.format_prompt(tokenizer, p)) for p in repeated],
+               "temperature": cfg.eval.temperature, "max_tokens": cfg.sampling.max_new_tokens or task.max_new_tokens,
+               "seed": seed, "dtype": dtype}
+    proc = subprocess.run([vllm_python(), str(VLLM_EVAL)], input=json.dumps(request), capture_output=True,
+                          text=True, timeout=VLLM_EVAL_TIMEOUT_S, cwd=VLLM_EVAL.parents[1])
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM evaluation of {model_dir} exited with {proc.returncode}: "
+                           f"{proc.stderr.strip()[-2000:]}")
+    answer = json.loads(lines[-1])
+    completions = answer.get("completions")
+    if not isinstance(completions, list) or len(completions) != len(repeated):
+        raise RuntimeError(f"vLLM evaluation of {model_dir}: {len(repeated)} prompts, answer {str(answer)[:200]}")
+    log.info("vllm eval of %s: load %.1fs, generate %.1fs", model_dir.name, answer["load_s"], answer["generate_s"])
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    rewards = [task.reward(p, t).value for p, t in zip(repeated, texts, strict=True)]
+    return sum(rewards) / max(1, len(rewards))
+
+
 def run_task(runfile: Any) -> Any:
     """The run file's ``[task]``, built with its options."""
     from services.tasks import get_task
@@ -62,15 +102,18 @@ def run_task(runfile: Any) -> Any:
 
 
 def evaluate_versions(runfile: Any, versions: dict[int, Path], *, eval_prompts: int, threads: int,
-                      seed: int) -> dict[int, float]:
-    """``{step: reward}`` of model directories ``{step: dir}`` (step 0: the initial model), each loaded in
-    float32 and evaluated with :func:`held_out_reward` (the run file's ``[services.trainer]`` eval settings)
-    on its ``[task]``'s first ``eval_prompts`` held-out prompts (0: all), on ``threads`` torch threads, the
-    torch RNG seeded once with ``seed``."""
+                      seed: int, engine: str = "hf") -> dict[int, float]:
+    """``{step: reward}`` of model directories ``{step: dir}`` (step 0: the initial model) on the run file's
+    ``[task]``'s first ``eval_prompts`` held-out prompts (0: all), with its ``[services.trainer]`` eval
+    settings. ``engine`` "hf": each loaded in float32 and evaluated with :func:`held_out_reward` on
+    ``threads`` torch threads, the torch RNG seeded once with ``seed``; "vllm": :func:`vllm_held_out_reward`
+    (every core, prompt ``i`` seeded ``seed + i``)."""
     import torch
 
     from services.lib.model_io import load_policy
 
+    if engine not in ("hf", "vllm"):
+        raise ValueError(f"evaluation engine {engine!r}: expected 'hf' or 'vllm'")
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     cfg = runfile.services.trainer
@@ -78,15 +121,21 @@ def evaluate_versions(runfile: Any, versions: dict[int, Path], *, eval_prompts: 
     eval_set = task.eval_prompts()[: eval_prompts or None]
     rewards = {}
     for step, path in sorted(versions.items()):
-        model, tokenizer = load_policy(path, "float32")
-        rewards[step] = held_out_reward(model, tokenizer, task, eval_set, cfg)
-        log.info("offline eval of step %d (%s): reward %.3f", step, path.name, rewards[step])
-        del model
+        if engine == "vllm":
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            rewards[step] = vllm_held_out_reward(path, tokenizer, task, eval_set, cfg, seed=seed)
+        else:
+            model, tokenizer = load_policy(path, "float32")
+            rewards[step] = held_out_reward(model, tokenizer, task, eval_set, cfg)
+            del model
+        log.info("offline eval (%s) of step %d (%s): reward %.3f", engine, step, path.name, rewards[step])
     return rewards
 
 
 def run_curve(r: RunResult, runfile: Any, model_dir: Path, *, eval_every: int, eval_prompts: int, threads: int,
-              seed: int) -> tuple[list[EvalPoint], dict[str, Any]]:
+              seed: int, engine: str = "hf") -> tuple[list[EvalPoint], dict[str, Any]]:
     """The run's curve from its kept versions (every ``eval_every``-th step and the last) and the initial
     model ``model_dir``, evaluated on ``runfile``'s task and eval settings (:func:`evaluate_versions`), placed at the steps' trainer clock times; and figures about it (checkpoint cost,
     offline eval time, versions the keeper missed)."""
@@ -101,7 +150,7 @@ def run_curve(r: RunResult, runfile: Any, model_dir: Path, *, eval_every: int, e
         log.warning("%s: versions of steps %s were pruned before the bench kept them", r.label, missing)
     t0 = time.monotonic()
     curve = offline_curve(metrics, evaluate_versions(runfile, versions, eval_prompts=eval_prompts, threads=threads,
-                                                     seed=seed))
+                                                     seed=seed, engine=engine))
     writes = [v for s, v in r.checkpoint_write_s.items() if s < last]  # the last one is written after the clock
     return curve, {
         "eval_s_total": round(time.monotonic() - t0, 1),

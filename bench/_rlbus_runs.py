@@ -28,7 +28,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+import tomllib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,24 @@ def toml_value(value: object) -> str:
     if isinstance(value, str):
         return json.dumps(value)  # a JSON string is a valid TOML basic string
     raise TypeError(f"cannot write {type(value).__name__} {value!r} as a --set value; use bool, int, float or str")
+
+
+def parse_set_item(item: str, key_of: Callable[[str], str] = str.strip) -> tuple[str, object]:
+    """A bench's ``--set KEY=VALUE``: ``(key_of(KEY), value)``, the value a TOML literal, else the text itself
+    (``lr=2e-5``: a float, ``type=vllm``: the string). ``key_of`` maps what was typed to the full config key.
+
+    Raises:
+        ValueError: no ``=`` or no key (and whatever ``key_of`` raises).
+    """
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError(f"expected KEY=VALUE, got {item!r}")
+    key = key_of(key)
+    try:
+        return key, tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key, text
 
 
 def set_args(overrides: Mapping[str, object]) -> list[str]:
@@ -363,6 +382,18 @@ def checkpoint_cost(metrics: Iterable[Mapping[str, Any]], every: int) -> dict[st
             "checkpoint_cost_s": round(extra * len(after), 2)}
 
 
+#: the kept versions' write times, ``{step: seconds}``, beside them (:class:`VersionKeeper`)
+WRITE_TIMES = "write_s.json"
+
+
+def read_write_times(run_dir: Path) -> dict[int, float]:
+    """The write times :class:`VersionKeeper` recorded for ``run_dir``'s kept versions (empty if none)."""
+    path = run_dir / KEPT_DIR / WRITE_TIMES
+    if not path.is_file():
+        return {}
+    return {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
+
+
 class VersionKeeper:
     """Keeps every checkpoint a running trainer writes under ``<run_dir>/checkpoints/`` (which keeps only
     the two newest) as a loadable model directory ``<run_dir>/bench_versions/step-<N>/``: a thread polls
@@ -387,6 +418,8 @@ class VersionKeeper:
         self._stop.set()
         self._thread.join()
         self.sweep()  # what the last poll missed (the final checkpoint)
+        if self.dst.is_dir():  # for a later evaluation from the run directory alone (read_write_times)
+            (self.dst / WRITE_TIMES).write_text(json.dumps({str(k): v for k, v in sorted(self.write_s.items())}))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):

@@ -49,7 +49,6 @@ import json
 import logging
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repo importable
@@ -66,6 +65,7 @@ from bench._rlbus_runs import (  # noqa: E402
     default_target,
     example_model_dir,
     example_run_file,
+    parse_set_item,
     ratio,
     read_run,
     resolved_run_file,
@@ -148,16 +148,7 @@ def trainer_key(key: str) -> str:
 
 def parse_set(item: str) -> tuple[str, object]:
     """``KEY=VALUE`` as a config key (:func:`trainer_key`) and a value (a TOML literal, else the text itself)."""
-    key, sep, text = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ValueError(f"expected KEY=VALUE, got {item!r}")
-    key = trainer_key(key)
-    try:
-        value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text
-    return key, value
+    return parse_set_item(item, trainer_key)
 
 
 def parse_variant(item: str) -> tuple[str, dict[str, object]]:

@@ -148,7 +148,7 @@ def flops(dims: dict[str, int], tokens: int, logits: int, attention_sq: int) -> 
 
 def layout(side: str, prompts: list[int], completions: list[int], heads_x_dim: int) -> dict[str, int]:
     """What a side's layout computes: rows x width tokens, logit positions, sum of squared row widths."""
-    from services.lib.packing import pack_rows, per_sequence_pays
+    from services.lib.packing import pack_rows, packed_position_ids, per_sequence_pays, sequence_spans
 
     packing, all_logits, _, masked = SIDES[side]
     lengths = [p + c for p, c in zip(prompts, completions, strict=True)]
@@ -156,16 +156,10 @@ def layout(side: str, prompts: list[int], completions: list[int], heads_x_dim: i
     if packing:
         rows = pack_rows(lengths, width)
         logits = len(rows) * width if all_logits else sum(completions)
-        # per sequence (and each row's unused tail, one more sequence) or the whole row under a mask: the
-        # learner's attention takes the first only where it pays (services.lib.packing.per_sequence_pays)
-        tails = [width - sum(lengths[i] for i in r) for r in rows]
-        per_sequence = sum(n * n for n in lengths) + sum(t * t for t in tails)
-        spans = []
-        for r, tail in zip(rows, tails, strict=True):
-            cols = [0]
-            for n in [lengths[i] for i in r] + ([tail] if tail else []):
-                cols.append(cols[-1] + n)
-            spans.append(list(zip(cols[:-1], cols[1:], strict=False)))
+        # per sequence (the spans the learner's attention finds: each sequence and each row's unused tail) or
+        # the whole row under a mask: the learner takes the first only where it pays (per_sequence_pays)
+        spans = sequence_spans(packed_position_ids(lengths, rows, width))
+        per_sequence = sum((e - s) ** 2 for row in spans for s, e in row)
         whole_rows = masked or not per_sequence_pays(spans, width, heads_x_dim)
         return {"rows": len(rows), "width": width, "tokens": len(rows) * width, "logits": logits,
                 "attention_sq": len(rows) * width * width if whole_rows else per_sequence,

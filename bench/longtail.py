@@ -39,6 +39,18 @@ Figures (bench/_time_split.py says how each is read from the traces):
     .venv/bin/python bench/longtail.py --workload agentic --steps 30
     .venv/bin/python bench/longtail.py --workload coding --steps 6 --layouts pooled
 
+The runs need a quiet machine; their offline evaluations, off the clock, do not. ``--phase run`` runs the
+sides and keeps their versions; ``--phase evaluate`` (the same arguments and ``--work-dir``) evaluates them
+later and prints every figure, so several seeds' runs can go one after the other::
+
+    bench/longtail.py --workload longtail --steps 20 --layouts pooled --seed 1 --phase run --work-dir /tmp/s1
+    bench/longtail.py --workload longtail --steps 20 --layouts pooled --seed 1 --phase evaluate --work-dir /tmp/s1 \
+        --eval-engine vllm
+
+``--eval-engine vllm`` generates the evaluation's completions with vLLM (``bench/_vllm_eval.py``, in the
+vLLM environment) instead of transformers' ``generate``: about a minute a version of 50 long completions
+here instead of five. Curves are comparable only between runs evaluated by the same engine.
+
 The last stdout line is one JSON object of the figures.
 """
 
@@ -49,7 +61,6 @@ import json
 import logging
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +77,11 @@ from bench._rlbus_runs import (  # noqa: E402
     default_target,
     example_model_dir,
     example_run_file,
+    parse_set_item,
     ratio,
     read_metrics,
+    read_run,
+    read_write_times,
     run_rlbus,
     toml_value,
 )
@@ -120,11 +134,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="a config key on every side, on top of the bench's (full dotted key; the value a TOML "
                    "literal); repeatable")
+    p.add_argument("--phase", choices=("all", "run", "evaluate"), default="all",
+                   help="all: run every side, then evaluate each offline; run: only run them, keeping their "
+                   "versions (throughput and split; no same-reward figures); evaluate: only evaluate the runs "
+                   "an earlier --phase run left in --work-dir (same arguments), and print every figure. "
+                   "Splitting lets the runs go one after the other on a quiet machine while the evaluations, "
+                   "off the clock, wait for a busy one")
+    p.add_argument("--eval-engine", choices=("hf", "vllm"), default="hf",
+                   help="what generates the offline evaluation's completions: hf (transformers' generate, "
+                   "float32, one thread) or vllm (vLLM in the rollout's vLLM environment, every core, the "
+                   "run's engine dtype; several times faster on long completions). Compare curves only "
+                   "between runs evaluated with the same engine")
     p.add_argument("--timeout-s", type=float, default=7200.0, help="most seconds one side's run may take")
     p.add_argument("--work-dir", type=Path, default=None, help="where the run directories go (default: a temp dir)")
     args = p.parse_args(argv)
     try:
-        args.sets = dict(_set_item(item) for item in args.sets)
+        args.sets = dict(parse_set_item(item) for item in args.sets)
     except ValueError as e:
         p.error(f"--set: {e}")
     args.modes = choice_list(p, "--modes", args.modes, MODES)
@@ -143,18 +168,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--steps must be >= 1")
     if args.eval_every < 0:
         p.error("--eval-every must be >= 0")
+    if args.phase == "evaluate" and args.work_dir is None:
+        p.error("--phase evaluate reads the runs of an earlier --phase run: name its --work-dir")
+    if args.phase != "all" and not args.eval_every:
+        p.error(f"--phase {args.phase}: only evaluated runs have phases; with --eval-every 0 run them whole")
     return args
-
-
-def _set_item(item: str) -> tuple[str, object]:
-    """``KEY=VALUE``: a dotted config key and its value, a TOML literal (else the text itself)."""
-    key, sep, text = item.partition("=")
-    if not sep or not key.strip():
-        raise ValueError(f"expected KEY=VALUE, got {item!r}")
-    try:
-        return key.strip(), tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return key.strip(), text
 
 
 def side_overrides(args: argparse.Namespace, runfile: Any, mode: str, layout: str) -> dict[str, object]:
@@ -251,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for mode, layout in sides:
             name = f"{mode}-{layout}"
+            if args.phase == "evaluate":  # an earlier --phase run's
+                results[name] = read_run(name, work / name)
+                results[name].checkpoint_write_s = read_write_times(work / name)
+                continue
             results[name] = run_rlbus(name, work / name, side_overrides(args, runfile, mode, layout),
                                       example=args.example, timeout_s=args.timeout_s, env=TRACE_ALL,
                                       keep_versions=args.eval_every > 0)
@@ -259,9 +281,10 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{mode}-{layout}"
             r = results[name]
             offline: dict[str, Any] = {}
-            if args.eval_every:
+            if args.eval_every and args.phase != "run":
                 r.curve, offline = run_curve(r, runfile, model_dir, eval_every=args.eval_every,
-                                             eval_prompts=eval_prompts, threads=1, seed=args.seed)
+                                             eval_prompts=eval_prompts, threads=1, seed=args.seed,
+                                             engine=args.eval_engine)
             else:  # the loop's own start and end rounds (one prompt, one sample) are no curve
                 r.curve = []
             figures[name] = {**side_figures(r, limit, mode == "sync"), **offline}
@@ -287,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         "sample_budget": samples_per_step * args.steps,
         "max_new_tokens": limit,
         "set": args.sets,
+        "phase": args.phase,
         "eval_every": args.eval_every,
         "eval_prompts": eval_prompts,
+        "eval_engine": args.eval_engine if args.eval_every and args.phase != "run" else None,
         "pool_cpus": list(pool_cpus()) if "pooled" in args.layouts else None,
         "layouts": layouts,
         # shared / pooled trainer clock for the whole budget (> 1: the disjoint pools are faster)

@@ -117,7 +117,13 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._offline_eval import held_out_reward, offline_overrides, run_curve, run_task  # noqa: E402
+from bench._offline_eval import (  # noqa: E402
+    evaluate_versions,
+    held_out_reward,
+    offline_overrides,
+    run_curve,
+    run_task,
+)
 from bench._rlbus_runs import (  # noqa: E402
     EXAMPLE,
     REPO,
@@ -224,6 +230,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="offline (default): rlbus keeps every eval_every-th version (checkpoints) and the bench "
                    "evaluates them after the run exactly as TRL's callback does, off the clock; inloop: the "
                    "rlbus trainer evaluates through its rollout engine beside training (that load is on its clock)")
+    p.add_argument("--eval-engine", choices=["hf", "vllm"], default="hf",
+                   help="what generates both sides' evaluations: hf (transformers' generate, float32, "
+                   "--trl-threads threads; TRL's callback evaluates during training, its clock stopped) or vllm "
+                   "(vLLM in its environment, bf16, every core; several times faster on long completions): "
+                   "TRL's callback then only saves the model, its clock stopped, and every version of both "
+                   "sides is evaluated after the runs, so the quiet machine the runs need is not spent on "
+                   "evaluating (offline rlbus evaluation only)")
     p.add_argument("--only", choices=["trl", "rlbus"], default=None, help="run one side only (no ratio)")
     p.add_argument("--order", choices=["trl-first", "rlbus-first"], default="trl-first")
     p.add_argument("--work-dir", type=Path, default=None, help="where outputs go (default: a temp dir)")
@@ -250,6 +263,8 @@ def apply_defaults(args: argparse.Namespace) -> Comparison:
         args.rlbus_modes = comp.rlbus_modes
     if args.rlbus_layout is None:
         args.rlbus_layout = comp.rlbus_layout
+    if args.eval_engine == "vllm" and args.rlbus_eval != "offline":
+        raise ValueError("--eval-engine vllm evaluates versions after the runs: it needs --rlbus-eval offline")
     if args.steps < 1 or args.eval_every < 1 or args.eval_prompts < 0 or args.trl_threads < 1 or args.max_wall_s < 0:
         raise ValueError("--steps, --eval-every and --trl-threads must be >= 1, --eval-prompts and --max-wall-s >= 0")
     return comp
@@ -390,10 +405,19 @@ def run_trl(args: argparse.Namespace, runfile: Any, model_dir: Path,
         def evaluate(self, model: Any, step: int) -> None:
             t = self.now()
             started = time.monotonic()
-            reward = held_out_reward(model, tokenizer, task, eval_set, cfg)
+            if args.eval_engine == "vllm":  # saved now, evaluated after training (the initial model is model_dir)
+                if step:
+                    model.save_pretrained(versions_dir / f"step-{step:06d}")
+                    tokenizer.save_pretrained(versions_dir / f"step-{step:06d}")
+                reward = float("nan")
+            else:
+                reward = held_out_reward(model, tokenizer, task, eval_set, cfg)
             self.eval_s += time.monotonic() - started
             self.curve.append(EvalPoint(version=step, step=step, reward=reward, t=t, reported_s=t))
-            log.info("trl: eval at step %d (%.1fs): reward %.3f", step, t, reward)
+            if args.eval_engine == "vllm":
+                log.info("trl: step %d (%.1fs) kept for the evaluation after training", step, t)
+            else:
+                log.info("trl: eval at step %d (%.1fs): reward %.3f", step, t, reward)
 
         def on_train_begin(self, _args, state, control, model=None, **kw):
             self.t0 = time.monotonic()
@@ -412,12 +436,22 @@ def run_trl(args: argparse.Namespace, runfile: Any, model_dir: Path,
             if logs and "reward" in logs:
                 self.train_rewards.append(float(logs["reward"]))
 
+    versions_dir = out_dir / "versions"
     clock = EvalClock()
     trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock])
     with contextlib.redirect_stdout(sys.stderr):  # TRL prints its logs: keep stdout for the JSON line
         trainer.train()
     times = clock.step_times
+    if args.eval_engine == "vllm":
+        del trainer, model  # free the learner's memory for vLLM
+        started = time.monotonic()
+        versions = {p.step: (versions_dir / f"step-{p.step:06d}" if p.step else model_dir) for p in clock.curve}
+        rewards = evaluate_versions(runfile, versions, eval_prompts=len(eval_set), threads=args.trl_threads,
+                                    seed=args.seed, engine="vllm")
+        clock.curve = [EvalPoint(version=p.version, step=p.step, reward=rewards[p.step], t=p.t, reported_s=p.t)
+                       for p in clock.curve]
+        clock.eval_s += time.monotonic() - started
     stats = {
         "steps": len(times),
         "last_step_s": round(times[-1], 2) if times else 0.0,
@@ -441,7 +475,7 @@ def rlbus_offline_curve(args: argparse.Namespace, runfile: Any, model_dir: Path,
     :func:`held_out_reward`, float32, ``--trl-threads`` threads, seeded with ``--seed``)."""
     return run_curve(r, runfile, model_dir, eval_every=args.eval_every,
                      eval_prompts=eval_prompt_count(args, runfile.services.trainer), threads=args.trl_threads,
-                     seed=args.seed)
+                     seed=args.seed, engine=args.eval_engine)
 
 
 def eval_prompt_count(args: argparse.Namespace, cfg: Any) -> int:
@@ -528,11 +562,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.model == "longtail":
             timeout = max(timeout, 7200.0)  # reasoning up to 512 tokens: minutes a step here
         offline = args.rlbus_eval == "offline"
-        for name, keys in rlbus_runs(args, runfile).items():
-            r = run_rlbus(name, work / name, {**rlbus_overrides(args, cfg), **rlbus_eval_overrides(args), **keys,
-                                              **extra},
-                          example=comp.example, timeout_s=timeout, profile="trainer" if args.profile else None,
-                          keep_versions=offline)
+        runs = {name: run_rlbus(name, work / name, {**rlbus_overrides(args, cfg), **rlbus_eval_overrides(args),
+                                                     **keys, **extra},
+                                example=comp.example, timeout_s=timeout, profile="trainer" if args.profile else None,
+                                keep_versions=offline)
+                for name, keys in rlbus_runs(args, runfile).items()}
+        for name, r in runs.items():  # every run first, then the evaluations: the runs go one after the other
             more: dict[str, Any] = {}
             if offline:
                 r.curve, more = rlbus_offline_curve(args, runfile, model_dir, r)
@@ -582,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         "lr": cfg.optim.lr,
         "eval_samples": cfg.eval.samples,
         "rlbus_eval": args.rlbus_eval,
+        "eval_engine": args.eval_engine,
         "eval_every": args.eval_every,
         "eval_prompts": args.eval_prompts,
         "seed": args.seed,

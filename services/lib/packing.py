@@ -22,7 +22,9 @@ through the same parameters; ``bench/learner.py`` measures what it saves.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +53,20 @@ def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
             rows.append([i])
             free.append(max(width - lengths[i], 0))
     return rows
+
+
+def packed_position_ids(lengths: Sequence[int], rows: Sequence[Sequence[int]], width: int) -> Tensor:
+    """``[len(rows), width]`` positions of sequences of ``lengths`` packed into ``rows`` (:func:`pack_rows`):
+    each sequence counts from 0 where it starts, and a row's unused tail counts from 0 too (one more sequence,
+    ignored by the loss), so :func:`sequence_spans` finds every sequence from the restarts."""
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, members in enumerate(rows):
+        offset = 0
+        for i in members:
+            position_ids[r, offset : offset + lengths[i]] = torch.arange(lengths[i])
+            offset += lengths[i]
+        position_ids[r, offset:] = torch.arange(width - offset)
+    return position_ids
 
 
 def packed_sequence_logprobs(
@@ -84,7 +100,7 @@ def packed_sequence_logprobs(
     width = max(lengths)
     rows = pack_rows(lengths, width)
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    position_ids = packed_position_ids(lengths, rows, width)
     # per row: (sequence, column predicting each of its completion tokens, that token)
     predictions: list[list[tuple[int, int, int]]] = []
     for r, members in enumerate(rows):
@@ -92,11 +108,9 @@ def packed_sequence_logprobs(
         for i in members:
             seq = list(prompt_ids[i]) + list(completion_ids[i])
             input_ids[r, offset : offset + len(seq)] = torch.tensor(seq, dtype=torch.long)
-            position_ids[r, offset : offset + len(seq)] = torch.arange(len(seq))
             first = offset + len(prompt_ids[i]) - 1  # the column predicting completion token 0
             row_predictions += [(i, first + j, tok) for j, tok in enumerate(completion_ids[i])]
             offset += len(seq)
-        position_ids[r, offset:] = torch.arange(width - offset)  # the tail: one more (ignored) sequence
         predictions.append(row_predictions)
 
     # 2. logits only at the positions that predict a completion token: a boolean [rows, width] mask, which
@@ -177,6 +191,21 @@ def _sequence_starts(position_ids: Tensor) -> Tensor:
     return starts
 
 
+#: the last ``position_ids`` whose spans were found (a weak reference and its version counter) and the spans:
+#: every layer of a pass gets the same tensor, so the spans are found once a pass, not once a layer
+_SPANS_MEMO: list[Any] = [None, -1, None]
+
+
+def _spans_of_this_pass(position_ids: Tensor) -> list[list[tuple[int, int]]]:
+    """:func:`sequence_spans` of ``position_ids``, found again only for another tensor or one changed in place."""
+    ref, version, spans = _SPANS_MEMO
+    if ref is not None and ref() is position_ids and version == position_ids._version:
+        return spans
+    spans = sequence_spans(position_ids)
+    _SPANS_MEMO[:] = [weakref.ref(position_ids), position_ids._version, spans]
+    return spans
+
+
 def varlen_sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                           attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           **kwargs: object) -> tuple[Tensor, None]:
@@ -197,11 +226,12 @@ def varlen_sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
     if attention_mask is not None or not isinstance(position_ids, Tensor) or q_len != key.shape[2] or q_len < 2:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if position_ids.shape[0] != query.shape[0]:
+    spans = _spans_of_this_pass(position_ids)
+    if position_ids.shape[0] != query.shape[0]:  # one row of positions for every row of the batch
         position_ids = position_ids.expand(query.shape[0], -1)
+        spans = spans * query.shape[0]
     gqa = query.shape[1] != key.shape[1]
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    spans = sequence_spans(position_ids)
     if not per_sequence_pays(spans, q_len, query.shape[1] * query.shape[3]):
         # one call on whole rows under the block-diagonal causal mask (many short sequences)
         ids = torch.cumsum(_sequence_starts(position_ids).long(), dim=1)  # which sequence each column is in

@@ -162,9 +162,39 @@ def test_arguments_name_what_is_wrong():
     with_set = parse_args(["--quick", "--set", "services.trainer.optim.lr=0.5"])
     assert side_overrides(with_set, RunFile.load(with_set.example, env={}), "sync", "shared")[
         "services.trainer.optim.lr"] == 0.5
-    for bad in (["--modes", "fast"], ["--layouts", ""], ["--steps", "0"], ["--eval-every", "-1"], ["--set", "=1"]):
+    for bad in (["--modes", "fast"], ["--layouts", ""], ["--steps", "0"], ["--eval-every", "-1"], ["--set", "=1"],
+                ["--phase", "evaluate"],  # nothing to read the runs from
+                ["--phase", "run", "--eval-every", "0", "--work-dir", "/tmp/x"],  # no versions: nothing to split
+                ["--eval-engine", "tgi"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_a_run_phase_then_an_evaluate_phase_give_one_invocations_figures(tmp_path):
+    """``--phase run`` runs the sides and keeps their versions (no curve yet); ``--phase evaluate`` with the
+    same arguments reads those runs back, evaluates them and prints every figure, the same throughput too."""
+    common = [sys.executable, str(SCRIPT), "--quick", "--modes", "sync,async", "--layouts", "shared",
+              "--work-dir", str(tmp_path)]
+    ran = subprocess.run([*common, "--phase", "run"], capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    first = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert first["phase"] == "run" and first["eval_engine"] is None
+    assert all(side["curve"] == [] for side in first["sides"].values())
+    assert "time_ratio" not in first["layouts"]["shared"] and first["layouts"]["shared"]["measured_speedup"] > 0
+    for name in ("sync-shared", "async-shared"):  # the versions and their write times stay for the second phase
+        kept = tmp_path / name / "bench_versions"
+        assert (kept / "step-000003" / "config.json").is_file() and (kept / "write_s.json").is_file()
+    evaluated = subprocess.run([*common, "--phase", "evaluate"], capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    second = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    assert second["phase"] == "evaluate" and second["eval_engine"] == "hf"
+    for name, side in second["sides"].items():
+        assert [p[0] for p in side["curve"]] == [0, 3, 6], name  # the initial model and the kept versions
+        assert side["last_step_s"] == first["sides"][name]["last_step_s"]  # the same runs, read back
+        assert side["checkpoint_write_s_mean"] is not None, name
+    shared = second["layouts"]["shared"]
+    assert shared["measured_speedup"] == first["layouts"]["shared"]["measured_speedup"]
+    assert "time_ratio" in shared and 0 <= shared["target"] <= 1
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the pooled layout needs two CPUs")

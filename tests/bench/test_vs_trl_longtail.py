@@ -88,3 +88,13 @@ def test_quick_runs_trl_and_rlbus_sync_and_async_pooled(tmp_path):
         resolved = json.loads((tmp_path / name / "config.resolved.json").read_text())
         assert resolved["services"]["trainer"]["max_staleness"] == staleness
         assert resolved["placement"]["trainer"]["cpus"] != resolved["placement"]["rollout"]["cpus"]
+
+
+def test_a_vllm_evaluation_is_after_the_runs_so_it_needs_rlbus_evaluated_offline():
+    args = parse_args(["--model", "longtail", "--eval-engine", "vllm"])
+    apply_defaults(args)
+    assert (args.eval_engine, args.rlbus_eval) == ("vllm", "offline")
+    with pytest.raises(ValueError, match="--rlbus-eval offline"):
+        apply_defaults(parse_args(["--model", "longtail", "--eval-engine", "vllm", "--rlbus-eval", "inloop"]))
+    with pytest.raises(SystemExit):
+        parse_args(["--eval-engine", "tgi"])

@@ -220,3 +220,26 @@ def test_a_saved_model_does_not_carry_the_attention_setting(varlen_pair, tmp_pat
     varlen_model.save_pretrained(tmp_path)
     saved = (tmp_path / "config.json").read_text()
     assert VARLEN_ATTENTION not in saved and "attn_implementation" not in saved
+
+
+def test_the_spans_are_found_once_a_pass_not_once_a_layer(varlen_pair, monkeypatch):
+    from services.lib import packing
+
+    monkeypatch.setattr(packing, "CALL_COST_UNITS", 0.0)
+    found = []
+    real = packing.sequence_spans
+
+    def counting(position_ids):  # not a mock: counts, then finds the spans with the real function
+        found.append(position_ids.shape)
+        return real(position_ids)
+
+    monkeypatch.setattr(packing, "sequence_spans", counting)
+    _, varlen_model = varlen_pair
+    assert varlen_model.config.num_hidden_layers == 2
+    run_with_grads(varlen_model, packed_sequence_logprobs)
+    assert len(found) == 1  # two layers, one pass: the second layer reused the first one's spans
+    position_ids = torch.tensor([[0, 1, 2, 0, 1]])
+    assert packing._spans_of_this_pass(position_ids) == [[(0, 3), (3, 5)]]
+    position_ids[0, 3:] = torch.tensor([3, 4])  # changed in place: found again, not the stale spans
+    assert packing._spans_of_this_pass(position_ids) == [[(0, 5)]]
+    assert len(found) == 3
