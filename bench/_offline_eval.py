@@ -59,6 +59,9 @@ def held_out_reward(model: Any, tokenizer: Any, task: Any, eval_set: list[Any], 
 VLLM_EVAL = Path(__file__).with_name("_vllm_eval.py")
 #: the most seconds one version's vLLM evaluation may take (start-up included)
 VLLM_EVAL_TIMEOUT_S = 1800.0
+#: rewards of vLLM evaluations made in this process, by request: every side of a bench evaluates the initial
+#: model, and vLLM's per-prompt seeds make a repeated request's answer the same, so it is made once
+_VLLM_SEEN: dict[tuple[Any, ...], float] = {}
 
 
 def vllm_held_out_reward(model_dir: Path, tokenizer: Any, task: Any, eval_set: list[Any], cfg: Any, *,
@@ -74,6 +77,11 @@ def vllm_held_out_reward(model_dir: Path, tokenizer: Any, task: Any, eval_set: l
     from services.launcher.environments import vllm_python
 
     repeated = [p for p in eval_set for _ in range(cfg.eval.samples)]
+    key = (str(Path(model_dir).resolve()), tuple(p.id for p in repeated), cfg.eval.temperature,
+           cfg.sampling.max_new_tokens or task.max_new_tokens, seed, dtype)
+    if key in _VLLM_SEEN:  # prompt i is seeded seed + i: the same request gives the same completions
+        log.info("vllm eval of %s: the same request as before, reward %.3f", Path(model_dir).name, _VLLM_SEEN[key])
+        return _VLLM_SEEN[key]
     request = {"model": str(model_dir), "prompts": [list(task.format_prompt(tokenizer, p)) for p in repeated],
                "temperature": cfg.eval.temperature, "max_tokens": cfg.sampling.max_new_tokens or task.max_new_tokens,
                "seed": seed, "dtype": dtype}
@@ -90,7 +98,8 @@ def vllm_held_out_reward(model_dir: Path, tokenizer: Any, task: Any, eval_set: l
     log.info("vllm eval of %s: load %.1fs, generate %.1fs", model_dir.name, answer["load_s"], answer["generate_s"])
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     rewards = [task.reward(p, t).value for p, t in zip(repeated, texts, strict=True)]
-    return sum(rewards) / max(1, len(rewards))
+    _VLLM_SEEN[key] = sum(rewards) / max(1, len(rewards))
+    return _VLLM_SEEN[key]
 
 
 def run_task(runfile: Any) -> Any:

@@ -30,6 +30,23 @@ def test_vllm_gives_the_figure_of_hf_generate_on_the_same_prompts(loop_model_dir
     assert abs(vllm - hf) <= 1 / 40 + 1e-9, (hf, vllm)
 
 
+def test_a_repeated_request_gives_the_same_reward_so_it_is_made_once(loop_model_dir, monkeypatch):
+    """Every side of a bench evaluates the initial model: prompt i seeded seed + i makes vLLM's answer the same
+    each time (checked here at a temperature that samples), so the bench asks once."""
+    from bench import _offline_eval
+
+    runfile = example_run_file(REPO / "examples" / "addition.toml", ["services.trainer.eval.temperature=1.0",
+                                                                     "services.trainer.eval.samples=2"])
+    versions = {0: Path(loop_model_dir)}
+    first = evaluate_versions(runfile, versions, eval_prompts=30, threads=2, seed=5, engine="vllm")[0]
+    monkeypatch.setattr(_offline_eval, "_VLLM_SEEN", {})  # forget it: vLLM generates again
+    assert evaluate_versions(runfile, versions, eval_prompts=30, threads=2, seed=5, engine="vllm")[0] == first
+    started = []
+    monkeypatch.setattr(_offline_eval.subprocess, "run", lambda *a, **kw: started.append(a) or None)
+    assert evaluate_versions(runfile, versions, eval_prompts=30, threads=2, seed=5, engine="vllm")[0] == first
+    assert started == []  # answered from the first request, no vLLM started
+
+
 def test_a_directory_that_is_no_model_fails_naming_it(tmp_path, loop_model_dir):
     from transformers import AutoTokenizer
 
