@@ -169,3 +169,30 @@ def test_a_prediction_with_the_target_runs_lengths_draws_them(tmp_path):
     assert row["target_lengths"]["error"] == pytest.approx(with_own.steps_per_s / target.steps_per_s - 1, abs=1e-3)
     assert figures["max_abs_error_target_lengths"] == abs(row["target_lengths"]["error"])
     assert "target_lengths" not in check_runs(runs, "sync-a", cores=0, sim_steps=8)["predicted"]["sync-b"]
+
+
+def test_rlbus_simulate_predicts_with_another_runs_lengths(tmp_path, capsys):
+    import argparse
+
+    from services.launcher import simulate_cmd
+    from services.runtime.config import ConfigError
+
+    sync = ["services.trainer.max_staleness=0"]
+    short = write_run(tmp_path / "short", sync, GROUPS)
+    long = write_run(tmp_path / "long", sync, [alone(start, [2 * n for n in ns]) for start, _, ns in GROUPS])
+    write_steps(short, TOKENS, one_thread_s(TOKENS), period_s=8.0)
+    write_steps(long, [2 * n for n in TOKENS], one_thread_s([2 * n for n in TOKENS]), period_s=14.0)
+    parser = argparse.ArgumentParser()
+    simulate_cmd.add_parser(parser.add_subparsers())
+
+    def rows(*extra: str) -> list[dict]:
+        args = parser.parse_args(["simulate", str(short), "--cores", "0", "--steps", "8", "--set", "max_staleness=0",
+                                  *extra])
+        assert simulate_cmd.main(args) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["predicted"]
+
+    plain, drawn = rows(), rows("--lengths-from", str(long))
+    assert "lengths_from" not in plain[0] and drawn[0]["lengths_from"] == str(long)
+    assert drawn[0]["steps_per_s"] < plain[0]["steps_per_s"] * 0.8
+    with pytest.raises(ConfigError, match="--lengths-from goes with a RUN_DIR"):
+        simulate_cmd.main(parser.parse_args(["simulate", "--plan", "plan.toml", "--lengths-from", str(long)]))
