@@ -299,11 +299,16 @@ def serial_fraction(a: tuple[Shape, Rates], b: tuple[Shape, Rates]) -> float:
         raise FitError(f"both runs' learners had {n_a:g} threads: the scaling with threads needs two runs of "
                        "different trainer thread counts")
     tokens = _batch_tokens(shape_a)
-    ratio = ((rates_b.learn_fixed_s + rates_b.learn_per_token_s * tokens)
-             / (rates_a.learn_fixed_s + rates_a.learn_per_token_s * tokens))
+    step_a = rates_a.learn_fixed_s + rates_a.learn_per_token_s * tokens
+    step_b = rates_b.learn_fixed_s + rates_b.learn_per_token_s * tokens
+    if step_a <= 0 or step_b <= 0:
+        raise FitError("a fit's learner takes no time: the runs' metrics.jsonl show no time/step_s")
     # ratio = (s + (1 - s) / n_b) / (s + (1 - s) / n_a), linear in s
-    serial = (1 / n_b - ratio / n_a) / (ratio * (1 - 1 / n_a) - (1 - 1 / n_b))
-    return min(max(serial, 0.0), 1.0)
+    ratio = step_b / step_a
+    denominator = ratio * (1 - 1 / n_a) - (1 - 1 / n_b)
+    if denominator == 0:  # more threads slower by exactly as much as their count: no gain at all
+        return 1.0
+    return min(max((1 / n_b - ratio / n_a) / denominator, 0.0), 1.0)
 
 
 def lengths_of(measured: Measured) -> dict[str, Any]:

@@ -66,6 +66,18 @@ def test_a_shared_two_thread_fit_predicts_its_one_core_pool_by_the_scaling():
     assert predict(shape, rates, {"trainer_cores": 1}, steps=5).learner_s == pytest.approx(2.0)
 
 
+def test_the_serial_fraction_from_two_learner_rates_stays_a_fraction():
+    one, two = Shape(trainer_threads=1), Shape(trainer_threads=2)
+    for two_thread_s, expected in ((0.75, 0.5), (0.5, 0.0), (0.4, 0.0), (1.0, 1.0), (1.2, 1.0)):
+        # 0.4 s: faster than perfect scaling allows; 1.2 s: two threads slower than one (no gain)
+        got = serial_fraction((one, Rates(learn_fixed_s=1.0)), (two, Rates(learn_fixed_s=two_thread_s)))
+        assert got == pytest.approx(expected), two_thread_s
+    four = Shape(trainer_threads=4)  # 2 -> 4 threads at serial 0.5: (0.5 + 0.125) / (0.5 + 0.25)
+    assert serial_fraction((two, Rates(learn_fixed_s=0.75)), (four, Rates(learn_fixed_s=0.625))) == pytest.approx(0.5)
+    with pytest.raises(FitError, match="no time"):
+        serial_fraction((one, Rates()), (two, Rates(learn_fixed_s=1.0)))
+
+
 def test_the_serial_fraction_must_be_a_fraction():
     with pytest.raises(msgspec.ValidationError, match="learner_serial_fraction"):
         msgspec.convert({"learner_serial_fraction": 1.5}, Shape)
