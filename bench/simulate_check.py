@@ -19,6 +19,15 @@ rates stay. Each prediction gets the cores other tenants of the machine took dur
 
     .venv/bin/python bench/simulate_check.py --runs /tmp/lt20 --cores 2       # fit sync-pooled, predict the rest
 
+``--target-lengths``: each prediction is printed twice, with the fitted run's completion lengths (plain, the
+only way to predict a run not yet made) and with the target run's own (its traces' distribution and its
+batches' mean tokens, which change the learner's work too). Sampling differs with batching, so two runs at the
+same seed need not make the same lengths; the second figure separates the layout model's error from that.
+
+``--fit A,B`` (two runs whose learners had different thread counts, e.g. ``sync-pooled,sync-shared``): both are
+fitted, the learner's scaling with threads (``Shape.learner_serial_fraction``) is taken from the two learner
+rates, and the first predicts every other run with it. A prediction of B then uses a figure fitted from B.
+
 ``--background-yields``: the runs ran at normal priority while the machine's other tenants ran at
 ``nice -n 19`` (they took only the cores the runs left idle); without it they are taken to share every
 core fairly. Which one holds decides much of a prediction on a shared machine: say which in the figures.
@@ -42,7 +51,15 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._rlbus_runs import run_rlbus  # noqa: E402
-from services.launcher.simulate_fit import FitError, fit, measure, predict, shape_of  # noqa: E402
+from services.launcher.simulate_fit import (  # noqa: E402
+    FitError,
+    fit,
+    lengths_of,
+    measure,
+    predict,
+    serial_fraction,
+    shape_of,
+)
 from services.launcher.simulate_model import Shape  # noqa: E402
 
 VARIANTS = {
@@ -57,8 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=60, help="trainer steps per run (default 60)")
     p.add_argument("--runs", type=Path, default=None, metavar="DIR",
                    help="check the run directories in DIR instead of running three new ones")
-    p.add_argument("--fit", default=None, metavar="NAME",
-                   help="with --runs: the run to fit (default: the first synchronous one by name)")
+    p.add_argument("--fit", default=None, metavar="NAME[,NAME2]",
+                   help="with --runs: the run to fit (default: the first synchronous one by name); NAME,NAME2: "
+                   "also fit NAME2 and take the learner's scaling with threads from the two")
+    p.add_argument("--target-lengths", action="store_true",
+                   help="with --runs: also predict each run with its own completion lengths (beside the plain "
+                   "prediction with the fitted run's)")
     p.add_argument("--cores", type=float, default=None,
                    help="with --runs: cores of the machine the runs had (default: this machine's)")
     p.add_argument("--sim-steps", type=int, default=60, help="with --runs: simulated steps per prediction")
@@ -67,14 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.runs is not None:
         try:
-            figures = check_runs(args.runs, args.fit, args.cores, args.sim_steps, args.background_yields)
+            figures = check_runs(args.runs, args.fit, args.cores, args.sim_steps, args.background_yields,
+                                 args.target_lengths)
         except FitError as e:
             print(f"simulate_check: {e}", file=sys.stderr)
             return 2
         print(json.dumps(figures))
         return 0
-    if args.fit is not None or args.cores is not None:
-        p.error("--fit and --cores go with --runs")
+    if args.fit is not None or args.cores is not None or args.target_lengths:
+        p.error("--fit, --cores and --target-lengths go with --runs")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     root = Path(tempfile.mkdtemp(prefix="rlbus-bench-simulate-"))
     dirs = {}
@@ -104,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 #: Shape fields a fit sets from what the run recorded, not from its run file: never a change between runs
-FITTED = frozenset({"completion_tokens", "length_quantiles", "background"})
+FITTED = frozenset({"completion_tokens", "length_quantiles", "background", "learner_serial_fraction"})
 
 
 def run_dirs(root: Path) -> dict[str, Path]:
@@ -124,30 +146,49 @@ def changes_between(fitted: Shape, target: Shape) -> dict[str, Any]:
 
 
 def check_runs(root: Path, fit_name: str | None, cores: float | None, sim_steps: int,
-               background_yields: bool = False) -> dict[str, Any]:
-    """Fit the model to one run in ``root`` and predict every other from its own run file (module
-    docstring); prints a table, returns the figures."""
+               background_yields: bool = False, target_lengths: bool = False) -> dict[str, Any]:
+    """Fit the model to one run in ``root`` (``fit_name``; "A,B": A, with the learner's scaling with threads
+    from A and B) and predict every other from its own run file, with ``target_lengths`` also with its own
+    completion lengths (module docstring); prints a table, returns the figures."""
     dirs = run_dirs(root)
     shapes = {name: msgspec.structs.replace(shape_of(d, cores), background_yields=background_yields)
               for name, d in dirs.items()}
     if fit_name is None:
         fit_name = next((n for n, sh in shapes.items() if sh.max_staleness == 0), next(iter(dirs)))
-    if fit_name not in dirs:
-        raise FitError(f"--fit {fit_name}: not a run directory in {root} ({', '.join(dirs)})")
+    names = fit_name.split(",")
+    for name in names:
+        if name not in dirs:
+            raise FitError(f"--fit {fit_name}: {name!r} is not a run directory in {root} ({', '.join(dirs)})")
+    if len(names) > 2 or len(set(names)) != len(names):
+        raise FitError(f"--fit {fit_name}: one run, or two different runs (the second for the learner's scaling)")
+    fit_name = names[0]
     measured = measure(dirs[fit_name])
     fitted, rates, reproduced = fit(shapes[fit_name], measured, steps=sim_steps)
+    if len(names) == 2:
+        other_shape, other_rates, _ = fit(shapes[names[1]], measure(dirs[names[1]]), steps=sim_steps)
+        serial = serial_fraction((fitted, rates), (other_shape, other_rates))
+        fitted = msgspec.structs.replace(fitted, learner_serial_fraction=serial)
     figures: dict[str, Any] = {
         "bench": "simulate_check", "runs": str(root), "fitted_on": fit_name, "background_yields": background_yields,
+        "scaling_from": names if len(names) == 2 else None,
         "fitted": {"measured_steps_per_s": round(measured.steps_per_s, 5),
                    "reproduced_steps_per_s": round(reproduced.steps_per_s, 5),
                    "error": round(reproduced.steps_per_s / measured.steps_per_s - 1, 4),
-                   "length_quantiles": fitted.length_quantiles, "trainer_cores": fitted.trainer_cores,
+                   "length_quantiles": fitted.length_quantiles, "completion_tokens": round(fitted.completion_tokens, 2),
+                   "trainer_cores": fitted.trainer_cores, "trainer_threads": fitted.trainer_threads,
+                   "learner_serial_fraction": round(fitted.learner_serial_fraction, 4),
+                   "learn_fixed_s": round(rates.learn_fixed_s, 4), "learn_per_token_s": round(rates.learn_per_token_s, 6),
                    "iter_fixed_s": round(rates.iter_fixed_s, 5), "iter_per_seq_s": round(rates.iter_per_seq_s, 6)},
         "predicted": {}}
+    scaling = (f"fitted from {' and '.join(names)}" if len(names) == 2 else "the default")
     print(f"fitted on {fit_name}: measured {measured.steps_per_s:.4f} steps/s, reproduced "
-          f"{reproduced.steps_per_s:.4f} ({figures['fitted']['error']:+.1%})")
-    print(f"{'run':16s} {'measured':>9s} {'predicted':>9s} {'error':>7s} {'staleness':>9s} {'predicted':>9s}  changes")
-    errors = []
+          f"{reproduced.steps_per_s:.4f} ({figures['fitted']['error']:+.1%}); learner serial fraction "
+          f"{fitted.learner_serial_fraction:.3f} ({scaling}), {rates.learn_fixed_s:.2f} s + "
+          f"{rates.learn_per_token_s * 1e3:.3f} ms/token at {fitted.trainer_threads:g} threads")
+    own = f" {'own lengths':>11s} {'error':>7s}" if target_lengths else ""
+    print(f"{'run':16s} {'measured':>9s} {'predicted':>9s} {'error':>7s}{own} {'staleness':>9s} {'predicted':>9s}"
+          "  changes")
+    errors, own_errors = [], []
     for name, d in dirs.items():
         if name == fit_name:
             continue
@@ -161,17 +202,30 @@ def check_runs(root: Path, fit_name: str | None, cores: float | None, sim_steps:
         got = predict(fitted, rates, change, steps=sim_steps, background_cores=target.background_cores)
         error = got.steps_per_s / target.steps_per_s - 1
         errors.append(abs(error))
-        figures["predicted"][name] = {
+        row = figures["predicted"][name] = {
             "changes": change, "measured_steps_per_s": round(target.steps_per_s, 5),
             "predicted_steps_per_s": round(got.steps_per_s, 5), "error": round(error, 4),
             "measured_staleness": round(target.staleness_mean, 3), "predicted_staleness": round(got.staleness_mean, 3),
-            "background_cores": round(target.background_cores, 2), "measured_steps": target.steps}
-        print(f"{name:16s} {target.steps_per_s:9.4f} {got.steps_per_s:9.4f} {error:+7.1%} "
-              f"{target.staleness_mean:9.2f} {got.staleness_mean:9.2f}  {change}")
+            "background_cores": round(target.background_cores, 2), "measured_steps": target.steps,
+            "completion_tokens": round(target.completion_tokens, 2)}
+        line = f"{name:16s} {target.steps_per_s:9.4f} {got.steps_per_s:9.4f} {error:+7.1%}"
+        if target_lengths:  # the same change, drawing the target's own lengths
+            with_own = predict(fitted, rates, {**change, **lengths_of(target)}, steps=sim_steps,
+                               background_cores=target.background_cores)
+            own_error = with_own.steps_per_s / target.steps_per_s - 1
+            own_errors.append(abs(own_error))
+            row["target_lengths"] = {"predicted_steps_per_s": round(with_own.steps_per_s, 5),
+                                     "error": round(own_error, 4),
+                                     "predicted_staleness": round(with_own.staleness_mean, 3)}
+            line += f" {with_own.steps_per_s:11.4f} {own_error:+7.1%}"
+        print(f"{line} {target.staleness_mean:9.2f} {got.staleness_mean:9.2f}  {change}")
     if not errors:
         raise FitError(f"no run in {root} besides {fit_name} could be measured: {figures['skipped']}")
     figures["max_abs_error"] = round(max(errors), 4)
     figures["within_15pct"] = max(errors) <= 0.15
+    if target_lengths:
+        figures["max_abs_error_target_lengths"] = round(max(own_errors), 4)
+        figures["within_15pct_target_lengths"] = max(own_errors) <= 0.15
     return figures
 
 

@@ -11,7 +11,15 @@ from typing import Any
 import msgspec
 
 from services.launcher.simulate import Simulation
-from services.launcher.simulate_fit import FitError, changed_shape, fit, measure, predict, shape_of
+from services.launcher.simulate_fit import (
+    FitError,
+    changed_shape,
+    fit,
+    lengths_of,
+    measure,
+    predict,
+    shape_of,
+)
 from services.launcher.simulate_model import Rates, Result, Shape
 from services.runtime.config import ConfigError
 
@@ -28,8 +36,11 @@ DESCRIPTION = (
     "run with everything shared; --set trainer_cores=1 on a shared run predicts disjoint pools). It draws "
     "completion lengths from the run's own distribution (length_quantiles, from the traces' generate group "
     "spans; a synchronous step waits for its longest completion) and takes how an engine's iteration cost "
-    "grows with its batch from the group times. With --plan FILE it prints a table for a "
-    "cluster from the rates in FILE ([rates], [shape], and [sweep] lists of shape values), with each "
+    "grows with its batch from the group times, and the learner's cost per token from its steps' times. "
+    "--lengths-from OTHER_RUN_DIR predicts with that run's completion lengths instead (two runs at one seed "
+    "need not sample the same lengths: this tells the model's error from that). A changed trainer_threads "
+    "rescales the learner by Amdahl's law (learner_serial_fraction, settable). With --plan FILE it prints a "
+    "table for a cluster from the rates in FILE ([rates], [shape], and [sweep] lists of shape values), with each "
     "part's idle fraction. The last line is JSON.")
 
 
@@ -43,6 +54,9 @@ def add_parser(sub: Any) -> None:
     sim.add_argument("--steps", type=int, default=60, metavar="N", help="simulated trainer steps (default 60)")
     sim.add_argument("--cores", type=float, default=None, metavar="N",
                      help="cores of the machine the run had (default: this machine's)")
+    sim.add_argument("--lengths-from", metavar="RUN_DIR", default=None,
+                     help="with RUN_DIR: predict with this other run's completion lengths (its traces' "
+                     "distribution and its batches' mean) instead of the fitted run's")
     sim.add_argument("--background-yields", action="store_true",
                      help="the machine's other tenants ran at a lower priority than the run (nice 19): they "
                      "took only the cores it left idle (default: they shared every core fairly with it)")
@@ -54,6 +68,8 @@ def main(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ConfigError("rlbus simulate: --steps takes a positive number")
     changes = _changes(args.changes)
+    if args.plan is not None and args.lengths_from is not None:
+        raise ConfigError("rlbus simulate: --lengths-from goes with a RUN_DIR (a plan file's [shape] gives lengths)")
     if args.plan is not None:
         return _plan(Path(args.plan), changes, args.steps)
     try:
@@ -62,6 +78,7 @@ def main(args: argparse.Namespace) -> int:
         shape = msgspec.structs.replace(shape, background_yields=args.background_yields)
         changed_shape(shape, changes)  # a bad --set fails before the fit
         shape, rates, reproduced = fit(shape, measured, steps=args.steps)
+        drawn = lengths_of(measure(Path(args.lengths_from))) if args.lengths_from is not None else {}
     except FitError as e:
         raise ConfigError(f"rlbus simulate: {e}") from e
     print(f"measured  {measured.steps_per_s:6.3f} steps/s  staleness {measured.staleness_mean:.2f}  "
@@ -75,15 +92,18 @@ def main(args: argparse.Namespace) -> int:
     print(f"model     {reproduced.steps_per_s:6.3f} steps/s  staleness {reproduced.staleness_mean:.2f}  "
           f"learner {reproduced.learner_s * 1e3:.0f} ms  (fitted)")
     print("fitted rates: " + ", ".join(f"{k}={v:.4g}" for k, v in msgspec.to_builtins(rates).items() if v))
+    if drawn:
+        print(f"lengths   from {args.lengths_from}: mean {drawn['completion_tokens']:.0f} tokens (fitted run: "
+              f"{shape.completion_tokens:.0f})")
     variants = [changes] if changes else [{"max_staleness": 0}, {"max_staleness": 1}, {"engines": shape.engines + 1},
                                           *([{"trainer_cores": 0}] if shape.trainer_cores else [])]
     rows = []
     for change in variants:
         try:
-            result = predict(shape, rates, change, steps=args.steps)
+            result = predict(shape, rates, {**change, **drawn}, steps=args.steps)
         except FitError as e:
             raise ConfigError(f"rlbus simulate: {e}") from e
-        rows.append({"set": change, **_row(result)})
+        rows.append({"set": change, **({"lengths_from": args.lengths_from} if drawn else {}), **_row(result)})
         print(f"predicted {_label(change):24s} {_line(result)}")
     print(json.dumps({"measured": msgspec.to_builtins(measured), "rates": msgspec.to_builtins(rates),
                       "reproduced": _row(reproduced), "predicted": rows}))

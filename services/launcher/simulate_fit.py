@@ -14,9 +14,14 @@ spans), so a heavy tail keeps its weight in the predictions. How an engine's ite
 batch shows only where lengths differ (a group's batch drains while its longest sequence runs):
 :func:`services.launcher.simulate_traces.iteration_costs` takes the ratio of its per-sequence to its fixed
 part from the group times; where the traces cannot tell them apart (equal lengths), ``iter_per_seq_s`` is
-kept at 0 and only the iteration's total cost is fitted. What one run cannot show: the learner's cost per
-token (one batch shape), so the learner is one fixed time per step. A plan file (``rlbus simulate --plan``)
-gives both curves explicitly.
+kept at 0 and only the iteration's total cost is fitted. The learner's cost per trained token shows the same
+way: with heavy-tailed lengths each step's batch holds a different number of tokens, and the steps' times
+against them (:func:`learner_per_token`) split the learner into a fixed and a per-token part; where they do
+not show one clearly (equal lengths), the learner is one fixed time per step. Then a prediction with other
+lengths (``--set completion_tokens``/``length_quantiles``, or another run's: :func:`lengths_of`) changes the
+learner's work too. What one run cannot show: how the learner scales with its threads
+(``Shape.learner_serial_fraction``); :func:`serial_fraction` takes it from two runs of different thread
+counts. A plan file (``rlbus simulate --plan``) gives every curve explicitly.
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ class Measured(msgspec.Struct, kw_only=True):
     #: lengths (simulate_traces.iteration_costs; 0, 0 where the traces cannot tell them apart)
     iter_fixed_s: float = 0.0
     iter_per_seq_s: float = 0.0
+    #: the learner's seconds per trained completion token, from the steps' times against their batches' tokens
+    #: (:func:`learner_per_token`; 0 where the steps do not show one clearly)
+    learner_per_token_s: float = 0.0
 
 
 def shape_of(run_dir: Path, cores: float | None = None) -> Shape:
@@ -169,6 +177,9 @@ def measure(run_dir: Path) -> Measured:
         apply_s=_avg(traces.duration(s) for s in spans if s["name"] == "apply weights"),
         transfer_s=traces.transfer_s(spans), pipeline_latency_s=traces.latency_s(spans),
         length_quantiles=traces.quantiles([n for s in gen for n in traces.lengths(s)]),
+        learner_per_token_s=learner_per_token(
+            [(r["train/sequences"] * r["train/completion_tokens_mean"], r["time/step_s"]) for r in kept
+             if "train/sequences" in r and "train/completion_tokens_mean" in r]),
         **dict(zip(("iter_fixed_s", "iter_per_seq_s"), traces.iteration_costs(spans) or (0.0, 0.0), strict=True)),
         **_cpu_per_sample(run_dir / "usage.jsonl", kept))
 
@@ -179,17 +190,20 @@ def fit(shape: Shape, measured: Measured, iter_per_seq_s: float | None = None,
     (completion lengths, and on a shared machine, ``shape.cores``, the other tenants' demand that got them
     the cores they took), the rates and that simulation. The engine's iteration cost keeps the ratio of its
     per-sequence to its fixed part that the traces show (``iter_per_seq_s`` None) or grows by
-    ``iter_per_seq_s`` per sequence; its level is fitted to the recorded group times either way."""
+    ``iter_per_seq_s`` per sequence; its level is fitted to the recorded group times either way. The learner keeps
+    the ratio of its per-token to its fixed part that the steps show (``measured.learner_per_token_s``)."""
     shape = msgspec.structs.replace(shape, completion_tokens=measured.completion_tokens,
                                     length_quantiles=measured.length_quantiles or shape.length_quantiles,
                                     background=measured.background_cores if shape.cores else 0.0)
+    per_token = min(measured.learner_per_token_s, measured.learner_s / _batch_tokens(shape))
     judge, bus = measured.judge_cpu_per_sample, measured.nats_cpu_per_sample
     if iter_per_seq_s is None and measured.iter_fixed_s > 0:
         iter_fixed_s, iter_per_seq_s = measured.iter_fixed_s, measured.iter_per_seq_s
     else:
         iter_per_seq_s = iter_per_seq_s or 0.0
         iter_fixed_s = measured.generate_group_s / _expected_iterations(shape) - iter_per_seq_s * shape.group_size
-    base = Rates(learn_fixed_s=measured.learner_s, publish_s=measured.publish_s, commit_s=measured.commit_s,
+    base = Rates(learn_fixed_s=measured.learner_s - per_token * _batch_tokens(shape), learn_per_token_s=per_token,
+                 publish_s=measured.publish_s, commit_s=measured.commit_s,
                  apply_s=measured.apply_s, transfer_s=measured.transfer_s, iter_per_seq_s=iter_per_seq_s,
                  iter_fixed_s=max(iter_fixed_s, 1e-6),
                  judge_per_sample_s=judge, bus_per_sample_s=bus,
@@ -208,6 +222,7 @@ def fit(shape: Shape, measured: Measured, iter_per_seq_s: float | None = None,
             if abs(k_learn - 1) < 0.02 and abs(k_gen - 1) < 0.02 and abs(k_bg - 1) < 0.05:
                 break
             rates = msgspec.structs.replace(rates, learn_fixed_s=rates.learn_fixed_s * k_learn,
+                                            learn_per_token_s=rates.learn_per_token_s * k_learn,
                                             iter_fixed_s=rates.iter_fixed_s * k_gen,
                                             iter_per_seq_s=rates.iter_per_seq_s * k_gen)
             shape = msgspec.structs.replace(shape, background=min(shape.background * k_bg, 64.0))
@@ -251,13 +266,19 @@ def predict(shape: Shape, rates: Rates, changes: dict[str, Any], steps: int = 60
     return result
 
 
+def learner_time(threads: float, serial_fraction: float) -> float:
+    """A learner step on ``threads`` threads (with their cores), as a fraction of its one-thread time (Amdahl:
+    ``Shape.learner_serial_fraction``)."""
+    return serial_fraction + (1 - serial_fraction) / threads
+
+
 def rescaled(rates: Rates, fitted: Shape, changed: Shape) -> Rates:
     """``rates`` (uncontended seconds at ``fitted``'s thread counts) for ``changed``'s thread counts: the
-    learner's times by trainer_threads before / after, the engine's iteration and apply times by
-    engine_threads before / after. Perfect scaling: the gain of more threads is an upper bound (a learner
-    of 2 torch threads on 2 cores is rarely twice one thread's speed), so a prediction from one thread to
-    two errs fast."""
-    k_learn = fitted.trainer_threads / changed.trainer_threads
+    learner's times by :func:`learner_time` after / before (``changed.learner_serial_fraction``: a learner of
+    2 torch threads on 2 cores is rarely twice one thread's speed), the engine's iteration and apply times by
+    engine_threads before / after (perfect scaling: the gain of more engine threads is an upper bound)."""
+    serial = changed.learner_serial_fraction
+    k_learn = learner_time(changed.trainer_threads, serial) / learner_time(fitted.trainer_threads, serial)
     k_engine = fitted.engine_threads / changed.engine_threads
     if k_learn == 1 and k_engine == 1:
         return rates
@@ -265,6 +286,63 @@ def rescaled(rates: Rates, fitted: Shape, changed: Shape) -> Rates:
         rates, learn_fixed_s=rates.learn_fixed_s * k_learn, learn_per_token_s=rates.learn_per_token_s * k_learn,
         iter_fixed_s=rates.iter_fixed_s * k_engine, iter_per_seq_s=rates.iter_per_seq_s * k_engine,
         apply_s=rates.apply_s * k_engine)
+
+
+def serial_fraction(a: tuple[Shape, Rates], b: tuple[Shape, Rates]) -> float:
+    """The learner's serial fraction (``Shape.learner_serial_fraction``) that two fits of runs with different
+    ``trainer_threads`` show: each fit's learner rate is uncontended seconds at its own thread count, so their
+    ratio at the same batch (``a``'s tokens) is ``learner_time(n_b) / learner_time(n_a)``, solved for the
+    fraction (kept within 0..1: a ratio beyond perfect scaling gives 0, one of no gain 1)."""
+    (shape_a, rates_a), (shape_b, rates_b) = a, b
+    n_a, n_b = shape_a.trainer_threads, shape_b.trainer_threads
+    if n_a == n_b:
+        raise FitError(f"both runs' learners had {n_a:g} threads: the scaling with threads needs two runs of "
+                       "different trainer thread counts")
+    tokens = _batch_tokens(shape_a)
+    step_a = rates_a.learn_fixed_s + rates_a.learn_per_token_s * tokens
+    step_b = rates_b.learn_fixed_s + rates_b.learn_per_token_s * tokens
+    if step_a <= 0 or step_b <= 0:
+        raise FitError("a fit's learner takes no time: the runs' metrics.jsonl show no time/step_s")
+    # ratio = (s + (1 - s) / n_b) / (s + (1 - s) / n_a), linear in s
+    ratio = step_b / step_a
+    denominator = ratio * (1 - 1 / n_a) - (1 - 1 / n_b)
+    if denominator == 0:  # more threads slower by exactly as much as their count: no gain at all
+        return 1.0
+    return min(max((1 / n_b - ratio / n_a) / denominator, 0.0), 1.0)
+
+
+def lengths_of(measured: Measured) -> dict[str, Any]:
+    """Shape changes that draw completion lengths as in ``measured``'s run (its traces' distribution and its
+    batches' mean): to predict a run with another run's lengths."""
+    if not measured.length_quantiles:
+        raise FitError("the run's traces have no completion lengths (generate group spans with "
+                       "completion_tokens)")
+    return {"completion_tokens": measured.completion_tokens, "length_quantiles": measured.length_quantiles}
+
+
+def learner_per_token(rows: list[tuple[float, float]]) -> float:
+    """The learner's seconds per trained token from steps of (batch tokens, learner seconds): the slope of
+    their least squares line; 0 where it is not clearly above its noise (less than three standard errors:
+    equal batches, or times that follow something else) or with fewer than 5 steps. A line through a
+    negative fixed part gives the slope through zero (all of it per token)."""
+    if len(rows) < 5:
+        return 0.0
+    mx, my = statistics.fmean(r[0] for r in rows), statistics.fmean(r[1] for r in rows)
+    sxx = sum((r[0] - mx) ** 2 for r in rows)
+    if sxx <= 1e-9 * max(mx * mx, 1e-9) * len(rows):
+        return 0.0
+    slope = sum((r[0] - mx) * (r[1] - my) for r in rows) / sxx
+    residual = sum((r[1] - my - slope * (r[0] - mx)) ** 2 for r in rows) / (len(rows) - 2)
+    if slope <= 3 * (residual / sxx) ** 0.5:
+        return 0.0
+    if my - slope * mx < 0:
+        return sum(r[0] * r[1] for r in rows) / sum(r[0] * r[0] for r in rows)
+    return slope
+
+
+def _batch_tokens(shape: Shape) -> float:
+    """Trained tokens in a step's batch, as the simulation's learner counts them."""
+    return shape.groups_per_step * shape.group_size * (shape.prompt_tokens + shape.completion_tokens)
 
 
 def changed_shape(shape: Shape, changes: dict[str, Any]) -> Shape:

@@ -84,6 +84,13 @@ class Shape(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: cores each busy part wants on a shared machine
     engine_threads: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     trainer_threads: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    #: the learner's serial fraction ``s`` (Amdahl): on ``n`` threads with their cores, a step takes ``s + (1 - s)
+    #: / n`` of its one-thread time, so 2 threads are ``2 / (1 + s)`` times as fast as one; 0 = perfect scaling.
+    #: A changed ``trainer_threads`` rescales the learner's rate by it; a learner given fewer cores than its
+    #: threads still slows in proportion (its threads are time-sliced). The default: the SmolLM2 learner of
+    #: 2 torch threads ran ~1.5x one thread here (BENCHMARKS.md, issue 30 item 7); bench/simulate_check.py
+    #: --fit A,B fits it from two runs of different thread counts
+    learner_serial_fraction: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3
     #: the trainer sends a version and commits its batch beside the next learner step (its
     #: ``overlap_publish``, on by default); false: between steps
     overlap_publish: bool = True
