@@ -205,7 +205,7 @@ def trainer_restarts(metrics: list[dict[str, Any]]) -> int:
 def side_figures(r: RunResult, limit: int | None, sync: bool) -> dict[str, Any]:
     """One side's figures: the loop's stats, its completion lengths and, for a synchronous side, its split."""
     spans = read_spans(r.run_dir)
-    out: dict[str, Any] = {"final_reward": r.final_reward, "curve": curve_json(r.curve), **r.stats,
+    out: dict[str, Any] = {"final_reward": r.final_reward if r.curve else None, "curve": curve_json(r.curve), **r.stats,
                            "lengths": length_figures(completion_lengths(spans), limit),
                            "tools": tool_figures(spans),
                            "trainer_restarts": trainer_restarts(read_metrics(r.run_dir / "metrics.jsonl"))}
