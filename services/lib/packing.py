@@ -197,7 +197,10 @@ _SPANS_MEMO: list[Any] = [None, -1, None]
 
 
 def _spans_of_this_pass(position_ids: Tensor) -> list[list[tuple[int, int]]]:
-    """:func:`sequence_spans` of ``position_ids``, found again only for another tensor or one changed in place."""
+    """:func:`sequence_spans` of ``position_ids``, found again only for another tensor or one changed in place
+    (an inference-mode tensor has no version counter: found every time)."""
+    if position_ids.is_inference():
+        return sequence_spans(position_ids)
     ref, version, spans = _SPANS_MEMO
     if ref is not None and ref() is position_ids and version == position_ids._version:
         return spans

@@ -243,3 +243,7 @@ def test_the_spans_are_found_once_a_pass_not_once_a_layer(varlen_pair, monkeypat
     position_ids[0, 3:] = torch.tensor([3, 4])  # changed in place: found again, not the stale spans
     assert packing._spans_of_this_pass(position_ids) == [[(0, 5)]]
     assert len(found) == 3
+    with torch.inference_mode():  # no version counter to key on: found each time, never a stale answer
+        frozen = torch.tensor([[0, 1, 0]])
+        assert packing._spans_of_this_pass(frozen) == packing._spans_of_this_pass(frozen) == [[(0, 2), (2, 3)]]
+    assert len(found) == 5
