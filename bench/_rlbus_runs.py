@@ -516,6 +516,34 @@ def run_rlbus(label: str, run_dir: Path, overrides: Mapping[str, object], *, exa
     return result
 
 
+#: what a finished run leaves that no bench figure reads and that fills a disk: the trainer's checkpoints
+#: (model and optimiser state, ~2 GB each for SmolLM2), the JetStream store (weight versions) and the final model
+HEAVY_RUN_FILES = ("checkpoints", "nats", "final_model")
+
+
+def prune_run_files(run_dir: Path) -> int:
+    """Remove :data:`HEAVY_RUN_FILES` from a finished run's directory; return the bytes freed. Metrics, traces,
+    logs, the resolved config and the versions a :class:`VersionKeeper` kept (hard links of their own, so a
+    checkpoint's removal leaves them whole) stay, so the run can still be read and evaluated."""
+    freed = 0
+    for name in HEAVY_RUN_FILES:
+        path = run_dir / name
+        if not path.exists():
+            continue
+        seen: set[tuple[int, int]] = set()
+        for f in [path, *path.rglob("*")] if path.is_dir() else [path]:
+            st = f.lstat()
+            if f.is_file() and st.st_nlink == 1 and (st.st_dev, st.st_ino) not in seen:  # a kept version's link stays
+                seen.add((st.st_dev, st.st_ino))
+                freed += st.st_size
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    log.info("%s: removed %s (%.1f GB)", run_dir.name, ", ".join(HEAVY_RUN_FILES), freed / 1e9)
+    return freed
+
+
 def read_run(label: str, run_dir: Path, launch_s: float = 0.0) -> RunResult:
     """The figures of a finished run in ``run_dir`` (one :func:`run_rlbus` just ran, or an earlier one).
 

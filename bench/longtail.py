@@ -78,6 +78,7 @@ from bench._rlbus_runs import (  # noqa: E402
     example_model_dir,
     example_run_file,
     parse_set_item,
+    prune_run_files,
     ratio,
     read_metrics,
     read_run,
@@ -145,6 +146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "float32, one thread) or vllm (vLLM in the rollout's vLLM environment, every core, the "
                    "run's engine dtype; several times faster on long completions). Compare curves only "
                    "between runs evaluated with the same engine")
+    p.add_argument("--keep-run-files", action="store_true",
+                   help="keep each run's checkpoints, JetStream store and final model (several GB a SmolLM2 run); "
+                   "by default they are removed once the run is read: metrics, traces, logs and the kept "
+                   "versions stay, which is all the figures and --phase evaluate need")
     p.add_argument("--timeout-s", type=float, default=7200.0, help="most seconds one side's run may take")
     p.add_argument("--work-dir", type=Path, default=None, help="where the run directories go (default: a temp dir)")
     args = p.parse_args(argv)
@@ -276,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = run_rlbus(name, work / name, side_overrides(args, runfile, mode, layout),
                                       example=args.example, timeout_s=args.timeout_s, env=TRACE_ALL,
                                       keep_versions=args.eval_every > 0)
+            if not args.keep_run_files:
+                prune_run_files(work / name)
         model_dir = example_model_dir(runfile, args.seed)
         for mode, layout in sides:
             name = f"{mode}-{layout}"

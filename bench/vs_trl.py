@@ -136,6 +136,7 @@ from bench._rlbus_runs import (  # noqa: E402
     example_model_dir,
     example_run_file,
     final_reward,
+    prune_run_files,
     ratio,
     run_rlbus,
     smooth_curve,
@@ -562,11 +563,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.model == "longtail":
             timeout = max(timeout, 7200.0)  # reasoning up to 512 tokens: minutes a step here
         offline = args.rlbus_eval == "offline"
-        runs = {name: run_rlbus(name, work / name, {**rlbus_overrides(args, cfg), **rlbus_eval_overrides(args),
-                                                     **keys, **extra},
-                                example=comp.example, timeout_s=timeout, profile="trainer" if args.profile else None,
-                                keep_versions=offline)
-                for name, keys in rlbus_runs(args, runfile).items()}
+        runs: dict[str, RunResult] = {}
+        for name, keys in rlbus_runs(args, runfile).items():
+            runs[name] = run_rlbus(name, work / name, {**rlbus_overrides(args, cfg), **rlbus_eval_overrides(args),
+                                                       **keys, **extra},
+                                   example=comp.example, timeout_s=timeout,
+                                   profile="trainer" if args.profile else None, keep_versions=offline)
+            prune_run_files(work / name)  # checkpoints and the JetStream store: GBs a SmolLM2 run, read by no figure
         for name, r in runs.items():  # every run first, then the evaluations: the runs go one after the other
             more: dict[str, Any] = {}
             if offline:

@@ -12,10 +12,13 @@ service is the bottleneck. On a system without ``/proc`` nothing is written.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger("rlbus.launcher")
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -78,6 +81,7 @@ class UsageLog:
     def __init__(self, path: Path, every_s: float = 5.0) -> None:
         self.path, self.every_s = path, every_s
         self.last = float("-inf")
+        self.failing = False  # the last append failed (said once, until one works again)
 
     def record(self, pids: Callable[[], dict[str, int]], force: bool = False) -> None:
         """Sample the processes ``pids()`` names (called only when a line is due)."""
@@ -92,5 +96,15 @@ class UsageLog:
             return
         line = {"time": time.time(), "cpu_s": cpu, "rss_bytes": rss, "cores": os.cpu_count(),
                 "machine_busy_s": machine_busy_s()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as e:  # a full disk: the record is telemetry, the launcher keeps supervising
+            if not self.failing:
+                log.warning("usage: cannot append to %s (%s); the run goes on without usage lines until it can",
+                            self.path, e)
+            self.failing = True
+            return
+        if self.failing:
+            log.warning("usage: appending to %s again", self.path)
+        self.failing = False

@@ -184,6 +184,7 @@ def test_a_run_phase_then_an_evaluate_phase_give_one_invocations_figures(tmp_pat
     for name in ("sync-shared", "async-shared"):  # the versions and their write times stay for the second phase
         kept = tmp_path / name / "bench_versions"
         assert (kept / "step-000003" / "config.json").is_file() and (kept / "write_s.json").is_file()
+        assert not (tmp_path / name / "checkpoints").exists() and not (tmp_path / name / "nats").exists()
     evaluated = subprocess.run([*common, "--phase", "evaluate"], capture_output=True, text=True, timeout=900, cwd=REPO)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     second = json.loads(evaluated.stdout.strip().splitlines()[-1])
@@ -226,3 +227,22 @@ def test_quick_runs_every_side_and_reports_the_split_lengths_and_ratios(tmp_path
     assert resolved["services"]["trainer"]["devices"]["num_threads"] == 0
     assert "placement" not in json.loads((tmp_path / "async-shared" / "config.resolved.json").read_text()) or not \
         json.loads((tmp_path / "async-shared" / "config.resolved.json").read_text())["placement"]
+
+
+def test_pruning_a_run_frees_its_checkpoints_and_store_but_keeps_what_the_figures_read(tmp_path):
+    from bench._rlbus_runs import prune_run_files
+
+    run = tmp_path / "run"
+    ckpt, kept = run / "checkpoints" / "step-000005", run / "bench_versions" / "step-000005"
+    (ckpt / "dcp").mkdir(parents=True)
+    kept.mkdir(parents=True)
+    (ckpt / "dcp" / "__0_0.distcp").write_bytes(b"o" * 3000)  # optimiser state: only here
+    (ckpt / "model.safetensors").write_bytes(b"w" * 1000)
+    os.link(ckpt / "model.safetensors", kept / "model.safetensors")  # as the version keeper keeps it
+    (run / "nats" / "jetstream").mkdir(parents=True)
+    (run / "nats" / "jetstream" / "blk").write_bytes(b"n" * 500)
+    (run / "metrics.jsonl").write_text("{}\n")
+    assert prune_run_files(run) == 3500  # the kept version's bytes are not freed: its link stays
+    assert not (run / "checkpoints").exists() and not (run / "nats").exists()
+    assert (kept / "model.safetensors").read_bytes() == b"w" * 1000 and (run / "metrics.jsonl").is_file()
+    assert prune_run_files(run) == 0  # nothing left to remove: not an error
