@@ -21,6 +21,7 @@ from typing import Any
 
 from bench._rlbus_runs import (
     KEPT_DIR,
+    BenchRunError,
     EvalPoint,
     RunResult,
     checkpoint_cost,
@@ -72,7 +73,8 @@ def vllm_held_out_reward(model_dir: Path, tokenizer: Any, task: Any, eval_set: l
     which loads ``model_dir`` in ``dtype``.
 
     Raises:
-        RuntimeError: vLLM failed or answered something else than one completion per prompt.
+        BenchRunError: vLLM failed, took over :data:`VLLM_EVAL_TIMEOUT_S`, or answered something else than one
+            completion per prompt.
     """
     from services.launcher.environments import vllm_python
 
@@ -85,16 +87,22 @@ def vllm_held_out_reward(model_dir: Path, tokenizer: Any, task: Any, eval_set: l
     request = {"model": str(model_dir), "prompts": [list(task.format_prompt(tokenizer, p)) for p in repeated],
                "temperature": cfg.eval.temperature, "max_tokens": cfg.sampling.max_new_tokens or task.max_new_tokens,
                "seed": seed, "dtype": dtype}
-    proc = subprocess.run([vllm_python(), str(VLLM_EVAL)], input=json.dumps(request), capture_output=True,
-                          text=True, timeout=VLLM_EVAL_TIMEOUT_S, cwd=VLLM_EVAL.parents[1])
+    try:
+        proc = subprocess.run([vllm_python(), str(VLLM_EVAL)], input=json.dumps(request), capture_output=True,
+                              text=True, timeout=VLLM_EVAL_TIMEOUT_S, cwd=VLLM_EVAL.parents[1])
+    except subprocess.TimeoutExpired as e:
+        raise BenchRunError(f"vLLM evaluation of {model_dir} took over {VLLM_EVAL_TIMEOUT_S:.0f}s") from e
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM evaluation of {model_dir} exited with {proc.returncode}: "
-                           f"{proc.stderr.strip()[-2000:]}")
-    answer = json.loads(lines[-1])
-    completions = answer.get("completions")
+        raise BenchRunError(f"vLLM evaluation of {model_dir} exited with {proc.returncode}: "
+                            f"{proc.stderr.strip()[-2000:]}")
+    try:
+        answer = json.loads(lines[-1])
+    except json.JSONDecodeError as e:
+        raise BenchRunError(f"vLLM evaluation of {model_dir}: not a JSON answer: {lines[-1][:200]!r}") from e
+    completions = answer.get("completions") if isinstance(answer, dict) else None
     if not isinstance(completions, list) or len(completions) != len(repeated):
-        raise RuntimeError(f"vLLM evaluation of {model_dir}: {len(repeated)} prompts, answer {str(answer)[:200]}")
+        raise BenchRunError(f"vLLM evaluation of {model_dir}: {len(repeated)} prompts, answer {str(answer)[:200]}")
     log.info("vllm eval of %s: load %.1fs, generate %.1fs", model_dir.name, answer["load_s"], answer["generate_s"])
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     rewards = [task.reward(p, t).value for p, t in zip(repeated, texts, strict=True)]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench._offline_eval import evaluate_versions, run_task, vllm_held_out_reward
-from bench._rlbus_runs import example_run_file
+from bench._rlbus_runs import BenchRunError, example_run_file
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,5 +54,5 @@ def test_a_directory_that_is_no_model_fails_naming_it(tmp_path, loop_model_dir):
     task = run_task(runfile)
     tokenizer = AutoTokenizer.from_pretrained(loop_model_dir)
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(RuntimeError, match=str(tmp_path)):
+    with pytest.raises(BenchRunError, match=str(tmp_path)):
         vllm_held_out_reward(tmp_path, tokenizer, task, task.eval_prompts()[:2], runfile.services.trainer, seed=0)
