@@ -44,7 +44,13 @@ def test_a_repeated_request_gives_the_same_reward_so_it_is_made_once(loop_model_
     monkeypatch.setattr(_offline_eval, "_VLLM_SEEN", {})  # forget it: vLLM generates again
     assert evaluate_versions(runfile, versions, eval_prompts=30, threads=2, seed=5, engine="vllm")[0] == first
     started = []
-    monkeypatch.setattr(_offline_eval.subprocess, "run", lambda *a, **kw: started.append(a) or None)
+    real_run = _offline_eval.subprocess.run
+
+    def counting_run(*a, **kw):  # not a mock: counts the processes started, then starts them for real
+        started.append(a)
+        return real_run(*a, **kw)
+
+    monkeypatch.setattr(_offline_eval.subprocess, "run", counting_run)
     assert evaluate_versions(runfile, versions, eval_prompts=30, threads=2, seed=5, engine="vllm")[0] == first
     assert started == []  # answered from the first request, no vLLM started
 
