@@ -61,11 +61,33 @@ def say_if_launcher_gone() -> bool:
     calls it, because the parent-death signal usually arrives, and the service may stop, before the
     watch thread's next look. True when the launcher is gone."""
     launcher = int(_followed.get("pid", 0))
-    if not launcher or os.getppid() == launcher:
+    if not launcher or (os.getppid() == launcher and not launcher_dying(launcher)):
         return False
     if _told.acquire(blocking=False):
         log.error("the launcher (pid %d) is gone; stopping, and exiting within %.0fs", launcher, _followed["bound"])
     return True
+
+
+_PF_EXITING = 0x4  # the kernel's task flag of a thread that has begun to exit (/proc/PID/stat, field 9)
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def launcher_dying(pid: int) -> bool:
+    """Whether process ``pid`` is gone or on its way out. The parent-death signal is sent when the *thread*
+    that started a service exits, and the service is then handed to another live thread of the same
+    process; so for a moment after its launcher was SIGKILLed a service still has the launcher's pid as
+    its parent. A SIGKILL of a process marks it pending in every thread at once, and a thread that took it
+    has begun to exit; the main thread of a process ends only with the process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+    except (OSError, IndexError, ValueError):
+        return True  # gone
+    if fields[0] in (b"Z", b"X") or int(fields[6]) & _PF_EXITING:
+        return True
+    return any(int(status.get(key, b"0").strip(), 16) & _SIGKILL_BIT for key in (b"SigPnd", b"ShdPnd"))
 
 
 def _watch(launcher: int, bound: float) -> None:

@@ -96,3 +96,74 @@ def test_a_service_outlives_its_launcher_by_the_stop_bound_at_most():
     t0 = time.monotonic()
     wait_for(lambda: all(start_time(p) != t[p] for p in t), 20, "the service and its group to be killed")
     assert time.monotonic() - t0 >= 0.9, "killed before its stop bound (it ignores SIGTERM: only the bound ends it)"
+
+
+FOLLOWER = textwrap.dedent("""
+    import os, signal, sys, time
+    from services.runtime import lifeline
+    launcher = int(os.environ[lifeline.LAUNCHER_PID_ENV])
+    out = sys.argv[1]
+
+    def on_term(sig, frame):  # what a service's SIGTERM handler says, and whether its parent was still the launcher
+        still = os.getppid() == launcher
+        with open(out, "a") as f:
+            f.write(f"term parent_was_launcher={int(still)} gone={int(lifeline.say_if_launcher_gone())}\\n")
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    lifeline.watch_launcher()
+    with open(out, "a") as f:
+        f.write("ready\\n")
+    time.sleep(600)
+""")
+
+THREADED_LAUNCHER = textwrap.dedent("""
+    import ctypes, os, signal, subprocess, sys, threading, time
+    from services.runtime.lifeline import LAUNCHER_PID_ENV, STOP_BOUND_ENV
+    from services.runtime.natsd import die_with_parent
+    mode, out, follower = sys.argv[1], sys.argv[2], sys.argv[3]
+    for _ in range(3):  # threads besides the main one, as the launcher has (control server, monitors)
+        threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+    env = dict(os.environ, **{LAUNCHER_PID_ENV: str(os.getpid()), STOP_BOUND_ENV: "5"})
+    p = subprocess.Popen([sys.executable, "-c", follower, out], env=env, start_new_session=True,
+                         preexec_fn=die_with_parent)  # started by the main thread, with the parent-death signal
+    while "ready" not in open(out).read() if os.path.exists(out) else True:
+        time.sleep(0.01)
+    print(p.pid, flush=True)
+    if mode == "term":  # a live launcher stops its service
+        os.kill(p.pid, signal.SIGTERM)
+        time.sleep(600)
+    elif mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:  # the main thread ends first, the others live on: what a SIGKILL's threads may do in any order
+        ctypes.CDLL(None).pthread_exit(None)
+""")
+
+
+@pytest.mark.parametrize("mode", ["term", "main-thread-ends", "kill"])
+def test_a_service_stopped_by_the_parent_death_signal_says_its_launcher_is_gone(tmp_path, mode):
+    """The parent-death signal comes when the launcher's thread that started the service ends, and the service
+    is first handed to another, still living, thread of the launcher: in its SIGTERM handler its parent is
+    still the launcher's pid. It must still say the launcher is gone (and must not when the launcher lives
+    and stops it)."""
+    rounds = 5 if mode == "kill" else 1
+    for i in range(rounds):
+        out = tmp_path / f"follower-{i}.txt"
+        launcher = subprocess.Popen([sys.executable, "-c", THREADED_LAUNCHER, mode, str(out), FOLLOWER],
+                                    stdout=subprocess.PIPE, text=True)
+        assert launcher.stdout is not None
+        follower = int(launcher.stdout.readline())
+        try:
+            wait_for(lambda out=out: "term" in out.read_text(), 20, "the follower's SIGTERM handler")
+            said = out.read_text().splitlines()[-1]
+            if mode == "term":
+                assert said == "term parent_was_launcher=1 gone=0", said
+            elif mode == "main-thread-ends":  # handed to a living thread of the launcher: the pid is the same
+                assert said == "term parent_was_launcher=1 gone=1", said
+            else:
+                assert said.endswith("gone=1"), said
+        finally:
+            launcher.kill()
+            launcher.wait()
+            if start_time(follower) is not None:
+                os.kill(follower, signal.SIGKILL)
