@@ -71,7 +71,8 @@ async def main() -> dict[str, float | int | bool | str]:
 
     task = get_task("addition")
     prompt = task.eval_prompts()[0]
-    pool = ProcessUserCode(UserCodeConfig(workers=1, timeout_s=args.hang_s), {})
+    # builtin_in_process off: the addition reward is otherwise called in the judge, and this measures the worker
+    pool = ProcessUserCode(UserCodeConfig(workers=1, timeout_s=args.hang_s, builtin_in_process=False), {})
     await pool.call("addition", task, "reward", prompt, "0")  # start the worker (not measured)
     times: dict[str, list[float]] = {"inline": [], "thread": [], "process": []}
     for _ in range(args.calls):

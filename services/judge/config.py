@@ -21,6 +21,8 @@ The tasks' own code (reward functions, hidden-test builders) runs in worker proc
     workers = 2                     # kept running; more are started while all are busy, up to max_workers
     timeout_s = 10.0                # then the worker is killed and the sample scored failed (and its
                                     # group's calls still to come fail at once)
+    builtin_in_process = true       # rlbus's own bounded rewards (addition, word problems) run in the judge
+
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ class UserCodeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     grow_after_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     #: seconds a worker beyond `workers` stays idle before it is closed
     idle_retire_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    #: call the reward of rlbus's own tasks that declare it bounded (``reward_in_process``: exact-match or
+    #: last-number parsing of the completion) in the judge itself, not in a worker: ~0.2 ms a sample less,
+    #: on a synchronous step's critical path. Tasks of other modules, and subclasses that override the
+    #: reward, always run in workers. false: every call in a worker
+    builtin_in_process: bool = True
 
     def __post_init__(self) -> None:
         resolve_max_workers(self, "services.judge.user_code")

@@ -31,6 +31,9 @@ class AdditionTask:
     name = "addition"
     max_new_tokens = 6
     stop: list[str] = []
+    #: the reward is an exact match of the stripped completion: bounded, so the judge calls it itself
+    #: (services/judge/user_code.py, ``builtin_in_process``)
+    reward_in_process = True
 
     def __init__(self, num_eval: int = 200, low: int = 10, high: int = 99, eval_seed: int = 20261202) -> None:
         if not 0 <= low <= high:

@@ -75,6 +75,9 @@ class WordProblemsTask:
     name = "word_problems"
     max_new_tokens = 48
     stop: list[str] = []
+    #: the reward is the last number, found by one linear regex scan: bounded, so the judge calls it itself
+    #: (services/judge/user_code.py, ``builtin_in_process``)
+    reward_in_process = True
 
     def __init__(
         self, num_eval: int = 200, eval_seed: int = 20261202, system_prompt: str | None = None,
