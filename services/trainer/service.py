@@ -170,7 +170,9 @@ class Trainer:
             await self.overlap.hand_off(done, background, name=f"trainer-publish-{state.version}")
         if self.cfg.checkpoint_every and state.step % self.cfg.checkpoint_every == 0:
             await self.overlap.settle()  # the checkpoint holds this step's state: its commit first
-            await saves.checkpoint(self.learner, self.ledger, self.run_dir)
+            if not await saves.checkpoint(self.learner, self.ledger, self.run_dir):  # the disk is full: logged
+                skipped = self.ctx.gauges.get("trainer/checkpoints_skipped", 0.0) + 1
+                await self.ctx.report({"trainer/checkpoints_skipped": skipped})
 
     async def _publish_and_commit(self, groups: list[list[Sample]], weights: dict[str, Any],
                                   metrics: dict[str, float], version_lag: list[int]) -> None:
