@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -94,8 +95,12 @@ def vllm_held_out_reward(model_dir: Path, tokenizer: Any, task: Any, eval_set: l
         raise BenchRunError(f"vLLM evaluation of {model_dir} took over {VLLM_EVAL_TIMEOUT_S:.0f}s") from e
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        raise BenchRunError(f"vLLM evaluation of {model_dir} exited with {proc.returncode}: "
-                            f"{proc.stderr.strip()[-2000:]}")
+        # the root cause is usually far above the last lines (vLLM's engine core prints it, then the client's
+        # own traceback follows): the whole log is kept and named
+        with tempfile.NamedTemporaryFile("w", prefix="rlbus-vllm-eval-", suffix=".log", delete=False) as f:
+            f.write(proc.stderr)
+        raise BenchRunError(f"vLLM evaluation of {model_dir} exited with {proc.returncode} (its whole log: "
+                            f"{f.name}): {proc.stderr.strip()[-2000:]}")
     try:
         answer = json.loads(lines[-1])
     except json.JSONDecodeError as e:

@@ -32,9 +32,14 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     t0 = time.monotonic()
+    # whole prefills only: a prompt whose prefill is split over steps has its sampled token thrown away and
+    # its seeded generator rewound, which the CPU build cannot do ("CPU Generator does not use offset"); it
+    # took the engine down once a step's budget could not hold every prompt (200 long prompts)
+    longest = max(len(ids) for ids in req["prompts"]) + int(req["max_tokens"])
+    max_len = int(req["max_model_len"]) if req.get("max_model_len") else longest
     llm = LLM(model=req["model"], tokenizer=req["model"], dtype=req.get("dtype", "bfloat16"), enforce_eager=True,
               seed=int(req.get("seed", 0)), kv_cache_memory_bytes=int(float(req.get("kv_cache_gib", 2.0)) * GIB),
-              max_model_len=int(req["max_model_len"]) if req.get("max_model_len") else None,
+              max_model_len=max_len, enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_len),
               disable_log_stats=True)
     load_s = time.monotonic() - t0
     prompts = [TokensPrompt(prompt_token_ids=list(map(int, ids))) for ids in req["prompts"]]
