@@ -123,6 +123,10 @@ class VllmEngine:
         if unknown:
             raise EngineError(f"vllm engine config: engine_args has unknown vLLM engine arguments {unknown}")
         kv_gib = cfg.kv_cache_gib or (CPU_DEFAULT_KV_CACHE_GIB if self._is_cpu else None)
+        # vLLM's CPU build dies on a seeded request whose prefill is split over steps (the step's sampled
+        # token is thrown away by rewinding the request's generator, which a CPU generator cannot do): on CPU
+        # prompts are prefilled whole unless engine_args says otherwise
+        cpu_args = {"enable_chunked_prefill": False} if self._is_cpu else {}
         args = AsyncEngineArgs(
             model=self.model_dir, tokenizer=self.model_dir, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len or None, gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -131,7 +135,7 @@ class VllmEngine:
             enable_sleep_mode=cfg.enable_sleep_mode,
             kv_cache_memory_bytes=int(kv_gib * GIB) if kv_gib is not None else None,
             logprobs_mode="processed_logprobs", disable_log_stats=True,
-            **TransferSteps.engine_args(self._transfer), **cfg.engine_args)
+            **TransferSteps.engine_args(self._transfer), **{**cpu_args, **cfg.engine_args})
         await asyncio.to_thread(self._load_hf_side)
         self._llm = await self._procs.start(lambda: self._build(args))
         try:
