@@ -5,6 +5,7 @@ A real finished run for the CLI case; the directory states for the rest."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -93,6 +94,10 @@ def test_a_configuration_error_is_not_restarted(tmp_path, loop_model_dir):
     r = subprocess.run([sys.executable, "-m", "services.launcher.cli", "run", str(cfg)], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode != 0
-    assert "trainer-0 stopped on a configuration error, not restarting it" in r.stderr, r.stderr[-3000:]
+    # the trainer and the rollout both load the model: whichever fails first stops the run (on a loaded machine
+    # the rollout can be first)
+    said = re.findall(r"(trainer-0|rollout-0) stopped on a configuration error, not restarting it", r.stderr)
+    assert said, r.stderr[-3000:]
     assert "no-such-model" in r.stderr  # the reason, from its log
-    assert "run failed: " in r.stderr and "trainer-0 exited with code" not in r.stderr  # never restarted
+    assert "run failed: " in r.stderr
+    assert not re.search(r"(trainer-0|rollout-0) exited with code", r.stderr), r.stderr[-3000:]  # never restarted
