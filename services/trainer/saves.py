@@ -22,13 +22,13 @@ import asyncio
 import errno
 import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from services.lib.engine import staging
 from services.trainer.learner import Learner
 from services.trainer.ledger import Ledger
 from services.trainer.state import summary_of
@@ -42,13 +42,8 @@ DISK_FULL_BYTES = 16 << 20
 
 def free_bytes(path: Path) -> int | None:
     """Bytes free to this user on the filesystem holding ``path`` (or its nearest existing parent)."""
-    for p in (path, *path.parents):
-        try:
-            st = os.statvfs(p)
-        except OSError:
-            continue
-        return st.f_bavail * st.f_frsize
-    return None
+    existing = next((p for p in (path, *path.parents) if p.is_dir()), None)
+    return staging.free_bytes(str(existing)) if existing is not None else None
 
 
 def _disk_full(e: BaseException, free: int | None) -> bool:

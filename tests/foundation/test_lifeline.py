@@ -127,7 +127,10 @@ THREADED_LAUNCHER = textwrap.dedent("""
     env = dict(os.environ, **{LAUNCHER_PID_ENV: str(os.getpid()), STOP_BOUND_ENV: "5"})
     p = subprocess.Popen([sys.executable, "-c", follower, out], env=env, start_new_session=True,
                          preexec_fn=die_with_parent)  # started by the main thread, with the parent-death signal
-    while "ready" not in open(out).read() if os.path.exists(out) else True:
+    deadline = time.monotonic() + 60
+    while not (os.path.exists(out) and "ready" in open(out).read()):  # the follower is set up
+        if time.monotonic() > deadline:
+            sys.exit("the follower did not get ready within 60 s")
         time.sleep(0.01)
     print(p.pid, flush=True)
     if mode == "term":  # a live launcher stops its service
