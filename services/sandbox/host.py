@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import stat
 import sys
 import sysconfig
+from collections.abc import Callable
 
 from proto import sandbox as api
 from services.sandbox import common
@@ -167,6 +170,35 @@ def kill_pidfd(pidfd: int) -> None:
         pass
 
 
+#: how often a wait on a descriptor also looks at it itself: the event loop's wake-up is the fast path, the look the
+#: backstop, so a wake-up that never comes (see :func:`add_fresh_reader`) costs a second, not a destroy that hangs
+RECHECK_S = 1.0
+
+
+def add_fresh_reader(loop: asyncio.AbstractEventLoop, fd: int, callback: Callable[[], None]) -> None:
+    """``loop.add_reader`` for a descriptor no one else on this loop watches (one just opened, or owned by the caller).
+
+    The loop's selector may still hold this number for a descriptor that some code closed without unregistering
+    it. asyncio would then only swap the callback, and the kernel would never report the new descriptor: the wait
+    hangs. Such a stale entry is dropped first, and said, so the fresh registration reaches the kernel."""
+    stale = loop.remove_reader(fd)
+    stale = loop.remove_writer(fd) or stale
+    if stale:
+        log.warning("fd %d was still registered with the event loop though its descriptor had been closed (a "
+                    "close without remove_reader/remove_writer): the stale entry was dropped", fd)
+    loop.add_reader(fd, callback)
+
+
+def readable_now(fd: int) -> bool:
+    """Whether ``fd`` is readable at this instant (asked of the kernel directly, not through the event loop)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    events = sum(e for _, e in poller.poll(0))
+    if events & select.POLLNVAL:
+        raise OSError(errno.EBADF, f"fd {fd} is not open (closed under its waiter)")
+    return bool(events & (select.POLLIN | select.POLLHUP))
+
+
 async def read_to_eof(fd: int) -> bytes:
     """Read a pipe until its writers close it, without blocking the event loop; closes ``fd``."""
     loop = asyncio.get_running_loop()
@@ -189,29 +221,43 @@ async def read_to_eof(fd: int) -> bytes:
             if not done.done():
                 done.set_exception(e)
 
-    loop.add_reader(fd, readable)
+    add_fresh_reader(loop, fd, readable)
     try:
-        return await done
+        while not done.done():
+            await asyncio.wait({done}, timeout=RECHECK_S)
+            if not done.done() and readable_now(fd):
+                readable()  # the loop missed it (backstop): read what is there, EOF included
+        return done.result()
     finally:
         loop.remove_reader(fd)
         os.close(fd)
 
 
 async def wait_exited(pidfd: int, timeout_s: float) -> bool:
-    """Wait until the process behind ``pidfd`` has exited (a pidfd turns readable then); False on timeout."""
+    """Wait until the process behind ``pidfd`` has exited (a pidfd turns readable then); False on timeout.
+
+    Besides the event loop's wake-up, the pidfd is looked at directly every :data:`RECHECK_S`: an exit the loop
+    missed is found within that (and said)."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
+    end = loop.time() + timeout_s
 
     def readable() -> None:
         if not done.done():
             done.set_result(None)
 
-    loop.add_reader(pidfd, readable)
+    add_fresh_reader(loop, pidfd, readable)
     try:
-        await asyncio.wait_for(done, timeout_s)
+        while not done.done():
+            left = end - loop.time()
+            if left <= 0:
+                return False
+            await asyncio.wait({done}, timeout=min(left, RECHECK_S))
+            if not done.done() and readable_now(pidfd):
+                log.warning("pidfd %d: the process had exited but the event loop did not say so; found by the "
+                            "backstop look", pidfd)
+                return True
         return True
-    except TimeoutError:
-        return False
     finally:
         loop.remove_reader(pidfd)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.server
+import io
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -137,4 +138,24 @@ async def started_backend(cfg: Any, events: Events, cls: type[BwrapBackend] = Bw
     try:
         yield b
     finally:
-        await b.close()
+        await close_within(b)
+
+
+#: a backend's close destroys a handful of sandboxes in well under a second here; past this it hangs
+CLOSE_BOUND_S = 120.0
+
+
+async def close_within(b: BwrapBackend, bound_s: float = CLOSE_BOUND_S) -> None:
+    """``b.close()``, failing the test with every task's stack if it has not ended within ``bound_s``: a close that
+    hangs must say where, not run into the suite's timeout."""
+    closing = asyncio.create_task(b.close(), name="backend-close")
+    done, _ = await asyncio.wait({closing}, timeout=bound_s)
+    if done:
+        return closing.result()
+    stacks = []
+    for task in asyncio.all_tasks():  # taken before the close is cancelled: where it waits
+        out = io.StringIO()
+        task.print_stack(file=out)
+        stacks.append(out.getvalue())
+    closing.cancel()
+    pytest.fail(f"the backend's close did not end within {bound_s:.0f} s; the loop's tasks:\n" + "\n".join(stacks))
