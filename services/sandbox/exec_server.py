@@ -255,7 +255,11 @@ class ExecServer:
     async def wait_ready(self) -> None:
         """Until the server said ``ready``; a server that does not within :data:`READY_TIMEOUT_S` is killed."""
         try:
-            await asyncio.wait_for(asyncio.shield(self.ready), READY_TIMEOUT_S)
+            # not asyncio.wait_for: on Python 3.11 it swallows a cancellation that arrives as ``ready`` is set
+            await asyncio.wait({self.ready}, timeout=READY_TIMEOUT_S)
+            if not self.ready.done():
+                raise TimeoutError(f"the exec server did not say ready within {READY_TIMEOUT_S:.0f} s")
+            self.ready.result()
         except BaseException:
             await self.close()
             raise

@@ -91,6 +91,8 @@ class WarmPool:
         self.build_s: deque[float] = deque(maxlen=1024)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        #: set by :meth:`close`: the refill ends at its next look even if its cancellation was lost
+        self._closed = False
 
     def __len__(self) -> int:
         return sum(len(q) for q in self.idle.values())
@@ -157,7 +159,7 @@ class WarmPool:
 
     async def _refill(self) -> None:
         retry_s = RETRY_FIRST_S
-        while True:
+        while not self._closed:
             key = self._wanted()
             self.paused_by = self._gate() if key is not None else None
             if key is None or self.paused_by is not None:
@@ -180,9 +182,15 @@ class WarmPool:
             self._add(key, sb)
 
     async def close(self) -> None:
-        """Stop refilling; the pooled sandboxes stay in the backend's registry, which destroys them."""
+        """Stop refilling; the pooled sandboxes stay in the backend's registry, which destroys them.
+
+        The refill is cancelled *and* told to stop: on Python 3.11 a cancellation that arrives as an inner wait
+        completes is swallowed by ``asyncio.wait_for`` (a server said ``ready`` just then, say), and the refill
+        would go back to sleep with ``close`` waiting on it for good."""
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
+            self._wake.set()  # a refill whose cancellation was lost wakes, sees ``_closed`` and ends
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         self.idle.clear()
