@@ -42,6 +42,7 @@ from services.runtime import tracing
 from services.runtime.config import Loaded
 from services.runtime.consume import Delivery, Poison, Retry
 from services.runtime.service import ServiceContext, colocated_names
+from services.runtime.tasks import cancel_and_wait
 from services.runtime.weights_config import ConfigError, VllmTransferConfig
 from services.tasks import TaskRegistrationError, UnknownTaskError, get_task
 from services.tasks.base import Prompt, Task
@@ -168,9 +169,7 @@ class RolloutService:
                 await ctx.consume(catalog.PROMPTS, lambda t, d: self.handle(ctx, t, d),
                                   concurrency=self.cfg.max_tickets)
         finally:
-            for task in (weights, reports, watch):
-                task.cancel()
-            await asyncio.wait({weights, reports, watch})
+            await cancel_and_wait(weights, reports, watch)
             try:
                 await receiver.close()
             except Exception as e:

@@ -16,6 +16,7 @@ from proto import catalog, subjects
 from proto import sandbox as api
 from services.runtime.bus import BusError
 from services.runtime.service import ServiceContext
+from services.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger("rlbus.sandbox")
 
@@ -81,6 +82,5 @@ class EventPublisher:
         except TimeoutError:
             log.error("%d sandbox events were not published within %.1fs of shutdown (bus unreachable?)",
                       self.queue.qsize(), timeout_s)
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
         self._task = None

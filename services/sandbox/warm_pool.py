@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from proto import sandbox as api
+from services.runtime.tasks import cancel_and_wait
 from services.sandbox import common
 from services.sandbox.backend import InvalidRequest, Overloaded
 from services.sandbox.bwrap_sandbox import Sandbox, Spec
@@ -189,9 +190,8 @@ class WarmPool:
         would go back to sleep with ``close`` waiting on it for good."""
         self._closed = True
         if self._task is not None:
-            self._task.cancel()
             self._wake.set()  # a refill whose cancellation was lost wakes, sees ``_closed`` and ends
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
             self._task = None
         self.idle.clear()
 

@@ -46,6 +46,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
+from services.runtime.tasks import cancel_and_wait
 from services.trainer import nodes
 from services.trainer.config import TrainerConfig
 
@@ -216,11 +217,9 @@ class RankGroup:
         finally:
             failed.cancel()
         if not task.done():
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, Exception) as e:  # the failure below is the cause
-                log.debug("trainer stopped after a rank failure: %r", e)
+            await cancel_and_wait(task)
+            if not task.cancelled() and task.exception() is not None:  # the failure below is the cause
+                log.debug("trainer stopped after a rank failure: %r", task.exception())
             raise RankGroupFailed(self.reason)
         if task.exception() is not None and self.reason:
             raise RankGroupFailed(self.reason) from task.exception()

@@ -35,6 +35,7 @@ from services.lib.weights.index import VersionIndex
 from services.lib.weights.store import BlobStore, StoreError, open_store
 from services.runtime.config import Loaded, tag_of
 from services.runtime.service import ServiceContext
+from services.runtime.tasks import cancel_and_wait
 from services.runtime.weights_config import ConfigError, StoreTransportConfig, load_hmac_key
 from services.weightsync.config import WeightsyncConfig
 from services.weightsync.retention import ManifestCache, collect_garbage
@@ -107,9 +108,7 @@ class WeightsyncService:
             if watch in done:
                 watch.result()  # re-raise what ended the watch
         finally:
-            for t in (watch, stopper):
-                t.cancel()
-            await asyncio.gather(watch, stopper, return_exceptions=True)
+            await cancel_and_wait(watch, stopper)
             await self.upstream_store.close()
             if self.local_store is not None:
                 await self.local_store.close()
@@ -144,8 +143,7 @@ class WeightsyncService:
                 backoff = min(backoff * 2, self.config.recheck_s)
             finally:
                 if nxt is not None:
-                    nxt.cancel()
-                    await asyncio.wait({nxt})
+                    await cancel_and_wait(nxt)
                 await watch.aclose()  # type: ignore[attr-defined]
 
     def _newer(self, ann: WeightAnnouncement) -> bool:

@@ -80,6 +80,7 @@ from services.lib.weights.index import VersionIndex, stop_watch
 from services.lib.weights.transport import Weights, follow
 from services.runtime import tracing
 from services.runtime.natsd import free_port
+from services.runtime.tasks import cancel_and_wait
 from services.runtime.weights_config import BroadcastConfig, ConfigError
 
 log = logging.getLogger("rlbus.weightsync.broadcast")
@@ -430,13 +431,7 @@ class BroadcastReceiver:
         return decode(entry.value, BroadcastGroup, max_bytes=None).group_id if entry.value else None
 
     async def close(self) -> None:
-        for task in (self._next_ready, self._group_watch):
-            if task is not None and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):
-                    pass
+        await cancel_and_wait(self._next_ready, self._group_watch)
         self._next_ready = self._group_watch = None
         if self.group is not None:
             self.group.shutdown()  # its communicator released (a failed one was aborted already)

@@ -50,6 +50,7 @@ from proto.weights import WeightAnnouncement, WeightManifest
 from services.lib.weights.blobs import WeightIntegrityError
 from services.lib.weights.client import WeightPublisher, WeightSubscriber
 from services.lib.weights.store import BlobNotFound, open_store
+from services.runtime.tasks import cancel_and_wait
 from services.runtime.weights_config import (
     BroadcastConfig,
     ConfigError,
@@ -313,8 +314,7 @@ class StoreReceiver:
         """Drop the watch (the next receive subscribes again)."""
         task, self._next = self._next, None
         if task is not None:
-            task.cancel()
-            await asyncio.wait({task})
+            await cancel_and_wait(task)
             if not task.cancelled() and task.exception() is not None:
                 log.debug("the dropped announcement watch had failed: %s", task.exception())
         watch, self._watch = self._watch, None
