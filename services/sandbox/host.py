@@ -184,8 +184,9 @@ def add_fresh_reader(loop: asyncio.AbstractEventLoop, fd: int, callback: Callabl
     stale = loop.remove_reader(fd)
     stale = loop.remove_writer(fd) or stale
     if stale:
-        log.warning("fd %d was still registered with the event loop though its descriptor had been closed (a "
-                    "close without remove_reader/remove_writer): the stale entry was dropped", fd)
+        log.warning("fd %d was still registered with the event loop: a descriptor closed without remove_reader/"
+                    "remove_writer (a stale entry, now dropped) or a second waiter on it (which finds its end by "
+                    "its own look each %.0f s)", fd, RECHECK_S)
     loop.add_reader(fd, callback)
 
 
