@@ -14,6 +14,7 @@ import stat
 import sys
 import sysconfig
 from collections.abc import Callable
+from typing import Any
 
 from proto import sandbox as api
 from services.sandbox import common
@@ -200,10 +201,31 @@ def readable_now(fd: int) -> bool:
     return bool(events & (select.POLLIN | select.POLLHUP))
 
 
+async def _watch_until(fd: int, on_readable: Callable[[], None], done: asyncio.Future[Any],
+                       timeout_s: float | None = None) -> bool:
+    """Call ``on_readable`` whenever ``fd`` turns readable, until ``done`` is done (True) or ``timeout_s`` passed
+    (False). The event loop's wake-up is the fast path; a direct look every :data:`RECHECK_S` is the backstop, and
+    says when it found what the loop missed."""
+    loop = asyncio.get_running_loop()
+    end = None if timeout_s is None else loop.time() + timeout_s
+    add_fresh_reader(loop, fd, on_readable)
+    try:
+        while not done.done():
+            wait = RECHECK_S if end is None else min(RECHECK_S, end - loop.time())
+            if wait <= 0:
+                return False
+            await asyncio.wait({done}, timeout=wait)
+            if not done.done() and readable_now(fd):
+                log.warning("fd %d turned readable but the event loop did not say so; found by the backstop look", fd)
+                on_readable()
+        return True
+    finally:
+        loop.remove_reader(fd)
+
+
 async def read_to_eof(fd: int) -> bytes:
     """Read a pipe until its writers close it, without blocking the event loop; closes ``fd``."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[bytes] = loop.create_future()
+    done: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
     chunks: list[bytes] = []
     os.set_blocking(fd, False)
 
@@ -222,45 +244,23 @@ async def read_to_eof(fd: int) -> bytes:
             if not done.done():
                 done.set_exception(e)
 
-    add_fresh_reader(loop, fd, readable)
     try:
-        while not done.done():
-            await asyncio.wait({done}, timeout=RECHECK_S)
-            if not done.done() and readable_now(fd):
-                readable()  # the loop missed it (backstop): read what is there, EOF included
+        await _watch_until(fd, readable, done)
         return done.result()
     finally:
-        loop.remove_reader(fd)
         os.close(fd)
 
 
 async def wait_exited(pidfd: int, timeout_s: float) -> bool:
     """Wait until the process behind ``pidfd`` has exited (a pidfd turns readable then); False on timeout.
-
-    Besides the event loop's wake-up, the pidfd is looked at directly every :data:`RECHECK_S`: an exit the loop
-    missed is found within that (and said)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-    end = loop.time() + timeout_s
+    An exit the event loop missed is found within :data:`RECHECK_S` (:func:`_watch_until`)."""
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def readable() -> None:
         if not done.done():
             done.set_result(None)
 
-    add_fresh_reader(loop, pidfd, readable)
-    try:
-        while not done.done():
-            left = end - loop.time()
-            if left <= 0:
-                return False
-            await asyncio.wait({done}, timeout=min(left, RECHECK_S))
-            if not done.done() and readable_now(pidfd):
-                log.warning("pidfd %d: the process had exited but the event loop did not say so; found by the "
-                            "backstop look", pidfd)
-                return True
-        return True
-    finally:
-        loop.remove_reader(pidfd)
+    return await _watch_until(pidfd, readable, done, timeout_s)
 
 
 async def reap_instance(

@@ -92,8 +92,6 @@ class WarmPool:
         self.build_s: deque[float] = deque(maxlen=1024)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        #: set by :meth:`close`: the refill ends at its next look even if its cancellation was lost
-        self._closed = False
 
     def __len__(self) -> int:
         return sum(len(q) for q in self.idle.values())
@@ -160,7 +158,7 @@ class WarmPool:
 
     async def _refill(self) -> None:
         retry_s = RETRY_FIRST_S
-        while not self._closed:
+        while True:
             key = self._wanted()
             self.paused_by = self._gate() if key is not None else None
             if key is None or self.paused_by is not None:
@@ -183,14 +181,10 @@ class WarmPool:
             self._add(key, sb)
 
     async def close(self) -> None:
-        """Stop refilling; the pooled sandboxes stay in the backend's registry, which destroys them.
-
-        The refill is cancelled *and* told to stop: on Python 3.11 a cancellation that arrives as an inner wait
-        completes is swallowed by ``asyncio.wait_for`` (a server said ``ready`` just then, say), and the refill
-        would go back to sleep with ``close`` waiting on it for good."""
-        self._closed = True
+        """Stop refilling; the pooled sandboxes stay in the backend's registry, which destroys them. The refill is
+        cancelled until it ends (:func:`cancel_and_wait`): on Python 3.11 a cancellation that arrives as an inner
+        ``wait_for`` completes is swallowed, and one ``cancel()`` left ``close`` waiting on it for good."""
         if self._task is not None:
-            self._wake.set()  # a refill whose cancellation was lost wakes, sees ``_closed`` and ends
             await cancel_and_wait(self._task)
             self._task = None
         self.idle.clear()

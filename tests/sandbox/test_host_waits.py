@@ -58,11 +58,9 @@ async def test_two_waiters_on_one_pidfd_both_see_the_exit() -> None:
     child = subprocess.Popen(["sleep", "0.3"])
     pidfd = os.pidfd_open(child.pid)
     try:
-        first = asyncio.create_task(wait_exited(pidfd, 30.0))
-        await asyncio.sleep(0)  # the first has registered
-        second = asyncio.create_task(wait_exited(pidfd, 30.0))
         t0 = time.monotonic()
-        assert await asyncio.wait_for(asyncio.gather(first, second), 20) == [True, True]
+        both = asyncio.gather(wait_exited(pidfd, 30.0), wait_exited(pidfd, 30.0))  # registered in this order
+        assert await asyncio.wait_for(both, 20) == [True, True]
         assert time.monotonic() - t0 < 5.0
     finally:
         child.wait(timeout=5)
@@ -87,10 +85,8 @@ async def test_a_pipe_under_a_stale_registration_is_read_to_its_end() -> None:
     r, w = os.pipe()
     r = _move_to(r, number)
     os.write(w, b"child-pid 42")
-    reading = asyncio.create_task(read_to_eof(r))
-    await asyncio.sleep(0.1)
-    os.close(w)
-    assert await asyncio.wait_for(reading, 10) == b"child-pid 42"
+    os.close(w)  # at EOF before the read registers: only a registration that reaches the kernel reports it
+    assert await asyncio.wait_for(read_to_eof(r), 10) == b"child-pid 42"
 
 
 def test_a_closed_descriptor_is_an_error_not_a_wait() -> None:

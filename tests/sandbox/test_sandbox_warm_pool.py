@@ -119,11 +119,18 @@ async def test_the_pool_is_destroyed_at_close_without_events(state_root, events)
 
 
 async def test_a_close_while_the_pool_builds_ends(state_root, events):
-    """Closed at once and at points through its first builds (servers starting, saying ready), the backend's
-    close ends every time. A cancellation that reached the refill as a server said ``ready`` was swallowed on
-    Python 3.11 and the close waited for good; that window is narrow and timing-bound (a CI run hit it, a stress
-    loop here hit it at its third round once and not in 60 rounds later), so the test below makes it certain."""
-    for round_, delay in enumerate([0.0, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15] * 2):
+    """Closed at points through its first builds (at once, once a build has begun, once one pooled server is
+    ready, once both are), with the sandbox in use at 0-2 execs, the backend's close ends every time. A
+    cancellation that reached the refill as a server said ``ready`` was swallowed on Python 3.11 and the close
+    waited for good; that window is narrow and timing-bound (a CI run hit it, a stress loop here hit it at its
+    third round once and not in 60 rounds later), so the test below makes it certain."""
+    stages = {
+        "at once": lambda b: True,
+        "a build begun": lambda b: b.held()[0] > 1,  # more sandboxes held than the one in use
+        "one pooled ready": lambda b: len(b.pool) >= 1,
+        "both pooled ready": lambda b: pool_full(b, 2)(),
+    }
+    for round_, (stage, reached) in enumerate(list(stages.items()) * 3):
         root = os.path.join(state_root, f"r{round_}")
         os.makedirs(root, mode=0o711)
         b = BwrapBackend(make_config(root, exec_path="server", warm_pool=2), events)
@@ -131,7 +138,7 @@ async def test_a_close_while_the_pool_builds_ends(state_root, events):
         sid = await new_sandbox(b)
         for _ in range(round_ % 3):  # the server of the sandbox in use starts beside the pool's
             await sh(b, sid, "true")
-        await asyncio.sleep(delay)
+        await wait_for_async(lambda b=b, reached=reached: reached(b), 60, f"the pool to reach {stage!r}")
         await close_within(b, 60.0)  # fails with the loop's task stacks if it hangs
         assert os.listdir(root) == []
 
