@@ -16,9 +16,12 @@ leaf link (see deploy/README.md, "Two regions").
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -44,7 +47,16 @@ def die_with_parent() -> None:
 
 
 class NatsServerError(RuntimeError):
-    """The embedded nats-server could not be found or started."""
+    """The embedded nats-server could not be found or started. ``taken_port``: the port it could not listen
+    on because something else holds it (None: another cause)."""
+
+    def __init__(self, message: str, taken_port: int | None = None) -> None:
+        super().__init__(message)
+        self.taken_port = taken_port
+
+
+#: how nats-server says a listening port is held by something else (client, route, monitoring, leaf-node ports)
+_IN_USE = re.compile(r"listen tcp \S*?:(\d+): bind: address already in use")
 
 
 def find_nats_server() -> str:
@@ -70,11 +82,46 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+#: ports :func:`free_port` handed out lately: a port is not handed out twice before its owner binds it
+_handed_out: collections.deque[int] = collections.deque(maxlen=1024)
+
+
+def listen_port_range() -> tuple[int, int] | None:
+    """Where :func:`free_port` picks: the ports outside the kernel's ephemeral range
+    (``net.ipv4.ip_local_port_range``), from 10000 up. The kernel gives an outgoing connection a source
+    port from the ephemeral range, so a port picked there can be taken by any connection made between the
+    pick and the server's bind (a health probe, a route dial, another test's client); one outside it
+    cannot. None when too few ports lie outside that range."""
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999  # Linux's default
+    if lo - 10000 >= 1000:
+        return 10000, lo - 1
+    if 65535 - hi >= 1000:
+        return hi + 1, 65535
+    return None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the kernel says is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port free right now for a listener to bind, outside the ephemeral range
+    (:func:`listen_port_range`) so no outgoing connection takes it before the listener binds it, and not
+    one handed out lately by this process."""
+    span = listen_port_range()
+    if span is not None:
+        lo, hi = span
+        for _ in range(256):
+            port = lo + secrets.randbelow(hi - lo + 1)  # no shared seed: forked processes pick apart
+            if port not in _handed_out and port_is_free(port, host):
+                _handed_out.append(port)
+                return port
+    while True:  # no room outside the ephemeral range (or all of it busy): the kernel's pick
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.append(port)
+            return port
 
 
 class EmbeddedNats:
@@ -108,7 +155,10 @@ class EmbeddedNats:
         of this server's clients goes to (a leaf without JetStream: its hub's)."""
         self.store_dir = Path(store_dir)
         self.host = host
-        self.port = port if port is not None and port_is_free(port, host) else free_port(host)
+        #: this server picked its client port (none given, or the given one was taken): a port taken before
+        #: the server binds it is picked again (:meth:`start`); a port given is kept
+        self.port_picked = port is None or not port_is_free(port, host)
+        self.port = free_port(host) if self.port_picked else port
         self.config_file = config_file
         self.extra_args = list(extra_args or [])
         self.max_payload = max_payload
@@ -125,7 +175,22 @@ class EmbeddedNats:
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 15.0) -> EmbeddedNats:
+    def start(self, timeout: float = 15.0, attempts: int = 3) -> EmbeddedNats:
+        """Start the server and wait until it answers on its client port. A server whose picked client port
+        was taken before it could bind it starts again on another (up to ``attempts`` times); any other
+        failure to start raises :class:`NatsServerError` with the server's last log lines."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once(timeout)
+            except NatsServerError as e:
+                if not (self.port_picked and e.taken_port == self.port and attempt < attempts):
+                    raise
+                old, self.port = self.port, free_port(self.host)
+                log.warning("nats-server's client port %d was taken before it could listen there; "
+                            "starting it on %d", old, self.port)
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _start_once(self, timeout: float) -> EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         args = [find_nats_server(), "-a", self.host, "-p", str(self.port)]
         if self.jetstream:
@@ -140,14 +205,20 @@ class EmbeddedNats:
         args += self.extra_args
         logf = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._logf = logf
+        log_start = logf.tell()  # this start's lines begin here (the log is kept across restarts)
         # own process group so a Ctrl-C at the terminal reaches us, and we stop it in order
         self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.stop()
+                tail = self._log_tail(log_start)
+                taken = _IN_USE.search(tail)
                 raise NatsServerError(
-                    f"nats-server exited with code {self.proc.returncode} at start; see {self.log_path}"
+                    f"nats-server exited with code {code} at start ({self.log_path}); its last lines:\n{tail}",
+                    taken_port=int(taken.group(1)) if taken else None,
                 )
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as s:
@@ -159,6 +230,16 @@ class EmbeddedNats:
             time.sleep(0.05)  # start-up wait for an external process; nothing to wait on but the socket
         self.stop()
         raise NatsServerError(f"nats-server did not listen on {self.url} within {timeout}s; see {self.log_path}")
+
+    def _log_tail(self, start: int, lines: int = 8) -> str:
+        """The last ``lines`` lines the server wrote to its log since byte ``start``."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(start)
+                text = f.read().decode("utf-8", "replace")
+        except OSError as e:
+            return f"(its log could not be read: {e})"
+        return "\n".join(text.strip().splitlines()[-lines:]) or "(it wrote nothing)"
 
     def _config_text(self) -> str:
         lines = [f"max_payload: {self.max_payload}"]
@@ -219,15 +300,6 @@ class EmbeddedNats:
         self.stop()
 
 
-def _distinct_free_ports(n: int, host: str) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < n:
-        p = free_port(host)
-        if p not in ports:
-            ports.append(p)
-    return ports
-
-
 class NatsCluster:
     """``size`` JetStream servers on ``host``, routed to each other as cluster ``name``.
 
@@ -243,15 +315,24 @@ class NatsCluster:
             raise NatsServerError(f"a NATS cluster needs at least one node, not {size}")
         self.store_dir = Path(store_dir)
         self.size = size
-        client = list(ports or [])
-        client += _distinct_free_ports(size - len(client), host) if len(client) < size else []
-        route_ports = _distinct_free_ports(size, host)
-        http_ports = _distinct_free_ports(size, host)
+        self.host, self.name, self.config_file, self.max_payload = host, name, config_file, max_payload
+        self.given_ports = list(ports or [])[:size]  # client ports asked for: kept as they are
+        self.nodes: list[EmbeddedNats] = []
+        self._picked: set[int] = set()  # the ports this cluster picked: picked again if one is taken
+        self._plan()
+
+    def _plan(self) -> None:
+        """Pick every port not given (client ports, route ports, monitoring ports) and build the nodes."""
+        host, size = self.host, self.size
+        client = self.given_ports + [free_port(host) for _ in range(size - len(self.given_ports))]
+        route_ports = [free_port(host) for _ in range(size)]
+        http_ports = [free_port(host) for _ in range(size)]
+        self._picked = set(client[len(self.given_ports):]) | set(route_ports) | set(http_ports)
         routes = ",".join(f"nats-route://{host}:{p}" for p in route_ports)
         self.nodes = [
-            EmbeddedNats(self.store_dir / f"n{i}", port=client[i], host=host, config_file=config_file,
-                         max_payload=max_payload, http_port=http_ports[i],
-                         extra_args=["--server_name", f"{name}-n{i}", "--cluster_name", name,
+            EmbeddedNats(self.store_dir / f"n{i}", port=client[i], host=host, config_file=self.config_file,
+                         max_payload=self.max_payload, http_port=http_ports[i],
+                         extra_args=["--server_name", f"{self.name}-n{i}", "--cluster_name", self.name,
                                      "--cluster", f"nats://{host}:{route_ports[i]}", "--routes", routes])
             for i in range(size)
         ]
@@ -264,17 +345,29 @@ class NatsCluster:
     def urls(self) -> list[str]:
         return [n.url for n in self.nodes]
 
-    def start(self, timeout: float = 60.0) -> NatsCluster:
-        """Start every node and wait until each reports healthy (JetStream meta group formed)."""
-        try:
-            for n in self.nodes:
-                n.start()
-            self.wait_healthy(timeout)
-        except BaseException:
-            self.stop()
-            raise
-        log.info("NATS cluster of %d nodes: %s", self.size, self.url)
-        return self
+    def start(self, timeout: float = 60.0, attempts: int = 3) -> NatsCluster:
+        """Start every node and wait until each reports healthy (JetStream meta group formed). When a port
+        the cluster picked was taken before its node could listen there, the cluster starts again on newly
+        picked ports (up to ``attempts`` times; :attr:`url` changes with them)."""
+        for attempt in range(1, attempts + 1):
+            try:
+                for n in self.nodes:
+                    n.start()
+                self.wait_healthy(timeout)
+            except NatsServerError as e:
+                self.stop()
+                if e.taken_port in self._picked and attempt < attempts:
+                    log.warning("port %d of the NATS cluster was taken before its node could listen there; "
+                                "starting the cluster again on other ports", e.taken_port)
+                    self._plan()
+                    continue
+                raise
+            except BaseException:
+                self.stop()
+                raise
+            log.info("NATS cluster of %d nodes: %s", self.size, self.url)
+            return self
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def wait_healthy(self, timeout: float = 60.0, nodes: list[int] | None = None) -> None:
         """Wait until the nodes (default: all running ones) answer ``/healthz`` ok."""

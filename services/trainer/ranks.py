@@ -35,7 +35,6 @@ import gc
 import logging
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -46,6 +45,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
+from services.runtime.natsd import free_port
 from services.runtime.tasks import cancel_and_wait
 from services.trainer import nodes
 from services.trainer.config import TrainerConfig
@@ -62,12 +62,6 @@ class RankGroupFailed(RuntimeError):
     """A rank of the trainer's group died or could not start; the whole group stops."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RankGroup:
     """Rank 0's handle on ranks 1..N-1. Start it from the main thread (the kernel ties a child's
     death-with-parent signal to the thread that started it)."""
@@ -77,7 +71,7 @@ class RankGroup:
         self.dir = run_dir / "ranks"
         devices = cfg.devices
         self.init_method = (f"tcp://{devices.master_addr}:{devices.master_port}" if devices.nnodes > 1
-                            else f"tcp://127.0.0.1:{_free_port()}")
+                            else f"tcp://127.0.0.1:{free_port()}")
         self.procs: dict[int, subprocess.Popen[bytes] | nodes.RemoteNode] = {}  # other nodes: by their first rank
         self.reason = ""
         self.joined = False  # the other nodes' agents have connected (nnodes > 1)
