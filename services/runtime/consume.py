@@ -44,6 +44,7 @@ from nats.aio.msg import Msg
 from proto import catalog, codec, subjects
 from proto.deadletter import DeadLetter
 from services.runtime import metrics, tracing
+from services.runtime.tasks import cancel_and_wait
 
 T = TypeVar("T")
 log = logging.getLogger("rlbus.consume")
@@ -309,12 +310,10 @@ class Consumer(Generic[T]):
             return
         log.info("%s: draining %d in-flight messages (up to %.1fs)", self.name, len(self.in_flight), timeout)
         _, pending = await asyncio.wait(set(self.in_flight), timeout=timeout)
-        for t in pending:
-            t.cancel()
         if pending:
             log.warning("%s: %d handlers did not finish within %.1fs; their messages are redelivered",
                         self.name, len(pending), timeout)
-            await asyncio.wait(pending)
+            await cancel_and_wait(*pending)  # a handler's JetStream request can swallow one cancel (3.11)
 
     async def _release_deferred(self) -> None:
         """Nak the deferred messages still held (no delay: another instance gets them at once)."""

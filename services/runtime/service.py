@@ -28,6 +28,7 @@ from proto.metrics import MetricsReport
 from services.runtime import bus, gang, lag, lifeline, metrics, tracing
 from services.runtime.config import ConfigError, Loaded
 from services.runtime.consume import Consumer, DeadLetterSink, Handler
+from services.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger("rlbus.service")
 #: exit code of a service stopped by a configuration error (sysexits' EX_CONFIG): supervisors do not restart it
@@ -259,7 +260,7 @@ async def serve(name: str, service_factory: Callable[[Loaded], Service], loaded:
         code = 1
     finally:
         ctx.state = "stopped"
-        hb.cancel()
+        await cancel_and_wait(hb)  # before the delete: a heartbeat's KV put can swallow one cancel (3.11)
         try:
             kv = await ctx.js.key_value(catalog.MEMBERS.bucket)
             await kv.delete(membership.member_key(ctx.run_id, name, instance))

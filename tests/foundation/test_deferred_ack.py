@@ -134,7 +134,7 @@ class Bench:
 
 
 async def test_deferred_message_is_held_past_ack_wait_then_acked(nats_url):
-    ack_wait = 1.5
+    ack_wait = 3.0  # a keepalive each second: only a loop stalled for 2 s would let the server redeliver
     async with Bench(nats_url, ack_wait_s=ack_wait) as b:
         got = Log()
 
@@ -147,7 +147,7 @@ async def test_deferred_message_is_held_past_ack_wait_then_acked(nats_url):
         t0 = asyncio.get_running_loop().time()
         d, h = got.items[0]
         # kept alive by in_progress every ack_wait/3, for well over two ack_wait periods
-        await b.wire.until(lambda xs: sum(1 for s, body in xs if s == d.raw.reply and body == WPI) >= 7, 15)
+        await b.wire.until(lambda xs: sum(1 for s, body in xs if s == d.raw.reply and body == WPI) >= 7, 30)
         assert asyncio.get_running_loop().time() - t0 >= 2 * ack_wait
         info = await b.info()
         assert info.num_ack_pending == 1 and info.num_pending == 0
@@ -310,3 +310,30 @@ async def test_defer_outside_the_handler_is_refused(nats_url):
         assert info.num_pending == 0
         with pytest.raises(RuntimeError, match="inside the handler"):
             got.items[0].defer()
+
+
+async def test_a_stop_ends_a_handler_that_lost_its_cancellation(nats_url, caplog):
+    """A handler still running at the drain bound is cancelled; one that loses that cancellation (as a JetStream
+    request inside Python 3.11's ``wait_for`` can) is cancelled again, so the stop stays bounded."""
+    async with Bench(nats_url) as b:
+        started, outcome = Log(), Log()
+
+        async def handle(msg: EchoRequest, d: Delivery[EchoRequest]) -> None:
+            await started.add(msg.text)
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                await outcome.add("first cancel swallowed")  # what the lost cancellation leaves: it goes on
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                await outcome.add("cancelled again")
+                raise
+
+        b.start(handle)
+        await b.send("stuck")
+        await started.until(lambda xs: xs == ["stuck"])
+        with caplog.at_level("WARNING"):
+            await b.stop()  # drain bound 2 s; bounded at 10 s here, the handler would run 120 s
+        assert outcome.items == ["first cancel swallowed", "cancelled again"]
+        assert "went on after their cancellation" in caplog.text

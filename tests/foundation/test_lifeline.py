@@ -95,7 +95,9 @@ def test_a_service_outlives_its_launcher_by_the_stop_bound_at_most():
     t = {p: start_time(p) for p in (service, grandchild)}
     t0 = time.monotonic()
     wait_for(lambda: all(start_time(p) != t[p] for p in t), 20, "the service and its group to be killed")
-    assert time.monotonic() - t0 >= 0.9, "killed before its stop bound (it ignores SIGTERM: only the bound ends it)"
+    # the kill comes 1.0 s after the service sees its launcher gone (a look every 0.2 s); this test may wake
+    # late after the launcher dies, so it asserts half the bound: without the bound the kill comes at once
+    assert time.monotonic() - t0 >= 0.5, "killed before its stop bound (it ignores SIGTERM: only the bound ends it)"
 
 
 FOLLOWER = textwrap.dedent("""

@@ -173,7 +173,7 @@ async def test_a_hung_group_fails_its_other_samples_at_once_and_other_groups_are
     """The samples of a group share their prompt: its first call probes, and once it times out the rest of the
     group fail at once with the reason instead of each holding a worker for ``timeout_s``; while the hung
     call waits out its timeout (deprioritised), the pool grows, so another group's reward is served."""
-    pool = ProcessUserCode(UserCodeConfig(workers=1, timeout_s=6.0, grow_after_s=0.2), {})
+    pool = ProcessUserCode(UserCodeConfig(workers=1, timeout_s=15.0, grow_after_s=0.2), {})
     task = get_task("flaky-addition")
     graders = GraderFactory(None, JudgeCache(), user_code=pool).build("flaky-addition", [RewardGraderSpec()])
 
@@ -188,9 +188,9 @@ async def test_a_hung_group_fails_its_other_samples_at_once_and_other_groups_are
         assert (await grade_all(graders, rollout(PROMPTS["ok"], "47"), task)).reward == 1.0  # starts worker 0
         hung = asyncio.ensure_future(asyncio.gather(*(grade_all(graders, r, task)
                                                       for r in group(PROMPTS["hang"], "g-hang", "0"))))
-        await asyncio.sleep(0.5)  # the probe holds the only worker ...
         stuck = pool.workers[0]
-        assert stuck.busy_since is not None
+        await wait_for_async(lambda: stuck.niced, 10.0, "the probe's worker to be deprioritised")
+        assert stuck.busy_since is not None  # the probe holds the only worker ...
         # ... at the lowest CPU priority, so its spinning takes only idle CPU from the host's services
         assert os.getpriority(os.PRIO_PROCESS, stuck.proc.pid) == STUCK_NICE
         served = await asyncio.gather(*(grade_all(graders, r, task) for r in group(PROMPTS["ok"], "g-ok", "47")))
@@ -201,9 +201,9 @@ async def test_a_hung_group_fails_its_other_samples_at_once_and_other_groups_are
         await pool.close()
     first, *rest = results
     assert first.failure_kind == "timeout"
-    assert first.failure == "flaky-addition.reward: reward() did not return within 6 s (its worker process was killed)"
+    assert first.failure == "flaky-addition.reward: reward() did not return within 15 s (its worker process was killed)"
     for g in rest:  # failed at once: never called, no worker killed for them
         assert g.failure_kind == "timeout" and g.reward == 0.0
-        assert g.failure == ("flaky-addition.reward: reward() was not called: it did not return within 6 s for "
+        assert g.failure == ("flaky-addition.reward: reward() was not called: it did not return within 15 s for "
                              "another sample of this group (same prompt)")
     assert pool.group_failed == 3

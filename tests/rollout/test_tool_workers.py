@@ -66,7 +66,7 @@ async def test_a_spinning_tool_is_killed_at_its_timeout_and_the_next_call_gets_a
         (spun,) = await run(r, [whoami, spin], ("spin", {"x": 0}))
         assert spun.error == "timeout"
         assert spun.content == "error: tool 'spin': spin did not return within 1 s (its worker process was killed)"
-        assert ticks - ticks_before >= 10  # the event loop ran all along
+        assert ticks - ticks_before >= 3  # the event loop ran all along (about 50 ticks on an idle machine)
         # killed and reaped: nothing keeps spinning on a core
         assert not exists(pid)
         assert r.counters["killed"] == 1 and r.counters["timeout"] == 1 and r.hung == 0

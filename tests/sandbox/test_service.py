@@ -218,11 +218,11 @@ async def test_lifecycle_events_are_stored_in_order(bus, tmp_path, nats_url):
 
 async def test_lease_expiry_via_the_bus_is_published(bus):
     c = bus.client
-    sid = (await c.create(lease_ttl_s=0.5)).sandbox_id
+    sid = (await c.create(lease_ttl_s=3.0)).sandbox_id  # long enough for the exec to reach it first
     await c.exec(sid, "sleep 60", detach=True)
     events = await stored_events(bus.js, sid)
     assert [e.kind for e in events][-2:] == ["lease_expired", "destroyed"]
-    assert events[-2].detail.lease_ttl_s == 0.5 and events[-1].detail.reason == "lease_expired"
+    assert events[-2].detail.lease_ttl_s == 3.0 and events[-1].detail.reason == "lease_expired"
     with pytest.raises(SandboxClientError) as err:
         await c.renew_lease(sid)
     assert err.value.code == "not_found"
@@ -251,7 +251,7 @@ async def test_shutdown_finishes_in_flight_requests_then_destroys(bus):
 
 async def test_requests_past_the_drain_bound_are_answered_unavailable(nats_url, state_root):
     async with BusHarness(nats_url, state_root) as h:
-        inst = await h.start(drain_timeout_s=0.5)
+        inst = await h.start(drain_timeout_s=3.0)  # the stuck exec (60 s) outlasts it
         sid = (await h.client.create()).sandbox_id
         stuck = asyncio.create_task(h.client.exec(sid, "sleep 60", timeout_s=60))
         sub = await h.js.subscribe(catalog.SANDBOX_EVENTS.subject(RUN, sid), ordered_consumer=True)
