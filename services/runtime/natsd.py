@@ -17,6 +17,7 @@ leaf link (see deploy/README.md, "Two regions").
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
@@ -29,7 +30,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 log = logging.getLogger("rlbus.natsd")
 
@@ -86,6 +89,7 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
 _handed_out: collections.deque[int] = collections.deque(maxlen=1024)
 
 
+@functools.cache  # read once per process: free_port is called per port, a cluster's nine at a time
 def listen_port_range() -> tuple[int, int] | None:
     """Where :func:`free_port` picks: the ports outside the kernel's ephemeral range
     (``net.ipv4.ip_local_port_range``), from 10000 up. The kernel gives an outgoing connection a source
@@ -122,6 +126,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         if port not in _handed_out:
             _handed_out.append(port)
             return port
+
+
+_T = TypeVar("_T")
+
+
+def _start_repicking(start: Callable[[], _T], picked: Callable[[], set[int]], repick: Callable[[], None],
+                     attempts: int, taken_warning: str) -> _T:
+    """``start()``, again after ``repick()`` when it failed on a port among ``picked()`` (one this code picked,
+    taken before its server bound it), up to ``attempts`` times; ``taken_warning`` (with the port) says so."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return start()
+        except NatsServerError as e:
+            if e.taken_port is None or e.taken_port not in picked() or attempt == attempts:
+                raise
+            log.warning(taken_warning, e.taken_port)
+            repick()
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
 class EmbeddedNats:
@@ -179,16 +201,13 @@ class EmbeddedNats:
         """Start the server and wait until it answers on its client port. A server whose picked client port
         was taken before it could bind it starts again on another (up to ``attempts`` times); any other
         failure to start raises :class:`NatsServerError` with the server's last log lines."""
-        for attempt in range(1, attempts + 1):
-            try:
-                return self._start_once(timeout)
-            except NatsServerError as e:
-                if not (self.port_picked and e.taken_port == self.port and attempt < attempts):
-                    raise
-                old, self.port = self.port, free_port(self.host)
-                log.warning("nats-server's client port %d was taken before it could listen there; "
-                            "starting it on %d", old, self.port)
-        raise AssertionError("unreachable")  # the loop returns or raises
+
+        def repick() -> None:
+            self.port = free_port(self.host)
+
+        return _start_repicking(lambda: self._start_once(timeout), lambda: {self.port} if self.port_picked else set(),
+                                repick, attempts, "nats-server's client port %d was taken before it could listen "
+                                "there; starting it on another")
 
     def _start_once(self, timeout: float) -> EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -349,25 +368,20 @@ class NatsCluster:
         """Start every node and wait until each reports healthy (JetStream meta group formed). When a port
         the cluster picked was taken before its node could listen there, the cluster starts again on newly
         picked ports (up to ``attempts`` times; :attr:`url` changes with them)."""
-        for attempt in range(1, attempts + 1):
-            try:
-                for n in self.nodes:
-                    n.start()
-                self.wait_healthy(timeout)
-            except NatsServerError as e:
-                self.stop()
-                if e.taken_port in self._picked and attempt < attempts:
-                    log.warning("port %d of the NATS cluster was taken before its node could listen there; "
-                                "starting the cluster again on other ports", e.taken_port)
-                    self._plan()
-                    continue
-                raise
-            except BaseException:
-                self.stop()
-                raise
-            log.info("NATS cluster of %d nodes: %s", self.size, self.url)
-            return self
-        raise AssertionError("unreachable")  # the loop returns or raises
+        return _start_repicking(lambda: self._start_once(timeout), lambda: self._picked, self._plan, attempts,
+                                "port %d of the NATS cluster was taken before its node could listen there; "
+                                "starting the cluster again on other ports")
+
+    def _start_once(self, timeout: float) -> NatsCluster:
+        try:
+            for n in self.nodes:
+                n.start()
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("NATS cluster of %d nodes: %s", self.size, self.url)
+        return self
 
     def wait_healthy(self, timeout: float = 60.0, nodes: list[int] | None = None) -> None:
         """Wait until the nodes (default: all running ones) answer ``/healthz`` ok."""

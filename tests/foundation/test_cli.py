@@ -54,7 +54,6 @@ def test_up_tap_status_and_ctrl_c(tmp_path):
         assert all(rec["data"]["type"] == "heartbeat" and rec["data"]["state"] in ("starting", "running") for rec in lines)
         assert any(rec["data"]["state"] == "running" for rec in lines)
 
-
         # the nats CLI context rlbus up wrote: the admin login of this server (logging in with it works)
         context = json.loads((run_dir / "nats-context.json").read_text())
         assert context["url"] == url and context["user"] and oct((run_dir / "nats-context.json").stat().st_mode)[-3:] == "600"
